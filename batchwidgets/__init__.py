@@ -1,0 +1,33 @@
+"""batchwidgets: how large a batch fits, how noisy it is, and whether the input pipeline keeps up.
+
+Usage:
+    >>> import batchwidgets as bw          # cheap: torch and Jupyter load on first use
+    >>> bw.find_batch                      # doctest: +ELLIPSIS
+    <function find_batch at ...>
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "find_batch": "batchwidgets.engine.probe",
+    "NoBatchSizeFits": "batchwidgets.engine.probe",
+    "BudgetExceededError": "batchwidgets.engine._memory",
+    "track_tensor_memory": "batchwidgets.engine._memory",
+    "Attempt": "batchwidgets.results",
+    "BatchSizeReport": "batchwidgets.results",
+    "MemoryModel": "batchwidgets.results",
+    "plot_probe": "batchwidgets.plots",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'batchwidgets' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])

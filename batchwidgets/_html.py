@@ -1,0 +1,60 @@
+"""One tiny helper that turns rows of values into an HTML table, escaping every value."""
+
+from __future__ import annotations
+
+import base64
+import html
+import importlib
+import importlib.util
+import io
+from collections.abc import Iterable, Sequence
+
+
+def table(rows: Iterable[Sequence[object]], header: Sequence[object] | None = None,
+          caption: str | None = None) -> str:
+    """Return an HTML ``<table>``; every cell and the caption go through ``html.escape``."""
+    parts = ['<table class="batchwidgets">']
+    if caption is not None:
+        parts.append(f"<caption>{html.escape(str(caption))}</caption>")
+    if header is not None:
+        parts.append("<tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>")
+    for row in rows:
+        parts.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>")
+    parts.append("</table>")
+    return "".join(parts)
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536`` -> ``'1.5 KiB'``; None -> ``'-'``."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # unreachable; keeps the type checker calm
+
+
+def format_number(x: float | None, digits: int = 3) -> str:
+    """A float with ``digits`` significant digits; None -> ``'-'``."""
+    return "-" if x is None else f"{x:.{digits}g}"
+
+
+def inline_plot(report: object) -> str:
+    """The report's plot as an ``<img>`` with an inline PNG, or ``''`` without matplotlib.
+
+    Reports must render where widgets cannot (nbviewer, GitHub), so ``_repr_html_`` carries its
+    own picture. matplotlib is imported here, on first display, and never by ``import batchwidgets``.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        return ""
+    try:
+        plots = importlib.import_module("batchwidgets.plots")
+        figure = plots.plot(report)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+    except Exception:  # a display hook must never raise; the tables above still show
+        return ""
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f'<img alt="batchwidgets plot" src="data:image/png;base64,{data}"/>'

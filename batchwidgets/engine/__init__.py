@@ -1,0 +1,7 @@
+"""The measuring engine: pure PyTorch (never IPython, ipywidgets or matplotlib)."""
+
+from ._memory import BudgetExceededError, is_oom, parse_bytes, track_tensor_memory
+from .probe import NoBatchSizeFits, find_batch
+
+__all__ = ["BudgetExceededError", "NoBatchSizeFits", "find_batch", "is_oom", "parse_bytes",
+           "track_tensor_memory"]

@@ -1,0 +1,131 @@
+"""The probe's search policy, apart from any model: which batch size to try next.
+
+Usage:
+    >>> from batchwidgets.results import Attempt
+    >>> next_batch_size([], start=1, multiple_of=1, ceiling=1024, limit_bytes=None)
+    1
+    >>> next_batch_size([Attempt(1, True, None, 0.1)], start=1, multiple_of=1, ceiling=1024,
+    ...                 limit_bytes=None)
+    2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..results import Attempt, MemoryModel
+
+# NOTE [ Predict, then verify ]
+# Peak memory of a training step is close to max(plateau, fixed + per_sample * batch_size): at
+# small sizes a constant part (weight gradients, optimizer temporaries) hides the per-sample
+# growth, so a line through two small sizes can be far off. The probe therefore gallops (x2 while
+# memory does not move, x8 once it does) until the three largest sizes that ran agree on one line
+# (slopes within SLOPE_AGREEMENT, and a growth that is not rounding noise). Then it jumps to the
+# largest size the line says fits under the limit, and tries one step past it, so the boundary is
+# confirmed by two sizes that ran: the one that fits and the next one that does not. Each new
+# measurement refits on the sizes nearest the boundary. When memory is not linear (allocator
+# rounding, workspaces) a prediction can miss; after MAX_SURPRISES misses, or while no line can
+# be trusted, the search bisects the bracket (nudged toward the line, never past its middle
+# half), so the bracket shrinks by a quarter or more each try and ends on the exact boundary.
+GALLOP = 2
+FIT_SPREAD = 8
+SLOPE_AGREEMENT = 0.10  # relative difference of the two slopes
+MIN_GROWTH = 0.02  # growth between the two largest sizes, relative to the larger peak
+MAX_SURPRISES = 2
+
+
+def _measured(attempts: Sequence[Attempt]) -> list[Attempt]:
+    """Sizes that ran with memory measured, one per size, smallest first."""
+    by_size = {a.batch_size: a for a in attempts if a.fits and _peak(a) is not None}
+    return [by_size[size] for size in sorted(by_size)]
+
+
+def _slope(small: Attempt, large: Attempt) -> float:
+    return (_peak(large) - _peak(small)) / (large.batch_size - small.batch_size)
+
+
+def fit_memory(attempts: Sequence[Attempt]) -> MemoryModel | None:
+    """Line through the two largest sizes that ran with memory measured; None if under two."""
+    measured = _measured(attempts)
+    if len(measured) < 2:
+        return None
+    per_sample = _slope(measured[-2], measured[-1])
+    return MemoryModel(fixed_bytes=_peak(measured[-1]) - per_sample * measured[-1].batch_size,
+                       per_sample_bytes=per_sample)
+
+
+def _line_is_trusted(attempts: Sequence[Attempt]) -> bool:
+    """The three largest measured sizes lie on one rising line (NOTE [ Predict, then verify ])."""
+    measured = _measured(attempts)
+    if len(measured) < 3:
+        return False
+    a, b, c = measured[-3:]
+    low, high = _slope(a, b), _slope(b, c)
+    return (high > 0 and abs(high - low) <= SLOPE_AGREEMENT * high
+            and _peak(c) - _peak(b) >= MIN_GROWTH * _peak(c))
+
+
+def _memory_moves(attempts: Sequence[Attempt]) -> bool:
+    measured = _measured(attempts)
+    return len(measured) >= 2 and _peak(measured[-1]) > _peak(measured[0])
+
+
+def _peak(attempt: Attempt) -> int | None:
+    """The figure the line is fitted on: the forward+backward peak where the step was split in
+    phases (NOTE [ Two phases ] in _meters.py), else the reserved peak, else the tensor peak."""
+    if attempt.activation_peak_bytes is not None:
+        return attempt.activation_peak_bytes
+    if attempt.peak_reserved_bytes is not None:
+        return attempt.peak_reserved_bytes
+    return attempt.peak_memory_bytes
+
+
+def bracket(attempts: Sequence[Attempt]) -> tuple[int, int | None]:
+    """(largest size that ran, smallest size that failed) so far; 0 and None when unknown."""
+    ran = [a.batch_size for a in attempts if a.fits]
+    failed = [a.batch_size for a in attempts if not a.fits]
+    return max(ran, default=0), min(failed, default=None)
+
+
+def _surprises(attempts: Sequence[Attempt], limit_bytes: int) -> int:
+    """How many tries made on a trusted line went the other way than it predicted."""
+    count = 0
+    for i in range(3, len(attempts)):
+        model = fit_memory(attempts[:i])
+        if model is None or not _line_is_trusted(attempts[:i]):
+            continue
+        predicted_fit = model.predict_bytes(attempts[i].batch_size) <= limit_bytes
+        count += predicted_fit != attempts[i].fits
+    return count
+
+
+def next_batch_size(attempts: Sequence[Attempt], *, start: int, multiple_of: int, ceiling: int,
+                    limit_bytes: int | None) -> int | None:
+    """The next size to try, or None when the boundary is known (see NOTE [ Predict, then verify ]).
+
+    The first size is ``start``; sizes are multiples of ``multiple_of`` and at most ``ceiling``;
+    ``limit_bytes`` is the memory the step may use, or None to search by out-of-memory alone.
+    """
+    m = multiple_of
+    if not attempts:
+        return start
+    lo, hi = bracket(attempts)
+    if lo == 0:  # nothing ran yet: halve down to multiple_of, then give up
+        return None if hi <= m else max(m, hi // 2 // m * m)
+    top = min(ceiling, hi - m) if hi is not None else ceiling
+    if lo >= top:
+        return None
+    model = fit_memory(attempts)
+    line = None if model is None or limit_bytes is None else model.largest_batch_size(limit_bytes, m)
+    if line is not None and _line_is_trusted(attempts) \
+            and _surprises(attempts, limit_bytes) < MAX_SURPRISES:
+        guess = lo + m if line == lo else line  # lo is the boundary? confirm with the next size
+    elif hi is None and not _memory_moves(attempts):
+        guess = GALLOP * lo  # nothing to measure: gallop
+    elif hi is None:  # an untrusted line still says how far to go: between x2 and x8
+        guess = min(max(line or 0, GALLOP * lo), FIT_SPREAD * lo)
+    else:  # bisect, moved toward the line but keeping a quarter of the bracket on each side
+        quarter = (hi - lo) // 4
+        guess = (lo + hi) // 2 if line is None else min(max(line, lo + quarter), hi - quarter)
+        guess = guess // m * m
+    return min(max(guess, lo + m), top)

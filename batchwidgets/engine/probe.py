@@ -1,0 +1,316 @@
+"""``find_batch``: the largest batch size that trains on this device, measured, not guessed.
+
+Usage:
+    >>> import torch, batchwidgets as bw
+    >>> model = torch.nn.Linear(8, 2)
+    >>> report = bw.find_batch(model, torch.zeros(8), optimizer=torch.optim.SGD(model.parameters()),
+    ...                        budget="64KB", max_batch_size=4096)
+    >>> report.max_batch_size > 0
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Union
+
+import torch
+
+from ..results import Attempt, BatchSizeReport
+from . import _memory, _search
+from ._batches import as_batch_maker, forward_and_loss, to_device
+from ._meters import make_meter
+from ._state import TrainingState
+
+Step = Callable[[int], Any]
+OnStep = Callable[[Attempt], None]
+MakeBatch = Union[Callable[[int], Any], torch.utils.data.Dataset, torch.utils.data.DataLoader,
+                  torch.Tensor]
+
+SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
+_AMP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+        "float16": torch.float16}
+
+
+class NoBatchSizeFits(RuntimeError):
+    """Even the smallest batch size ran out of memory; ``.report`` holds every attempt."""
+
+    def __init__(self, report: BatchSizeReport) -> None:
+        self.report = report
+        smallest = min(report.attempts, key=lambda a: a.batch_size)
+        budget = (f"a budget of {report.budget_bytes} bytes" if report.budget_bytes
+                  else "the whole device")
+        peak = (f" (peak {smallest.peak_memory_bytes} bytes or more)"
+                if smallest.peak_memory_bytes else "")
+        super().__init__(
+            f"No batch size fits: batch_size={smallest.batch_size} ran out of memory on "
+            f"{report.device} with {budget}{peak}. Try amp='bf16' (or 'fp16'), a smaller "
+            f"micro-batch with gradient accumulation (batchwidgets.accumulate), a larger budget, "
+            f"or a smaller model. Last error: {smallest.error}")
+
+
+def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_size: int | None,
+                     multiple_of: int, headroom: float, steps_per_trial: int) -> None:
+    if not isinstance(model, torch.nn.Module) and not callable(model):
+        raise TypeError(f"model should be a torch.nn.Module or a step(batch_size) callable, "
+                        f"but got model={model!r}.")
+    if isinstance(model, torch.nn.Module) and make_batch is None:
+        raise TypeError("make_batch is required with a model: pass make_batch(batch_size) -> "
+                        "batch, a Dataset, a DataLoader or one example tensor, e.g. "
+                        "find_batch(model, torch.randn(3, 32, 32)).")
+    if amp is not None and amp not in _AMP:
+        raise ValueError(f"amp should be one of {sorted(_AMP)} or None, but got amp={amp!r}.")
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ValueError(f"multiple_of should be a positive int, but got "
+                         f"multiple_of={multiple_of!r}; use e.g. multiple_of=8 for tensor cores.")
+    if max_batch_size is not None and (not isinstance(max_batch_size, int)
+                                       or max_batch_size < multiple_of):
+        raise ValueError(f"max_batch_size should be an int >= multiple_of ({multiple_of}), but "
+                         f"got max_batch_size={max_batch_size!r}; raise it or lower multiple_of.")
+    if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
+        raise ValueError(f"headroom should be in (0, 1], but got headroom={headroom!r}; use "
+                         f"e.g. 0.9 to keep 10% of the memory free.")
+    if not isinstance(steps_per_trial, int) or steps_per_trial < 1:
+        raise ValueError(f"steps_per_trial should be an int >= 1, but got "
+                         f"steps_per_trial={steps_per_trial!r}.")
+
+
+def _resolve_device(model: Any, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if isinstance(model, torch.nn.Module):
+        first = next(model.parameters(), None)
+        if first is not None:
+            return first.device
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _has_batchnorm(model: Any) -> bool:
+    return isinstance(model, torch.nn.Module) and any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list:
+    tensors: list = []
+    if model is not None:
+        tensors += [*model.parameters(), *model.buffers()]
+        tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    if optimizer is not None:
+        tensors += [dict(s) for s in optimizer.state.values()]
+    return tensors
+
+
+def _agree(attempt: Attempt) -> Attempt:
+    """Under torch.distributed, one outcome for all ranks: fits only if it fit everywhere, and
+    the largest memory and time of any rank, so every rank takes the same next step."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return attempt
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    values = [attempt.peak_memory_bytes, attempt.peak_reserved_bytes, attempt.step_time_s]
+    # MIN of (fits, -x) is (fits everywhere, -max x); -1 stands for "not measured" (None).
+    flat = torch.tensor([float(attempt.fits)] + [-(v if v is not None else -1) for v in values],
+                        dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MIN)
+    fits, peak, reserved, seconds = flat.tolist()
+    unmeasured = 1.0
+    return Attempt(
+        batch_size=attempt.batch_size, fits=bool(fits),
+        peak_memory_bytes=None if peak == unmeasured else int(-peak),
+        peak_reserved_bytes=None if reserved == unmeasured else int(-reserved),
+        step_time_s=None if seconds == unmeasured or not fits else -seconds,
+        error=attempt.error or ("" if fits else "out of memory on another rank"))
+
+
+def _agree_limit(limit_bytes: int | None) -> int | None:
+    if limit_bytes is None or not (torch.distributed.is_available()
+                                   and torch.distributed.is_initialized()):
+        return limit_bytes
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    value = torch.tensor([float(limit_bytes)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return int(value.item())
+
+
+class _Trainer:
+    """Runs ``steps_per_trial`` training steps at one batch size and measures them."""
+
+    def __init__(self, step: Callable[[int], None], meter: Any, state: TrainingState,
+                 steps_per_trial: int, tracked: Callable[[], list]) -> None:
+        self.step, self.meter, self.state = step, meter, state
+        self.steps_per_trial, self.tracked = steps_per_trial, tracked
+
+    def attempt(self, batch_size: int) -> Attempt:
+        seconds = None
+        try:
+            with self.meter.measure(self.tracked()) as reading:
+                for _ in range(self.steps_per_trial):
+                    self.meter.synchronize()
+                    started = time.perf_counter()
+                    self.step(batch_size)
+                    self.meter.synchronize()
+                    seconds = time.perf_counter() - started
+        except BaseException as error:  # OOM is data; everything else goes to the user as is
+            if not _memory.is_oom(error):
+                raise
+            message = _memory.first_line(error)
+            _memory.forget(error)
+            del error
+            return Attempt(batch_size, False, reading.peak_bytes or None, None,
+                           reading.peak_reserved_bytes, reading.activation_peak_bytes,
+                           error=message)
+        finally:
+            self.state.restore()
+            _memory.free_memory(self.meter.device)
+        return Attempt(batch_size, True, reading.peak_bytes, seconds, reading.peak_reserved_bytes,
+                       reading.activation_peak_bytes)
+
+
+def _model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Callable | None,
+                optimizer: torch.optim.Optimizer, device: torch.device, amp: str | None,
+                scaler: Any, meter: Any) -> Callable[[int], None]:
+    dtype = _AMP.get(amp) if amp else None
+
+    def step(batch_size: int) -> None:
+        model.train()  # each trial starts from the user's modes, restored after the last one
+        batch = to_device(make(batch_size), device)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = forward_and_loss(model, batch, loss_fn)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        meter.end_forward_backward()  # see NOTE [ Two phases ] in _meters.py
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = None,
+               loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
+               device: torch.device | str | None = None, budget: int | str | None = None,
+               amp: str | None = None, max_batch_size: int | None = None, multiple_of: int = 1,
+               headroom: float = 0.9, *, scheduler: Any = None, scaler: Any = None,
+               steps_per_trial: int = 2, start: int | None = None,
+               on_step: OnStep | None = None) -> BatchSizeReport:
+    """Find the largest batch size that trains without running out of memory.
+
+    Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
+    them per size, since Adam allocates its state on the first) and searches by predicting the
+    boundary from measured memory, then verifying it (see NOTE [ Predict, then verify ]).
+    Out-of-memory errors are data; any other exception propagates unchanged. Model weights,
+    buffers, gradients, optimizer/scheduler/scaler state, train/eval modes, RNGs and backend
+    flags are restored bit for bit however it ends.
+
+    Parameters
+    ----------
+    model : torch.nn.Module or callable
+        The model, or ``step(batch_size)`` that runs one whole training step itself.
+    make_batch : callable, Dataset, DataLoader or Tensor
+        ``make_batch(batch_size) -> batch``; a Dataset/DataLoader (real samples, the largest
+        when sizes vary); or one example tensor, repeated. A batch ``(x, ..., y)`` is fed as
+        ``loss_fn(model(x, ...), y)``, a dict as ``model(**batch)``, a tensor as ``model(x)``.
+    loss_fn : callable, optional
+        Default: the output's ``.loss``, the output itself if scalar, else its mean.
+    optimizer : torch.optim.Optimizer, optional
+        Default: a fresh ``torch.optim.AdamW`` on the model's parameters (Adam-sized state).
+    device : str or torch.device, optional
+        Default: the model's device (or CUDA for a bare step when present).
+    budget : int or str, optional
+        Memory cap, e.g. ``"512MB"``, ``"16GiB"``. CUDA: caps the process (emulates a smaller
+        GPU). CPU/MPS: the step's live tensor bytes may not pass it. Default: the whole GPU;
+        on the CPU, half of the available RAM.
+    amp : {"bf16", "fp16"}, optional
+        Probe under autocast (fp16 with a GradScaler).
+    max_batch_size, multiple_of, headroom
+        Largest size to try; sizes tried are multiples of ``multiple_of``; the recommendation
+        stays under ``headroom * max_batch_size``.
+    scheduler, scaler : optional
+        Restored afterwards; ``scaler`` is used for the steps.
+    steps_per_trial : int
+        Training steps run at each size.
+    start : int, optional
+        First size tried (default ``multiple_of``, or 2 when the model has BatchNorm).
+    on_step : callable, optional
+        Called with each ``Attempt`` as it finishes (progress for front ends).
+
+    Returns
+    -------
+    BatchSizeReport
+
+    Raises
+    ------
+    NoBatchSizeFits
+        When even the smallest size runs out of memory (carries ``.report``).
+
+    Examples
+    --------
+    >>> report = find_batch(model, torch.randn(3, 32, 32), optimizer=opt, budget="2GiB")
+    >>> report.max_batch_size, report.recommended_batch_size
+    """
+    _check_arguments(model, make_batch, amp, max_batch_size, multiple_of, headroom,
+                     steps_per_trial)
+    budget_bytes = _memory.parse_bytes(budget, "budget")
+    device = _resolve_device(model, device)
+    is_module = isinstance(model, torch.nn.Module)
+    if is_module and optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters())
+    if start is None:
+        start = max(multiple_of, 2 if _has_batchnorm(model) else 1)
+    ceiling = (max_batch_size or SEARCH_CEILING) // multiple_of * multiple_of
+
+    state = TrainingState(model if is_module else None, optimizer, (scheduler, scaler))
+    meter = make_meter(device, budget_bytes)
+    try:
+        with meter.capped():
+            if is_module:
+                model.to(device)
+                if amp == "fp16" and scaler is None:
+                    scaler = torch.amp.GradScaler(device.type)
+                step = _model_step(model, as_batch_maker(make_batch), loss_fn, optimizer, device,
+                                   amp, scaler, meter)
+            else:
+                step = model
+            trainer = _Trainer(step, meter, state, steps_per_trial,
+                               lambda: _state_tensors(model if is_module else None, optimizer))
+            limit_bytes = _agree_limit(meter.limit_bytes)
+            attempts: list[Attempt] = []
+            while (size := _search.next_batch_size(
+                    attempts, start=start, multiple_of=multiple_of, ceiling=ceiling,
+                    limit_bytes=limit_bytes)) is not None:
+                attempts.append(_agree(trainer.attempt(size)))
+                if on_step is not None:
+                    on_step(attempts[-1])
+    finally:
+        state.restore()
+        _memory.free_memory(device)
+    return _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
+                   max_batch_size, ceiling, multiple_of, headroom)
+
+
+def _report(attempts: list[Attempt], device: torch.device, budget_bytes: int | None,
+            limit_bytes: int | None, baseline_bytes: int | None, amp: str | None,
+            max_batch_size: int | None, ceiling: int, multiple_of: int,
+            headroom: float) -> BatchSizeReport:
+    lo, hi = _search.bracket(attempts)
+    if lo == 0:
+        stop = "nothing fits"
+    elif lo >= ceiling:
+        stop = "max_batch_size" if max_batch_size else "ceiling"
+    else:
+        stop = "boundary"
+    report = BatchSizeReport(
+        max_batch_size=lo, first_oom_batch_size=hi, attempts=tuple(attempts), device=str(device),
+        budget_bytes=budget_bytes, limit_bytes=limit_bytes, baseline_bytes=baseline_bytes,
+        memory_model=_search.fit_memory(attempts), headroom=float(headroom),
+        multiple_of=multiple_of, amp=amp, stop_reason=stop)
+    if lo == 0:
+        raise NoBatchSizeFits(report)
+    return report
