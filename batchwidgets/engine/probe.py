@@ -267,6 +267,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     ceiling = (max_batch_size or SEARCH_CEILING) // multiple_of * multiple_of
 
     state = TrainingState(model if is_module else None, optimizer, (scheduler, scaler))
+    home = _resolve_device(model, None) if is_module else device
     meter = make_meter(device, budget_bytes)
     try:
         with meter.capped():
@@ -289,6 +290,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                 if on_step is not None:
                     on_step(attempts[-1])
     finally:
+        if is_module and home != device:
+            model.to(home)
         state.restore()
         _memory.free_memory(device)
     return _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
