@@ -45,7 +45,7 @@ def inline_plot(report: object) -> str:
     """The report's plot as an ``<img>`` with an inline PNG, or ``''`` without matplotlib.
 
     Reports must render where widgets cannot (nbviewer, GitHub), so ``_repr_html_`` carries its
-    own picture. matplotlib is imported here, on first display, and never by ``import batchwidgets``.
+    own picture. matplotlib is imported here, on first display, never by ``import batchwidgets``.
     """
     if importlib.util.find_spec("matplotlib") is None:
         return ""

@@ -1,4 +1,4 @@
-"""Pure functions from a report to a matplotlib Figure (never pyplot: nothing global, nothing shown).
+"""Pure functions from a report to a matplotlib Figure (never pyplot: nothing global or shown).
 
 Usage:
     >>> from batchwidgets.plots import plot_probe

@@ -1,9 +1,10 @@
-"""Reports: frozen dataclasses that display themselves. Standard library only (no torch, no Jupyter).
+"""Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
 
 Usage:
     >>> from batchwidgets.results import Attempt, BatchSizeReport
     >>> r = BatchSizeReport(max_batch_size=96, first_oom_batch_size=97,
-    ...                     attempts=(Attempt(96, True, 2**20, 0.1), Attempt(97, False, None, None)),
+    ...                     attempts=(Attempt(96, True, 2**20, 0.1),
+    ...                               Attempt(97, False, None, None)),
     ...                     device="cpu", budget_bytes=2**20)
     >>> r.recommended_batch_size
     86
@@ -47,7 +48,7 @@ class MemoryModel:
         return self.fixed_bytes + self.per_sample_bytes * batch_size
 
     def largest_batch_size(self, limit_bytes: float, multiple_of: int = 1) -> int | None:
-        """Largest multiple of ``multiple_of`` predicted to fit in ``limit_bytes``; None if unbounded."""
+        """Largest multiple of ``multiple_of`` predicted to fit in ``limit_bytes``, or None."""
         if self.per_sample_bytes <= 0:
             return None
         size = int((limit_bytes - self.fixed_bytes) // self.per_sample_bytes)
@@ -138,7 +139,8 @@ class BatchSizeReport:
         model = self.memory_model
         return [
             ("device", self.device),
-            ("budget", _html.format_bytes(self.budget_bytes) if self.budget_bytes else "whole device"),
+            ("budget", _html.format_bytes(self.budget_bytes) if self.budget_bytes
+             else "whole device"),
             ("max_batch_size", self.max_batch_size),
             ("first_oom_batch_size", self.first_oom_batch_size),
             ("recommended_batch_size", self.recommended_batch_size),
@@ -148,7 +150,8 @@ class BatchSizeReport:
              f"{_html.format_bytes(model.fixed_bytes)} + "
              f"{_html.format_bytes(model.per_sample_bytes)} per sample"),
             ("amp", self.amp or "off"),
-            ("attempts", f"{self.n_attempts} ({self.n_ooms} out of memory); stop: {self.stop_reason}"),
+            ("attempts",
+             f"{self.n_attempts} ({self.n_ooms} out of memory); stop: {self.stop_reason}"),
         ]
 
     def _attempt_rows(self) -> list[tuple[object, ...]]:

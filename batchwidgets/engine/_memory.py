@@ -63,7 +63,7 @@ _OOM_MESSAGES = (
     "CUDA out of memory",  # CUDA caching allocator (before torch.OutOfMemoryError existed)
     "CUDA error: out of memory",  # raw cudaMalloc failure outside the caching allocator
     "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS handle or workspace allocation
-    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN on an oversized batch (as Lightning, Accelerate)
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN, oversized batch (as Lightning, Accelerate)
     "CUDNN_STATUS_ALLOC_FAILED",  # cuDNN workspace allocation
     "HIP out of memory",  # ROCm
     "XPU out of memory",  # Intel GPUs

@@ -116,7 +116,8 @@ def next_batch_size(attempts: Sequence[Attempt], *, start: int, multiple_of: int
     if lo >= top:
         return None
     model = fit_memory(attempts)
-    line = None if model is None or limit_bytes is None else model.largest_batch_size(limit_bytes, m)
+    line = (None if model is None or limit_bytes is None
+            else model.largest_batch_size(limit_bytes, m))
     if line is not None and _line_is_trusted(attempts) \
             and _surprises(attempts, limit_bytes) < MAX_SURPRISES:
         guess = lo + m if line == lo else line  # lo is the boundary? confirm with the next size

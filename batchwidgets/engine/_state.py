@@ -73,7 +73,7 @@ class ModelState:
 
 
 class OptimizerState:
-    """Per-parameter state, param_groups (same dict objects) and the step counters schedulers read."""
+    """Per-parameter state, param_groups (same dicts) and the step counters schedulers read."""
 
     _COUNTERS = ("_step_count", "_opt_called")
 

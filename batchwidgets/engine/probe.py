@@ -252,8 +252,11 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
 
     Examples
     --------
-    >>> report = find_batch(model, torch.randn(3, 32, 32), optimizer=opt, budget="2GiB")
-    >>> report.max_batch_size, report.recommended_batch_size
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
+    >>> opt = torch.optim.Adam(model.parameters())
+    >>> report = find_batch(model, torch.randn(3, 32, 32), optimizer=opt, budget="8MiB")
+    >>> report.max_batch_size, report.first_oom_batch_size
+    (621, 622)
     """
     _check_arguments(model, make_batch, amp, max_batch_size, multiple_of, headroom,
                      steps_per_trial)
