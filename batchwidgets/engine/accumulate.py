@@ -1,0 +1,405 @@
+"""``accumulate``: gradient accumulation around an ordinary, unchanged training loop.
+
+Usage:
+    >>> import torch, batchwidgets as bw
+    >>> model = torch.nn.Linear(4, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with bw.accumulate(optimizer, steps=4) as acc:
+    ...     for _ in range(8):
+    ...         loss = model(torch.randn(2, 4)).pow(2).mean()
+    ...         loss.backward(); optimizer.step(); optimizer.zero_grad()
+    >>> acc.report.real_steps
+    2
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._warnings import BatchwidgetsWarning
+from ..results import AccumulationReport
+
+REMAINDERS = ("apply", "drop")
+_FLUSH_EVERY = 256  # device scalars kept before one host sync converts them to floats
+
+# NOTE [ How accumulate intercepts an unchanged loop ]
+# Inside the block, the optimizer's (and scaler's, scheduler's) own instance methods are shadowed:
+# step() counts a micro-step and only every `steps`-th call reaches the real optimizer, after the
+# summed gradients are divided by the count, so the update is the one of a batch `steps` times
+# larger for a mean-reduced loss. zero_grad() is real only when no micro-gradients are pending,
+# which suits both loop orders (zero_grad first or last). For DDP the model's
+# require_backward_grad_sync flag (what no_sync() sets) is cleared before the forward of every
+# micro-step but the last. torch.Tensor.backward is wrapped to record each micro-batch's loss.
+# Everything is put back when the block ends, however it ends.
+
+
+def _has_batchnorm(model: torch.nn.Module | None) -> bool:
+    return model is not None and any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _first_batch_dim(args: tuple, kwargs: dict) -> int | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    return None
+
+
+class _Scalars:
+    """Device scalars appended without a host sync; converted to floats every few hundred."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self._pending: list[torch.Tensor] = []
+
+    def append(self, value: torch.Tensor) -> None:
+        self._pending.append(value.detach().float().reshape(()))
+        if len(self._pending) >= _FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> tuple[float, ...]:
+        if self._pending:
+            self.values.extend(torch.stack([v.cpu() for v in self._pending]).tolist())
+            self._pending.clear()
+        return tuple(self.values)
+
+
+class Accumulator:
+    """The context manager ``accumulate`` returns (see NOTE [ How accumulate intercepts ... ])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int,
+                 model: torch.nn.Module | None, scaler: Any, scheduler: Any,
+                 remainder: str) -> None:
+        self.optimizer, self.steps, self.model = optimizer, steps, model
+        self.scaler, self.scheduler, self.remainder = scaler, scheduler, remainder
+        self._pending = 0  # micro-steps since the last real step
+        self._micro_steps = self._real_steps = self._skipped = 0
+        self._averaged = self._in_real_step = self._update_due = False
+        self._scheduler_due = self._scheduler_swallowed = 0
+        self._remainder_done, self._remainder_count = "none", 0
+        self._micro_batch_size: int | None = None
+        self._losses, self._sq_norms = _Scalars(), _Scalars()
+        self._sq_current: torch.Tensor | None = None
+        self._scaled_loss_id: int | None = None
+        self._patches: list[tuple[Any, str, bool, Any]] = []
+        self._hooks: list[Any] = []
+        self._ddp_sync: bool | None = None
+
+    # ---- public helpers -------------------------------------------------------------------
+    @property
+    def is_sync_step(self) -> bool:
+        """True when the next ``optimizer.step()`` is a real update (the group's last micro-step)."""
+        return self._pending + 1 >= self.steps
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        parameters: Any = None) -> torch.Tensor | None:
+        """Clip the *accumulated* gradient, as ``torch.nn.utils.clip_grad_norm_`` would clip the
+        big batch's: on the last micro-step it averages and clips, and returns the total norm;
+        on the other micro-steps it does nothing and returns None. Call it where you would clip
+        (after ``scaler.unscale_(optimizer)`` with AMP)."""
+        if not self.is_sync_step:
+            return None
+        self._average(self._pending + 1)
+        params = self._params() if parameters is None else parameters
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    @property
+    def report(self) -> AccumulationReport:
+        world = (torch.distributed.get_world_size() if torch.distributed.is_available()
+                 and torch.distributed.is_initialized() else 1)
+        return AccumulationReport(
+            steps=self.steps, micro_steps=self._micro_steps, real_steps=self._real_steps,
+            skipped_steps=self._skipped, remainder=self._remainder_done,
+            remainder_micro_steps=self._remainder_count, micro_batch_size=self._micro_batch_size,
+            world_size=world, skips_allreduce=self._is_ddp() and self.steps > 1,
+            losses=self._losses.flush(), grad_norms=tuple(v**0.5 for v in self._sq_norms.flush()))
+
+    # ---- the intercepted calls ------------------------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _average(self, count: int) -> None:
+        if self._averaged or count <= 1:
+            self._averaged = True
+            return
+        with torch.no_grad():
+            for param in self._params():
+                if param.grad is not None:
+                    param.grad.div_(count)
+        self._averaged = True
+
+    def _micro_step(self, real: Callable[[], Any]) -> Any:
+        self._micro_steps += 1
+        self._pending += 1
+        self._close_micro_batch()
+        if self._pending < self.steps:
+            self._set_ddp_sync(self._pending == self.steps - 1)
+            return None
+        return self._real_step(real)
+
+    def _real_step(self, real: Callable[[], Any]) -> Any:
+        self._average(self._pending)
+        self._in_real_step = True
+        try:
+            result = real()
+        finally:
+            self._in_real_step = False
+        self._pending, self._averaged = 0, False
+        self._real_steps += 1
+        self._scheduler_due += 1
+        self._scheduler_swallowed = 0
+        self._set_ddp_sync(self.steps == 1)
+        return result
+
+    def _optimizer_step(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self._in_real_step:
+                return original(*args, **kwargs)
+            return self._micro_step(lambda: original(*args, **kwargs))
+        return step
+
+    def _optimizer_zero_grad(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def zero_grad(*args: Any, **kwargs: Any) -> None:
+            if self._pending == 0:
+                original(*args, **kwargs)
+        return zero_grad
+
+    def _scaler_scale(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def scale(outputs: Any) -> Any:
+            scaled = original(outputs)
+            if isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+                self._losses.append(outputs)
+                self._scaled_loss_id = id(scaled)
+            return scaled
+        return scale
+
+    def _scaler_unscale(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def unscale_(optimizer: torch.optim.Optimizer) -> None:
+            if optimizer is not self.optimizer or self._in_real_step or self.is_sync_step:
+                original(optimizer)
+        return unscale_
+
+    def _scaler_step(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if optimizer is not self.optimizer or self._in_real_step:
+                return original(optimizer, *args, **kwargs)
+            result = self._micro_step(lambda: original(optimizer, *args, **kwargs))
+            self._update_due = self._update_due or self._pending == 0
+            return result
+        return step
+
+    def _scaler_update(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def update(*args: Any, **kwargs: Any) -> None:
+            if not self._update_due:
+                return
+            before = self.scaler.get_scale()
+            original(*args, **kwargs)
+            self._update_due = False
+            self._skipped += self.scaler.get_scale() < before
+        return update
+
+    def _scheduler_step(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> None:
+            if self._scheduler_due > 0:
+                self._scheduler_due -= 1
+                original(*args, **kwargs)
+            else:
+                self._scheduler_swallowed += 1
+        return step
+
+    def _tensor_backward(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            if tensor.dim() == 0 and id(tensor) != self._scaled_loss_id:
+                self._losses.append(tensor)
+            return original(tensor, *args, **kwargs)
+        return backward
+
+    def _grad_hook(self, grad: torch.Tensor) -> None:
+        square = grad.detach().float().pow(2).sum()
+        self._sq_current = square if self._sq_current is None else self._sq_current + square
+
+    def _close_micro_batch(self) -> None:
+        if self._sq_current is None:
+            return
+        square = self._sq_current
+        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        if isinstance(scale, torch.Tensor):
+            square = square / scale.to(square.device).float().pow(2)
+        self._sq_norms.append(square)
+        self._sq_current = None
+
+    def _record_batch_size(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        size = _first_batch_dim(args, kwargs)
+        if size is not None:
+            self._micro_batch_size = size
+
+    # ---- DDP --------------------------------------------------------------------------------
+    def _is_ddp(self) -> bool:
+        return isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+
+    def _set_ddp_sync(self, sync: bool) -> None:
+        if self._is_ddp():
+            self.model.require_backward_grad_sync = sync
+
+    def _allreduce_pending(self) -> None:
+        """Average the unsynchronised gradients of a remainder across ranks, as DDP would."""
+        world = torch.distributed.get_world_size()
+        for param in self._params():
+            if param.grad is not None:
+                torch.distributed.all_reduce(param.grad)
+                param.grad.div_(world)
+
+    # ---- entering and leaving ---------------------------------------------------------------
+    def _patch(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        had_own = name in vars(owner)
+        original = getattr(owner, name)
+        self._patches.append((owner, name, had_own, vars(owner).get(name)))
+        setattr(owner, name, make(original))
+
+    def __enter__(self) -> Accumulator:
+        if _has_batchnorm(self.model):
+            warnings.warn(
+                f"the model has BatchNorm layers: under accumulate(steps={self.steps}) their "
+                f"statistics come from each micro-batch, {self.steps} times smaller than the "
+                f"effective batch; use GroupNorm/LayerNorm or SyncBatchNorm-free big batches if "
+                f"that matters.", BatchwidgetsWarning, stacklevel=2)
+        try:
+            self._patch(self.optimizer, "step", self._optimizer_step)
+            self._patch(self.optimizer, "zero_grad", self._optimizer_zero_grad)
+            if self.scaler is not None:
+                for name, make in (("scale", self._scaler_scale), ("step", self._scaler_step),
+                                   ("unscale_", self._scaler_unscale),
+                                   ("update", self._scaler_update)):
+                    self._patch(self.scaler, name, make)
+            if self.scheduler is not None:
+                self._patch(self.scheduler, "step", self._scheduler_step)
+            self._patch(torch.Tensor, "backward", self._tensor_backward)
+            self._hooks = [p.register_hook(self._grad_hook) for p in self._params()
+                           if p.requires_grad]
+            if self.model is not None:
+                self._hooks.append(self.model.register_forward_pre_hook(
+                    self._record_batch_size, with_kwargs=True))
+            if self._is_ddp():
+                self._ddp_sync = self.model.require_backward_grad_sync
+                self._set_ddp_sync(self.steps == 1)
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _finish_remainder(self) -> None:
+        if self._pending == 0:
+            return
+        self._remainder_count = self._pending
+        if self.remainder == "drop":
+            self._remainder_done = "dropped"
+            self._restore()
+            self.optimizer.zero_grad()
+            self._pending = 0
+            return
+        self._remainder_done = "applied"
+        if self._is_ddp():
+            self._allreduce_pending()
+        swallowed = self._scheduler_swallowed
+        if self.scaler is not None:
+            self._real_step(lambda: self.scaler.step(self.optimizer))
+            self._update_due = True
+            self.scaler.update()
+        else:
+            self._real_step(self.optimizer.step)
+        if self.scheduler is not None and swallowed:
+            self.scheduler.step()
+        self._restore()
+        self.optimizer.zero_grad()
+
+    def _restore(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._ddp_sync is not None:
+            self.model.require_backward_grad_sync = self._ddp_sync
+            self._ddp_sync = None
+        while self._patches:
+            owner, name, had_own, own = self._patches.pop()
+            if had_own:
+                setattr(owner, name, own)
+            else:
+                delattr(owner, name)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None:
+                self._finish_remainder()
+        finally:
+            self._restore()
+
+
+def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
+               model: torch.nn.Module | None = None, scaler: Any = None, scheduler: Any = None,
+               *, remainder: str = "apply") -> Accumulator:
+    """Gradient accumulation around an unchanged training loop.
+
+    Inside the block, ``optimizer.step()`` and ``zero_grad()`` take effect every ``steps``
+    calls, with the summed gradients divided by the count, so each update equals one step on a
+    batch ``steps`` times larger (mean-reduced loss). A ``GradScaler`` unscales, checks for
+    inf/NaN and updates once per real step; a scheduler steps once per real step; a
+    ``DistributedDataParallel`` model skips the all-reduce on all micro-steps but the last.
+    Everything is restored when the block ends, also on error or Ctrl-C.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+        The optimizer the loop calls ``step()``/``zero_grad()`` on.
+    steps : int
+        Micro-steps per real optimizer step.
+    model : torch.nn.Module, optional
+        Needed for DDP (to skip all-reduces), the BatchNorm warning and the micro-batch size.
+    scaler : torch.amp.GradScaler, optional
+        The loop's AMP scaler.
+    scheduler : LR scheduler, optional
+        Stepped once per real step however often the loop calls it.
+    remainder : {"apply", "drop"}
+        Micro-steps left when the block ends: one smaller step averaged over the real count
+        (default), or discarded. The report says which happened.
+
+    Returns
+    -------
+    Accumulator
+        The context manager; ``acc.report`` is an ``AccumulationReport``, ``acc.is_sync_step``
+        tells whether the next step is real, and ``acc.clip_grad_norm_(max_norm)`` clips the
+        accumulated gradient (clipping partial sums would be wrong).
+
+    Examples
+    --------
+    >>> with accumulate(optimizer, steps=4, scheduler=scheduler) as acc:   # doctest: +SKIP
+    ...     for x, y in loader:
+    ...         loss = loss_fn(model(x), y); loss.backward()
+    ...         acc.clip_grad_norm_(1.0); optimizer.step(); scheduler.step()
+    ...         optimizer.zero_grad()
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer should be a torch.optim.Optimizer, but got "
+                        f"optimizer={optimizer!r}; pass the optimizer your loop steps.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps should be an int >= 1, but got steps={steps!r}; e.g. steps=4 "
+                         f"makes each update use 4 micro-batches.")
+    if remainder not in REMAINDERS:
+        raise ValueError(f"remainder should be one of {list(REMAINDERS)}, but got "
+                         f"remainder={remainder!r}.")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
+    return Accumulator(optimizer, steps, model, scaler, scheduler, remainder)
+

@@ -1,0 +1,296 @@
+"""accumulate(): k micro-batches must give the update of one k-times larger batch (PyTorch is
+the oracle), with schedulers, GradScaler, clipping, remainders and DDP handled."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import batchwidgets as bw
+from batchwidgets._warnings import BatchwidgetsWarning
+
+loss_fn = nn.functional.cross_entropy
+X = torch.randn(96, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+Y = torch.randint(0, 3, (96,), generator=torch.Generator().manual_seed(2))
+
+
+def make_model(dtype=torch.float64):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+}
+
+
+def train_big(make_optimizer, batch=16, updates=4, clip=None, scheduler=False):
+    model = make_model()
+    optimizer = make_optimizer(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5) if scheduler else None
+    for u in range(updates):
+        loss_fn(model(X[u * batch:(u + 1) * batch]), Y[u * batch:(u + 1) * batch]).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        if sched:
+            sched.step()
+    return model, optimizer, sched
+
+
+def max_difference(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("zero_grad_first", [False, True])
+def test_accumulated_updates_equal_the_big_batch_updates(name, zero_grad_first):
+    big, _, _ = train_big(OPTIMIZERS[name])
+    model = make_model()
+    optimizer = OPTIMIZERS[name](model.parameters())
+    with bw.accumulate(optimizer, steps=4):
+        for j in range(16):
+            if zero_grad_first:
+                optimizer.zero_grad()
+            loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+            optimizer.step()
+            if not zero_grad_first:
+                optimizer.zero_grad()
+    assert max_difference(big, model) < 1e-10
+
+
+def test_micro_steps_without_accumulate_would_differ():
+    big, _, _ = train_big(OPTIMIZERS["sgd-momentum"])
+    model = make_model()
+    optimizer = OPTIMIZERS["sgd-momentum"](model.parameters())
+    for j in range(16):
+        loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert max_difference(big, model) > 1e-3  # so the test above can fail
+
+
+def test_scheduler_steps_once_per_real_step():
+    big, _, big_sched = train_big(OPTIMIZERS["adam"], scheduler=True)
+    model = make_model()
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    with bw.accumulate(optimizer, steps=4, scheduler=sched) as acc:
+        for j in range(16):
+            loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sched.step()
+    assert sched.get_last_lr() == big_sched.get_last_lr() == [1e-2 / 16]
+    assert max_difference(big, model) < 1e-10
+    assert acc.report.real_steps == 4
+
+
+def test_clip_grad_norm_acts_on_the_accumulated_gradient():
+    big, _, _ = train_big(OPTIMIZERS["sgd-momentum"], clip=0.05)
+    model = make_model()
+    optimizer = OPTIMIZERS["sgd-momentum"](model.parameters())
+    norms = []
+    with bw.accumulate(optimizer, steps=4) as acc:
+        for j in range(16):
+            loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+            norms.append(acc.clip_grad_norm_(0.05))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert max_difference(big, model) < 1e-10
+    assert [n is None for n in norms] == [True, True, True, False] * 4
+
+
+@pytest.mark.parametrize("remainder", ["apply", "drop"])
+def test_left_over_micro_steps_are_applied_or_dropped(remainder):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with bw.accumulate(optimizer, steps=4, remainder=remainder) as acc:
+        for j in range(6):
+            loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    expected = make_model()
+    reference = torch.optim.SGD(expected.parameters(), lr=0.1)
+    loss_fn(expected(X[:16]), Y[:16]).backward()
+    reference.step()
+    reference.zero_grad()
+    if remainder == "apply":  # the 2 left over micro-batches: one step averaged over 8 samples
+        loss_fn(expected(X[16:24]), Y[16:24]).backward()
+        reference.step()
+    assert max_difference(expected, model) < 1e-10
+    report = acc.report
+    assert (report.remainder, report.remainder_micro_steps) == (
+        "applied" if remainder == "apply" else "dropped", 2)
+    assert report.real_steps == (2 if remainder == "apply" else 1)
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_grad_scaler_steps_once_per_real_step_and_skips_on_inf():
+    model = make_model(torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    weights_after = []
+    with bw.accumulate(optimizer, steps=2, scaler=scaler) as acc:
+        for j in range(6):
+            loss = loss_fn(model(X[j * 4:(j + 1) * 4].float()), Y[j * 4:(j + 1) * 4])
+            if j == 2:  # an inf in the first micro-batch of the second update
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            weights_after.append(model[0].weight.detach().clone())
+    # updates at j=1 (growth x2 -> 2048), j=3 skipped (inf: backoff x0.5 -> 1024), j=5 (2048)
+    assert scaler.get_scale() == 2048.0
+    assert acc.report.skipped_steps == 1
+    assert acc.report.real_steps == 3
+    assert torch.equal(weights_after[1], weights_after[3])  # the skipped update changed nothing
+    assert not torch.equal(weights_after[3], weights_after[5])
+    assert acc.report.losses[0] == pytest.approx(
+        loss_fn(make_model(torch.float32)(X[:4].float()), Y[:4]).item(), rel=1e-6)
+
+
+def test_report_records_each_micro_batch_loss_and_gradient_norm():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay put
+    expected_losses, expected_norms = [], []
+    with bw.accumulate(optimizer, steps=3, model=model) as acc:
+        for j in range(6):
+            xb, yb = X[j * 4:(j + 1) * 4], Y[j * 4:(j + 1) * 4]
+            grads = torch.autograd.grad(loss_fn(model(xb), yb), list(model.parameters()))
+            expected_norms.append(math.sqrt(sum(g.pow(2).sum().item() for g in grads)))
+            loss = loss_fn(model(xb), yb)
+            expected_losses.append(loss.item())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    report = acc.report
+    # torch.autograd.grad also reaches the hooks, so the report sees 2 backward passes a step;
+    # the losses come from .backward() only.
+    assert report.losses == pytest.approx(expected_losses)
+    assert report.micro_batch_size == 4
+    assert report.effective_batch_size == 12
+    assert report.micro_steps == 6
+    assert "accumulate" in report._repr_html_()
+
+
+def test_gradient_norms_are_per_micro_batch():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    expected = []
+    with bw.accumulate(optimizer, steps=2) as acc:
+        for j in range(4):
+            xb, yb = X[j * 4:(j + 1) * 4], Y[j * 4:(j + 1) * 4]
+            reference = make_model()
+            loss_fn(reference(xb), yb).backward()
+            expected.append(math.sqrt(sum(p.grad.pow(2).sum().item()
+                                          for p in reference.parameters())))
+            loss_fn(model(xb), yb).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert acc.report.grad_norms == pytest.approx(expected)
+
+
+def test_everything_is_restored_after_an_error():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward = torch.Tensor.backward
+    with pytest.raises(KeyboardInterrupt), bw.accumulate(optimizer, steps=4):
+        loss_fn(model(X[:4]), Y[:4]).backward()
+        optimizer.step()
+        raise KeyboardInterrupt
+    assert "step" not in vars(optimizer)
+    assert "zero_grad" not in vars(optimizer)
+    assert torch.Tensor.backward is backward
+    assert all(not p._backward_hooks for p in model.parameters())
+    before = model[0].weight.detach().clone()
+    loss_fn(model(X[:4]), Y[:4]).backward()
+    optimizer.step()  # a plain step again
+    assert not torch.equal(before, model[0].weight)
+
+
+def test_batchnorm_warns_once():
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(BatchwidgetsWarning) as record, bw.accumulate(optimizer, 2, model=model):
+        for j in range(4):
+            model(X[j * 4:(j + 1) * 4]).sum().backward()
+            optimizer.step()
+    assert len(record) == 1
+    assert "BatchNorm" in str(record[0].message)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"steps": 0}, "steps should be an int >= 1"),
+    ({"steps": 2.5}, "steps should be an int >= 1"),
+    ({"remainder": "keep"}, "remainder should be one of"),
+])
+def test_bad_arguments_name_the_argument(kwargs, match):
+    optimizer = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=match):
+        bw.accumulate(optimizer, **kwargs)
+
+
+def test_optimizer_must_be_an_optimizer():
+    with pytest.raises(TypeError, match="optimizer should be a torch.optim.Optimizer"):
+        bw.accumulate(make_model(), steps=2)
+
+
+# ---- DDP: two gloo processes -----------------------------------------------------------------
+
+def _ddp_worker(rank, world, init_file, out_dir, steps, use_accumulate):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    ddp = DDP(make_model())
+    calls = [0]
+
+    def counting_allreduce(state, bucket):
+        calls[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting_allreduce)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    micro = 2  # per rank; global micro-batch = micro * world, update = steps micro-batches
+    n_micro = 2 * steps
+
+    def loop():
+        for j in range(n_micro):
+            start = j * micro * world + rank * micro
+            loss_fn(ddp(X[start:start + micro]), Y[start:start + micro]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    if use_accumulate:
+        with bw.accumulate(optimizer, steps=steps, model=ddp):
+            loop()
+    else:
+        loop()
+    torch.save({"params": [p.detach() for p in ddp.module.parameters()], "calls": calls[0]},
+               os.path.join(out_dir, f"{use_accumulate}-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ddp_accumulation_equals_the_big_batch_with_fewer_allreduces(tmp_path):
+    steps, world = 4, 2
+    for use_accumulate in (True, False):
+        mp.spawn(_ddp_worker, args=(world, str(tmp_path / f"init{use_accumulate}"),
+                                    str(tmp_path), steps, use_accumulate), nprocs=world)
+    results = {name: torch.load(tmp_path / f"{name}.pt")
+               for name in ("True-0", "True-1", "False-0")}
+    big, _, _ = train_big(OPTIMIZERS["sgd-momentum"], batch=2 * 2 * steps, updates=2)
+    for rank in ("True-0", "True-1"):
+        for p, q in zip(results[rank]["params"], big.parameters()):
+            assert (p - q).abs().max().item() < 1e-10
+    assert results["True-0"]["calls"] * steps == results["False-0"]["calls"]
+    assert results["True-0"]["calls"] > 0
