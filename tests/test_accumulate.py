@@ -172,8 +172,7 @@ def test_report_records_each_micro_batch_loss_and_gradient_norm():
             optimizer.step()
             optimizer.zero_grad()
     report = acc.report
-    # torch.autograd.grad also reaches the hooks, so the report sees 2 backward passes a step;
-    # the losses come from .backward() only.
+    assert report.grad_norms == ()  # off by default: they cost a reduction per parameter
     assert report.losses == pytest.approx(expected_losses)
     assert report.micro_batch_size == 4
     assert report.effective_batch_size == 12
@@ -185,7 +184,7 @@ def test_gradient_norms_are_per_micro_batch():
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     expected = []
-    with bw.accumulate(optimizer, steps=2) as acc:
+    with bw.accumulate(optimizer, steps=2, track_grad_norms=True) as acc:
         for j in range(4):
             xb, yb = X[j * 4:(j + 1) * 4], Y[j * 4:(j + 1) * 4]
             reference = make_model()

@@ -74,9 +74,10 @@ class Accumulator:
 
     def __init__(self, optimizer: torch.optim.Optimizer, steps: int,
                  model: torch.nn.Module | None, scaler: Any, scheduler: Any,
-                 remainder: str) -> None:
+                 remainder: str, track_grad_norms: bool) -> None:
         self.optimizer, self.steps, self.model = optimizer, steps, model
         self.scaler, self.scheduler, self.remainder = scaler, scheduler, remainder
+        self.track_grad_norms = track_grad_norms
         self._pending = 0  # micro-steps since the last real step
         self._micro_steps = self._real_steps = self._skipped = 0
         self._averaged = self._in_real_step = self._update_due = False
@@ -228,7 +229,8 @@ class Accumulator:
         return backward
 
     def _grad_hook(self, grad: torch.Tensor) -> None:
-        square = grad.detach().float().pow(2).sum()
+        wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
+        square = torch.linalg.vector_norm(grad.detach(), dtype=wide).float().square()
         self._sq_current = square if self._sq_current is None else self._sq_current + square
 
     def _close_micro_batch(self) -> None:
@@ -287,8 +289,9 @@ class Accumulator:
             if self.scheduler is not None:
                 self._patch(self.scheduler, "step", self._scheduler_step)
             self._patch(torch.Tensor, "backward", self._tensor_backward)
-            self._hooks = [p.register_hook(self._grad_hook) for p in self._params()
-                           if p.requires_grad]
+            if self.track_grad_norms:
+                self._hooks = [p.register_hook(self._grad_hook) for p in self._params()
+                               if p.requires_grad]
             if self.model is not None:
                 self._hooks.append(self.model.register_forward_pre_hook(
                     self._record_batch_size, with_kwargs=True))
@@ -349,7 +352,7 @@ class Accumulator:
 
 def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
                model: torch.nn.Module | None = None, scaler: Any = None, scheduler: Any = None,
-               *, remainder: str = "apply") -> Accumulator:
+               *, remainder: str = "apply", track_grad_norms: bool = False) -> Accumulator:
     """Gradient accumulation around an unchanged training loop.
 
     Inside the block, ``optimizer.step()`` and ``zero_grad()`` take effect every ``steps``
@@ -374,6 +377,9 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
     remainder : {"apply", "drop"}
         Micro-steps left when the block ends: one smaller step averaged over the real count
         (default), or discarded. The report says which happened.
+    track_grad_norms : bool
+        Record each micro-batch's gradient norm in the report (one fused reduction per
+        parameter per micro-step, which is why it is off by default; the noise tracker uses it).
 
     Returns
     -------
@@ -401,5 +407,5 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
                          f"remainder={remainder!r}.")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
-    return Accumulator(optimizer, steps, model, scaler, scheduler, remainder)
+    return Accumulator(optimizer, steps, model, scaler, scheduler, remainder, track_grad_norms)
 
