@@ -276,8 +276,9 @@ class Accumulator:
             warnings.warn(
                 f"the model has BatchNorm layers: under accumulate(steps={self.steps}) their "
                 f"statistics come from each micro-batch, {self.steps} times smaller than the "
-                f"effective batch; use GroupNorm/LayerNorm or SyncBatchNorm-free big batches if "
-                f"that matters.", BatchwidgetsWarning, stacklevel=2)
+                f"effective batch, so training is close to the big batch but not identical; "
+                f"GroupNorm or LayerNorm have no such difference.", BatchwidgetsWarning,
+                stacklevel=2)
         try:
             self._patch(self.optimizer, "step", self._optimizer_step)
             self._patch(self.optimizer, "zero_grad", self._optimizer_zero_grad)
