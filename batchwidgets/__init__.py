@@ -15,10 +15,14 @@ _LAZY = {
     "NoBatchSizeFits": "batchwidgets.engine.probe",
     "BudgetExceededError": "batchwidgets.engine._memory",
     "track_tensor_memory": "batchwidgets.engine._memory",
+    "accumulate": "batchwidgets.engine.accumulate",
+    "AccumulationReport": "batchwidgets.results",
+    "BatchwidgetsWarning": "batchwidgets._warnings",
     "Attempt": "batchwidgets.results",
     "BatchSizeReport": "batchwidgets.results",
     "MemoryModel": "batchwidgets.results",
     "plot_probe": "batchwidgets.plots",
+    "ProbePanel": "batchwidgets.widgets",
 }
 __all__ = sorted(_LAZY)
 
@@ -31,3 +35,14 @@ def __getattr__(name):
 
 def __dir__():
     return sorted([*globals(), *_LAZY])
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext batchwidgets``: register ``%find_batch`` (IPython is imported only now)."""
+    from . import magics
+    magics.load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from . import magics
+    magics.unload(ipython)

@@ -4,7 +4,7 @@ Both loops run the same micro-batches through the same model; they alternate in 
 drift of the machine hits both alike, and the ratio of their median round times is reported.
 
 Usage:
-    python benchmarks/accumulate_overhead.py            # writes benchmarks/results/accumulate_overhead_<device>.md
+    python benchmarks/accumulate_overhead.py   # writes results/accumulate_overhead_<device>.md
 """
 
 from __future__ import annotations

@@ -201,10 +201,15 @@ def test_everything_is_restored_after_an_error():
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     backward = torch.Tensor.backward
-    with pytest.raises(KeyboardInterrupt), bw.accumulate(optimizer, steps=4):
-        loss_fn(model(X[:4]), Y[:4]).backward()
-        optimizer.step()
-        raise KeyboardInterrupt
+
+    def interrupted_loop():
+        with bw.accumulate(optimizer, steps=4):
+            loss_fn(model(X[:4]), Y[:4]).backward()
+            optimizer.step()
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted_loop()
     assert "step" not in vars(optimizer)
     assert "zero_grad" not in vars(optimizer)
     assert torch.Tensor.backward is backward
@@ -218,17 +223,22 @@ def test_everything_is_restored_after_an_error():
 def test_batchnorm_warns_once():
     model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8)).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.warns(BatchwidgetsWarning) as record, bw.accumulate(optimizer, 2, model=model):
-        for j in range(4):
-            model(X[j * 4:(j + 1) * 4]).sum().backward()
-            optimizer.step()
+
+    def loop():
+        with bw.accumulate(optimizer, 2, model=model):
+            for j in range(4):
+                model(X[j * 4:(j + 1) * 4]).sum().backward()
+                optimizer.step()
+
+    with pytest.warns(BatchwidgetsWarning) as record:
+        loop()
     assert len(record) == 1
     assert "BatchNorm" in str(record[0].message)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"steps": 0}, "steps should be an int >= 1"),
-    ({"steps": 2.5}, "steps should be an int >= 1"),
+    ({"steps": 0}, r"steps should be an int >= 1"),
+    ({"steps": 2.5}, r"steps should be an int >= 1"),
     ({"remainder": "keep"}, "remainder should be one of"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, match):
@@ -238,7 +248,7 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 
 
 def test_optimizer_must_be_an_optimizer():
-    with pytest.raises(TypeError, match="optimizer should be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer should be a torch\.optim\.Optimizer"):
         bw.accumulate(make_model(), steps=2)
 
 

@@ -94,7 +94,7 @@ class Accumulator:
     # ---- public helpers -------------------------------------------------------------------
     @property
     def is_sync_step(self) -> bool:
-        """True when the next ``optimizer.step()`` is a real update (the group's last micro-step)."""
+        """True when the next ``optimizer.step()`` is a real update (the last micro-step)."""
         return self._pending + 1 >= self.steps
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

@@ -1,0 +1,235 @@
+"""ProbePanel: ``find_batch`` as a live panel (progress, plots, summary, headroom, code to copy).
+
+Only widgets that ipywidgets 7.7 (Colab) and 8 both have, and no custom front-end code.
+
+Usage:
+    >>> import functools, batchwidgets as bw
+    >>> panel = bw.ProbePanel(probe=functools.partial(bw.find_batch, model, dataset,
+    ...                                               budget="8GiB"))  # doctest: +SKIP
+    >>> panel                    # click "Probe", or: panel.start(); panel.wait()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as widgets
+from IPython.display import display
+
+from . import _html
+from .plots import plot_probe
+from .results import Attempt, BatchSizeReport
+
+# probe(on_step=..., headroom=...) -> report, e.g. functools.partial(find_batch, model, data)
+Probe = Callable[..., BatchSizeReport]
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+EXPECTED_ATTEMPTS = 12  # length of the progress bar; the probe usually needs fewer, and it grows
+PLOT_DPI = 80
+
+
+def _png(report: BatchSizeReport) -> bytes:
+    buffer = io.BytesIO()
+    plot_probe(report).savefig(buffer, format="png", dpi=PLOT_DPI)
+    return buffer.getvalue()
+
+
+def _attempt_line(attempt: Attempt) -> str:
+    outcome = "fits" if attempt.fits else "out of memory"
+    return (f"batch size {attempt.batch_size}: {outcome}, peak "
+            f"{_html.format_bytes(attempt.peak_memory_bytes)}")
+
+
+def _attempts_table(attempts: list[Attempt] | tuple[Attempt, ...]) -> str:
+    rows = [(a.batch_size, "yes" if a.fits else "OOM", _html.format_bytes(a.peak_memory_bytes),
+             _html.format_number(a.step_time_s), _html.format_number(a.samples_per_s, 4))
+            for a in attempts]
+    return _html.table(rows, caption="attempts, in order",
+                       header=("batch size", "fits", "peak memory", "step s", "samples/s"))
+
+
+def _summary_table(report: BatchSizeReport) -> str:
+    return _html.table([
+        ("max_batch_size", report.max_batch_size),
+        ("first_oom_batch_size", report.first_oom_batch_size),
+        ("recommended_batch_size", report.recommended_batch_size),
+        ("headroom", f"{report.headroom:g}: {_html.format_bytes(report.headroom_bytes)} "
+                     f"left at the recommended size"),
+        ("limit", _html.format_bytes(report.limit_bytes)),
+        ("device", report.device),
+    ], caption="find_batch")
+
+
+class ProbePanel(widgets.VBox):
+    """``find_batch`` with live progress, then memory and throughput plots, a summary, a
+    headroom slider (recomputes the recommendation without probing again) and a line of code.
+
+    Parameters
+    ----------
+    report : BatchSizeReport, optional
+        A finished report to show.
+    probe : callable, optional
+        ``probe(on_step=..., headroom=...) -> BatchSizeReport``, for example
+        ``functools.partial(batchwidgets.find_batch, model, dataset, budget="8GiB")``. With it,
+        the "Probe" button runs it off the kernel's main thread (``start()``, then ``wait()``).
+
+    Examples
+    --------
+    >>> panel = ProbePanel(report)                    # doctest: +SKIP
+    >>> panel.headroom.value = 0.8                    # doctest: +SKIP
+    >>> panel.code.value                              # doctest: +SKIP
+    'DataLoader(dataset, batch_size=32)'
+    """
+
+    def __init__(self, report: BatchSizeReport | None = None, *,
+                 probe: Probe | None = None) -> None:
+        self.probe = probe
+        self.report: BatchSizeReport | None = None  # the last report rendered: all panel state
+        self.error: BaseException | None = None  # what the last background probe raised
+        self.thread: threading.Thread | None = None
+        self._attempts: list[Attempt] = []  # progress of the probe running now
+        self._lock = threading.RLock()  # the slider's observer may render inside render
+        self.probe_button = widgets.Button(description="Probe", disabled=probe is None,
+                                           tooltip="run find_batch again (off the main thread)")
+        self.progress = widgets.IntProgress(value=0, min=0, max=EXPECTED_ATTEMPTS,
+                                            description="attempts")
+        self.status = widgets.Label(value="ready" if report is None else "")
+        self.plot = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self.summary = widgets.HTML()
+        self.attempts = widgets.HTML()
+        self.headroom = widgets.FloatSlider(
+            value=0.9, min=0.5, max=1.0, step=0.01, description="headroom", disabled=True,
+            continuous_update=False, readout_format=".2f")
+        self.code = widgets.Text(value="", description="code",
+                                 layout=widgets.Layout(width="28em"))
+        self.probe_button.on_click(self._on_probe_click)
+        self.headroom.observe(self._on_headroom, names="value")
+        super().__init__(children=[
+            widgets.HBox([self.probe_button, self.progress, self.status]),
+            self.plot,
+            widgets.HBox([self.summary, widgets.VBox([self.headroom, self.code])]),
+            self.attempts,
+        ])
+        if report is not None:
+            self.render(report)
+
+    # -- rendering: report fields -> widget values ------------------------------------------
+
+    def render(self, report: BatchSizeReport) -> None:
+        """Show ``report`` (called from any thread; every update goes through traits)."""
+        with self._lock:
+            self.report = report
+            self.plot.value = _png(report)
+            self.summary.value = _summary_table(report)
+            self.attempts.value = _attempts_table(report.attempts)
+            self.code.value = f"DataLoader(dataset, batch_size={report.recommended_batch_size})"
+            self.headroom.min = min(self.headroom.min, report.headroom)
+            self.headroom.value = report.headroom
+            self.headroom.disabled = report.max_batch_size == 0
+            self.progress.max = self.progress.value = report.n_attempts
+            self.progress.bar_style = "success" if report.max_batch_size else "danger"
+            self.status.value = report.summary()
+            self.probe_button.disabled = self.probe is None
+
+    def on_step(self, attempt: Attempt) -> None:
+        """Progress from the engine (``find_batch(on_step=...)``): cheap, thread-safe."""
+        self._attempts.append(attempt)
+        self.progress.max = max(self.progress.max, len(self._attempts) + 1)
+        self.progress.value = len(self._attempts)
+        self.status.value = _attempt_line(attempt)
+        self.attempts.value = _attempts_table(self._attempts)
+
+    def _begin(self) -> None:
+        self._attempts = []
+        self.error = None
+        self.progress.value, self.progress.max = 0, EXPECTED_ATTEMPTS
+        self.progress.bar_style = "info"
+        self.status.value = "probing..."
+        self.probe_button.disabled = True
+        self.headroom.disabled = True
+
+    def _fail(self, error: BaseException) -> None:
+        failed = getattr(error, "report", None)  # NoBatchSizeFits carries every attempt
+        if isinstance(failed, BatchSizeReport):
+            self.render(failed)
+        self.progress.bar_style = "danger"
+        self.status.value = f"{type(error).__name__}: {str(error).strip()}"
+        self.probe_button.disabled = self.probe is None
+        self.headroom.disabled = self.report is None or self.report.max_batch_size == 0
+
+    # -- one user action -> one engine call ---------------------------------------------------
+
+    def _probe(self) -> BatchSizeReport:
+        if self.probe is None:
+            raise ValueError("ProbePanel(probe=...) is needed to probe, e.g. "
+                             "ProbePanel(probe=functools.partial(find_batch, model, dataset)).")
+        options: dict[str, Any] = {"on_step": self.on_step}
+        if self.report is not None:  # probing again keeps the headroom the user chose
+            options["headroom"] = self.headroom.value
+        self._begin()
+        try:
+            report = self.probe(**options)
+        except BaseException as error:
+            self._fail(error)
+            raise
+        self.render(report)
+        return report
+
+    def run(self) -> BatchSizeReport:
+        """Display the panel and probe on this thread, with live progress (used by the magic)."""
+        handle = display(self._repr_mimebundle_(), raw=True, display_id=True)
+        try:
+            return self._probe()
+        finally:  # the saved notebook keeps the final static view (nbviewer, GitHub)
+            if handle is not None:  # None outside IPython
+                handle.update(self._repr_mimebundle_(), raw=True)
+
+    def start(self) -> threading.Thread:
+        """Probe off the kernel's main thread (what the "Probe" button does)."""
+        if self.thread is not None and self.thread.is_alive():
+            return self.thread
+        self.thread = threading.Thread(target=self._probe_in_background, daemon=True,
+                                       name="batchwidgets-probe")
+        self.thread.start()
+        return self.thread
+
+    def _probe_in_background(self) -> None:
+        try:
+            self._probe()
+        except BaseException as error:  # shown in the panel; wait() raises it
+            error.__traceback__ = None  # its frames would keep the step's tensors alive
+            self.error = error
+
+    def wait(self, timeout: float | None = None) -> BatchSizeReport | None:
+        """Wait for the background probe; return its report or raise its error."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.report
+
+    def _on_probe_click(self, _button: widgets.Button) -> None:
+        self.start()
+
+    def _on_headroom(self, change: dict) -> None:
+        report = self.report
+        if report is not None and report.max_batch_size and change["new"] != report.headroom:
+            self.render(report.with_headroom(change["new"]))
+
+    # -- display: a live panel where widgets run, the static report everywhere else ---------
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        if self.report is None:
+            static = f"<p>batchwidgets: {html.escape(self.status.value)}</p>"
+            text = f"ProbePanel({self.status.value})"
+        else:
+            static, text = self.report._repr_html_(), self.report.summary()
+        return {"text/plain": text, "text/html": static,
+                WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": self.model_id}}
+
+    def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
+        display(self._repr_mimebundle_(), raw=True)

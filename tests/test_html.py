@@ -1,0 +1,59 @@
+"""Every report renders without widgets: an HTML table and an inline PNG through the display
+protocol, as nbviewer, GitHub and ``jupyter nbconvert`` show it."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import re
+
+import pytest
+from IPython.core.formatters import DisplayFormatter
+
+from batchwidgets import plots, results
+from batchwidgets.results import AccumulationReport, Attempt, BatchSizeReport, MemoryModel
+
+MIB = 2**20
+EXAMPLES = {  # one or more per report type; test_every_report_type_has_an_example keeps it whole
+    BatchSizeReport: [
+        BatchSizeReport(
+            max_batch_size=41, first_oom_batch_size=42,
+            attempts=(Attempt(2, True, 6 * MIB, 0.02), Attempt(41, True, 65 * MIB, 0.25),
+                      Attempt(42, False, 67 * MIB, None)),
+            device="<cpu>", budget_bytes=64 * MIB, limit_bytes=64 * MIB,
+            memory_model=MemoryModel(fixed_bytes=3 * MIB, per_sample_bytes=1.5 * MIB)),
+        BatchSizeReport(max_batch_size=0, first_oom_batch_size=1,
+                        attempts=(Attempt(1, False, None, None),), device="cuda:0",
+                        budget_bytes=None, stop_reason="nothing fits"),
+    ],
+    AccumulationReport: [
+        AccumulationReport(steps=4, micro_steps=10, real_steps=3, remainder="applied",
+                           remainder_micro_steps=2, micro_batch_size=32,
+                           losses=(2.3, 2.1, 1.9), grad_norms=(1.0, 0.9, 0.8)),
+    ],
+}
+ALL_EXAMPLES = [report for reports in EXAMPLES.values() for report in reports]
+
+
+def test_every_report_type_has_an_example():
+    report_types = {value for name, value in vars(results).items()
+                    if name.endswith("Report") and dataclasses.is_dataclass(value)}
+    assert report_types == set(EXAMPLES)
+
+
+@pytest.mark.parametrize("report", ALL_EXAMPLES)
+def test_static_rendering_is_a_table_and_an_inline_png(report):
+    data, _ = DisplayFormatter().format(report)
+    assert set(data) >= {"text/plain", "text/html"}
+    page = data["text/html"]
+    assert "<table" in page
+    assert "<script" not in page
+    png = re.search(r'<img alt="batchwidgets plot" src="data:image/png;base64,([^"]+)"/>', page)
+    if type(report) in plots._PLOTTERS:  # a report type without a plot yet shows its table
+        assert base64.b64decode(png.group(1)).startswith(b"\x89PNG")
+
+
+def test_static_rendering_escapes_every_value():
+    page = EXAMPLES[BatchSizeReport][0]._repr_html_()
+    assert "<cpu>" not in page
+    assert "&lt;cpu&gt;" in page

@@ -1,0 +1,273 @@
+"""``%find_batch`` in a real IPython shell: parity with ``find_batch``, errors, display, loading."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+from IPython import get_ipython
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+from torch import nn
+
+import batchwidgets as bw
+from batchwidgets.results import BatchSizeReport
+
+BUDGET = "256KiB"  # a few hundred samples of the tiny model: each probe takes a second or two
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+
+
+def measured(report: BatchSizeReport) -> BatchSizeReport:
+    """The report without step times: everything else is deterministic under a CPU budget."""
+    attempts = tuple(dataclasses.replace(a, step_time_s=None) for a in report.attempts)
+    return dataclasses.replace(report, attempts=attempts)
+
+
+@pytest.fixture
+def ip():
+    start_ipython()  # the shared test shell; returns it only on the first call
+    shell = get_ipython()
+    model = tiny_model()
+    shell.push({"model": model, "make_batch": make_batch, "loss_fn": nn.functional.cross_entropy,
+                "opt": torch.optim.SGD(model.parameters(), lr=0.1)})
+    shell.run_line_magic("load_ext", "batchwidgets")
+    yield shell
+    shell.run_line_magic("unload_ext", "batchwidgets")
+    for name in ("model", "make_batch", "loss_fn", "opt", "steps", "boom", "report", "data",
+                 "recording_batch"):
+        shell.user_ns.pop(name, None)
+
+
+PARITY_CASES = [
+    ("model make_batch --optimizer opt --loss-fn loss_fn --budget 256KiB",
+     {"optimizer": "opt", "loss_fn": "loss_fn", "budget": BUDGET}),
+    ("model make_batch --optimizer opt --loss-fn loss_fn --budget 256KiB --max-batch-size 64 "
+     "--multiple-of 8 --headroom 0.5 --steps-per-trial 1 --start 8 --device cpu",
+     {"optimizer": "opt", "loss_fn": "loss_fn", "budget": BUDGET, "max_batch_size": 64,
+      "multiple_of": 8, "headroom": 0.5, "steps_per_trial": 1, "start": 8, "device": "cpu"}),
+]
+
+
+@pytest.mark.parametrize(("line", "options"), PARITY_CASES)
+def test_magic_and_function_give_equal_reports(ip, line, options):
+    by_magic = ip.run_line_magic("find_batch", line)
+    named = {k: ip.user_ns[v] if k in ("optimizer", "loss_fn") else v for k, v in options.items()}
+    by_function = bw.find_batch(ip.user_ns["model"], make_batch, **named)
+    assert measured(by_magic) == measured(by_function)
+    assert by_magic.headroom == options.get("headroom", 0.9)
+
+
+@pytest.mark.parametrize("source", ["dataset", "loader", "tensor"])
+def test_make_batch_may_name_a_dataset_a_dataloader_or_a_tensor(ip, source):
+    dataset = torch.utils.data.TensorDataset(*make_batch(64))
+    data = {"dataset": dataset, "loader": torch.utils.data.DataLoader(dataset, batch_size=8),
+            "tensor": torch.randn(16)}[source]
+    ip.push({"data": data})
+    by_magic = ip.run_line_magic("find_batch", "model data --optimizer opt --budget 256KiB")
+    by_function = bw.find_batch(ip.user_ns["model"], data, optimizer=ip.user_ns["opt"],
+                                budget=BUDGET)
+    assert measured(by_magic) == measured(by_function)
+    ip.user_ns.pop("data")
+
+
+def test_input_shape_and_num_classes_probe_synthetic_classification_batches(ip):
+    report = ip.run_line_magic("find_batch", "model --input-shape 16 --num-classes 4 "
+                                             "--optimizer opt --budget 256KiB")
+    reference = bw.find_batch(ip.user_ns["model"], make_batch, optimizer=ip.user_ns["opt"],
+                              loss_fn=nn.functional.cross_entropy, budget=BUDGET)
+    assert measured(report) == measured(reference)
+
+
+def test_a_step_function_needs_no_make_batch(ip):
+    def steps(batch_size: int) -> None:
+        if batch_size > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+    ip.push({"steps": steps})
+    report = ip.run_line_magic("find_batch", "steps --device cpu")
+    assert (report.max_batch_size, report.first_oom_batch_size) == (40, 41)
+
+
+def test_every_find_batch_option_is_a_flag(ip):
+    manual = ip.find_line_magic("find_batch").__doc__
+    options = [p for p in inspect.signature(bw.find_batch).parameters
+               if p not in ("model", "make_batch", "on_step")]
+    assert [o for o in options if f"--{o.replace('_', '-')}" not in manual] == []
+    assert "batchwidgets.find_batch" in manual
+    assert "--input-shape" in manual
+    assert "--num-classes" in manual
+    assert "-q, --quiet" in manual
+
+
+def test_question_mark_shows_the_manual(ip, capsys):
+    ip.run_cell("%find_batch?")
+    out = capsys.readouterr().out
+    assert "%find_batch [--loss-fn NAME]" in out
+    assert "--budget SIZE" in out
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("modle make_batch", "name 'modle' is not defined in the notebook; did you mean 'model'? "
+                         "models in the notebook: model."),
+    ("model make_btch", "did you mean 'make_batch'?"),
+    ("model", "MAKE_BATCH is needed with a model"),
+    ("model make_batch --optimizer model", "--optimizer should be a torch.optim.Optimizer, but "
+                                           "got --optimizer=model (a Sequential); optimizers "
+                                           "in the notebook: opt."),
+    ("model.encoder make_batch", "model (a Sequential) has no attribute 'encoder'"),
+    ("model make_batch --bugdet 1MiB", "did you mean --budget?"),
+    ("model make_batch --budget 12XB", "argument --budget: budget should be a size such as"),
+    ("model make_batch --amp bf61", "invalid choice: 'bf61'"),
+    ("model make_batch --device cuda:7", "available here: cpu"),
+    ("model make_batch --headroom 1.5", "argument --headroom: should be in (0, 1]"),
+    ("model make_batch --max-batch-size 0", "should be a positive integer, but got '0'"),
+    ("model --input-shape 3,a", "should be the shape of one example such as 3,32,32"),
+    ("model make_batch --input-shape 16", "give MAKE_BATCH or --input-shape, not both"),
+    ("model make_batch --num-classes 4", "--num-classes goes with --input-shape"),
+])
+def test_mistakes_are_one_line_usage_errors(ip, line, expected):
+    with pytest.raises(UsageError) as error:
+        ip.run_line_magic("find_batch", line)
+    message = str(error.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_errors_from_the_users_model_propagate_with_their_traceback(ip, capsys):
+    class Broken(nn.Linear):
+        def forward(self, x):
+            raise ValueError("shapes do not match in my model")
+    ip.push({"boom": Broken(16, 4)})
+    with pytest.raises(ValueError, match="shapes do not match"):
+        ip.run_line_magic("find_batch", "boom make_batch --budget 256KiB")
+    result = ip.run_cell("%find_batch boom make_batch --budget 256KiB")
+    assert isinstance(result.error_in_exec, ValueError)
+    assert "def forward" in capsys.readouterr().out  # the full traceback, into the user's code
+
+
+def test_the_report_is_the_value_and_is_kept_in_underscore(ip, capsys):
+    result = ip.run_cell("%find_batch model make_batch --optimizer opt --budget 256KiB")
+    assert isinstance(result.result, BatchSizeReport)
+    assert ip.user_ns["_"] is result.result
+    assert "BatchSizeReport(max_batch_size=" in capsys.readouterr().out  # a terminal: no widgets
+    ip.run_cell("report = %find_batch model make_batch --optimizer opt --budget 256KiB -q")
+    assert measured(ip.user_ns["report"]) == measured(result.result)
+
+
+def test_a_trailing_semicolon_silences_the_output_and_skips_the_parser(ip, capsys):
+    result = ip.run_cell("%find_batch model make_batch --optimizer opt --budget 256KiB;")
+    assert result.error_in_exec is None
+    assert isinstance(result.result, BatchSizeReport)
+    assert "BatchSizeReport" not in capsys.readouterr().out
+    ip.run_cell("_")  # only that one display was skipped
+    assert "BatchSizeReport(max_batch_size=" in capsys.readouterr().out
+
+
+def test_after_ooms_nothing_the_probe_allocated_stays_alive(ip):
+    created = []
+
+    def recording_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = make_batch(batch_size)
+        created.extend(weakref.ref(t) for t in batch)
+        return batch
+    ip.push({"recording_batch": recording_batch})
+    report = ip.run_line_magic("find_batch", "model recording_batch --optimizer opt "
+                                             "--loss-fn loss_fn --budget 256KiB")
+    gc.collect()
+    assert report.n_ooms >= 1
+    assert [ref for ref in created if ref() is not None] == []
+    ip.user_ns.pop("recording_batch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_after_real_ooms_the_gpu_has_its_memory_back(ip):
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)).cuda()
+    ip.push({"gpu_model": model, "gpu_opt": torch.optim.SGD(model.parameters(), lr=0.1)})
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    report = ip.run_line_magic("find_batch", "gpu_model --input-shape 4096 --num-classes 10 "
+                                             "--optimizer gpu_opt --budget 1GiB")
+    assert report.n_ooms >= 1
+    assert torch.cuda.memory_allocated() == before
+    free, _ = torch.cuda.mem_get_info()
+    big = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda")  # as before the probe
+    del big
+    ip.user_ns.pop("gpu_model")
+    ip.user_ns.pop("gpu_opt")
+
+
+def test_unload_and_reload_ext(ip):
+    hooks = ip.events.callbacks["post_run_cell"]
+    ip.run_line_magic("unload_ext", "batchwidgets")
+    assert ip.find_line_magic("find_batch") is None
+    assert "BatchMagics" not in ip.magics_manager.registry
+    ip.run_line_magic("load_ext", "batchwidgets")
+    ip.run_line_magic("reload_ext", "batchwidgets")
+    assert ip.find_line_magic("find_batch") is not None
+    assert len([h for h in hooks if getattr(h, "__qualname__", "") == "_HideOnce.disarm"]) == 1
+
+
+def test_import_batchwidgets_loads_no_jupyter_and_no_torch():
+    code = ("import sys, batchwidgets; "
+            "print(sorted(m for m in ('torch', 'IPython', 'ipywidgets', 'matplotlib') "
+            "if m in sys.modules)); "
+            "print(callable(batchwidgets.load_ipython_extension))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    assert out[:2] == ["[]", "True"]
+
+
+KERNEL_CELLS = [
+    """import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def make_batch(n): return torch.randn(n, 16), torch.randint(0, 4, (n,))
+%load_ext batchwidgets""",
+    "%find_batch model make_batch --optimizer opt --loss-fn nn.functional.cross_entropy "
+    "--budget 256KiB",
+    "type(_).__name__, _.max_batch_size",
+    "%find_batch model make_batch --optimizer opt --loss-fn nn.functional.cross_entropy "
+    "--budget 256KiB -q",
+    "%find_batch model make_batch --optimizer opt --loss-fn nn.functional.cross_entropy "
+    "--budget 256KiB;",
+    "report = %find_batch model make_batch --optimizer opt --loss-fn "
+    "nn.functional.cross_entropy --budget 256KiB\nreport.max_batch_size == _.max_batch_size",
+]
+
+
+@pytest.mark.slow
+def test_in_a_kernel_the_panel_shows_the_report_and_the_line_returns_it():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(source) for source in KERNEL_CELLS])
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3").execute()
+    setup, shown, value, quiet, silenced, assigned = (cell.outputs for cell in notebook.cells)
+    assert setup == []
+    assert [o.output_type for o in shown] == ["display_data"]  # the panel, no second copy
+    assert "application/vnd.jupyter.widget-view+json" in shown[0].data
+    assert "<td>recommended_batch_size</td>" in shown[0].data["text/html"]  # final state
+    assert value[0].data["text/plain"].startswith("('BatchSizeReport', ")
+    assert [o.output_type for o in quiet] == ["execute_result"]
+    assert "application/vnd.jupyter.widget-view+json" not in quiet[0].data
+    assert '<img alt="batchwidgets plot" src="data:image/png;base64,' in quiet[0].data["text/html"]
+    assert silenced == []
+    assert [o.output_type for o in assigned] == ["display_data", "execute_result"]
+    assert "application/vnd.jupyter.widget-view+json" in assigned[0].data
+    assert assigned[1].data["text/plain"] == "True"

@@ -1,0 +1,60 @@
+"""plot_probe: a Figure (never pyplot) with memory and throughput against the batch size."""
+
+from __future__ import annotations
+
+import matplotlib
+import pytest
+from matplotlib.figure import Figure
+
+from batchwidgets import plots
+from batchwidgets.plots import MIB, plot_probe
+from batchwidgets.results import Attempt, BatchSizeReport, MemoryModel
+
+matplotlib.use("Agg")
+
+REPORT = BatchSizeReport(
+    max_batch_size=41, first_oom_batch_size=42,
+    attempts=(Attempt(32, True, 52 * MIB, 0.200), Attempt(2, True, 6 * MIB, 0.020),
+              Attempt(41, True, 65 * MIB, 0.250), Attempt(42, False, 67 * MIB, None)),
+    device="cpu", budget_bytes=64 * MIB, limit_bytes=64 * MIB,
+    memory_model=MemoryModel(fixed_bytes=3 * MIB, per_sample_bytes=1.5 * MIB))
+NOTHING_FITS = BatchSizeReport(
+    max_batch_size=0, first_oom_batch_size=1, attempts=(Attempt(1, False, None, None),),
+    device="cuda:0", budget_bytes=None, limit_bytes=None, stop_reason="nothing fits")
+
+
+def test_plot_probe_draws_memory_and_throughput_against_batch_size():
+    figure = plot_probe(REPORT)
+    assert isinstance(figure, Figure)
+    memory_ax, speed_ax = figure.axes
+    assert (memory_ax.get_xlabel(), memory_ax.get_ylabel()) == ("batch size", "peak memory (MiB)")
+    assert (speed_ax.get_xlabel(), speed_ax.get_ylabel()) == ("batch size", "samples/s")
+    lines = {line.get_label(): line for line in memory_ax.lines}
+    assert list(lines["ran"].get_xdata()) == [2, 32, 41]  # sorted by batch size
+    assert list(lines["ran"].get_ydata()) == [6, 52, 65]
+    assert list(lines["out of memory"].get_xdata()) == [42]
+    assert list(lines["fitted model"].get_ydata()) == [3, 3 + 1.5 * 42]
+    assert list(lines["budget"].get_ydata()) == [64, 64]
+    assert list(lines["recommended 36"].get_xdata()) == [36, 36]
+    assert list(speed_ax.lines[0].get_ydata()) == pytest.approx([100, 160, 164])
+
+
+def test_plot_probe_shares_a_given_axes():
+    figure = Figure()
+    ax = figure.add_subplot()
+    assert plot_probe(REPORT, ax=ax) is figure
+    assert len(figure.axes) == 2  # throughput on a twin axis
+
+
+def test_plot_probe_draws_a_report_where_nothing_fits():
+    memory_ax, speed_ax = plot_probe(NOTHING_FITS).axes
+    labels = [line.get_label() for line in memory_ax.lines]
+    assert "fitted model" not in labels
+    assert "budget" not in labels
+    assert list(speed_ax.lines[0].get_xdata()) == []
+
+
+def test_plot_dispatches_on_the_report_type():
+    assert isinstance(plots.plot(REPORT), Figure)
+    with pytest.raises(TypeError, match="report should be one of"):
+        plots.plot(object())

@@ -1,0 +1,169 @@
+"""ProbePanel driven as a user would: widget ``.value``s and ``.click()``, no browser."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import batchwidgets as bw
+from batchwidgets.results import Attempt, BatchSizeReport, MemoryModel
+from batchwidgets.widgets import WIDGET_VIEW, ProbePanel
+
+MIB = 2**20
+REPORT = BatchSizeReport(
+    max_batch_size=41, first_oom_batch_size=42,
+    attempts=(Attempt(2, True, 6_549_264, 0.020), Attempt(4, True, 9_588_512, 0.030),
+              Attempt(32, True, 52_137_984, 0.200), Attempt(41, True, 65_814_600, 0.250),
+              Attempt(42, False, 67_334_224, None, error="CPU out of memory (budget)")),
+    device="cpu", budget_bytes=64 * MIB, limit_bytes=64 * MIB, baseline_bytes=1_200_000,
+    memory_model=MemoryModel(fixed_bytes=3_500_000, per_sample_bytes=1_520_000))
+NOTHING_FITS = BatchSizeReport(
+    max_batch_size=0, first_oom_batch_size=1, attempts=(Attempt(1, False, 70 * MIB, None),),
+    device="cpu", budget_bytes=64 * MIB, limit_bytes=64 * MIB, stop_reason="nothing fits")
+WAIT_S = 30
+
+
+class ScriptedProbe:
+    """Stands in for ``find_batch``: replays a report's attempts through ``on_step``, can pause
+    after the n-th one (to look at the panel mid-probe), and can raise at the end."""
+
+    def __init__(self, report: BatchSizeReport, pause_after: int | None = None,
+                 error: BaseException | None = None) -> None:
+        self.report, self.pause_after, self.error = report, pause_after, error
+        self.calls: list[dict] = []
+        self.threads: list[threading.Thread] = []
+        self.paused, self.resume = threading.Event(), threading.Event()
+
+    def __call__(self, *, on_step, headroom=None) -> BatchSizeReport:
+        self.calls.append({"headroom": headroom})
+        self.threads.append(threading.current_thread())
+        for n, attempt in enumerate(self.report.attempts, 1):
+            on_step(attempt)
+            if n == self.pause_after:
+                self.paused.set()
+                self.resume.wait(WAIT_S)
+        if self.error is not None:
+            raise self.error
+        return self.report if headroom is None else self.report.with_headroom(headroom)
+
+
+def test_render_maps_the_report_to_widget_values():
+    panel = ProbePanel(REPORT)
+    assert panel.report is REPORT
+    assert REPORT.recommended_batch_size == 36
+    assert panel.code.value == "DataLoader(dataset, batch_size=36)"
+    assert panel.headroom.value == 0.9
+    assert not panel.headroom.disabled
+    assert bytes(panel.plot.value).startswith(b"\x89PNG")
+    assert "<td>recommended_batch_size</td><td>36</td>" in panel.summary.value
+    assert "<td>max_batch_size</td><td>41</td>" in panel.summary.value
+    assert "MiB left at the recommended size" in panel.summary.value
+    assert panel.attempts.value.count("<tr>") == 1 + len(REPORT.attempts)
+    assert panel.progress.value == panel.progress.max
+    assert panel.status.value == REPORT.summary()
+    assert panel.probe_button.disabled  # no probe to run
+
+
+def test_headroom_slider_recomputes_the_recommendation_without_probing():
+    probe = ScriptedProbe(REPORT)
+    panel = ProbePanel(REPORT, probe=probe)
+    panel.headroom.value = 0.5
+    assert panel.report == REPORT.with_headroom(0.5)
+    assert panel.code.value == "DataLoader(dataset, batch_size=20)"
+    assert "<td>recommended_batch_size</td><td>20</td>" in panel.summary.value
+    assert probe.calls == []
+
+
+def test_probe_button_probes_off_the_main_thread_with_live_progress():
+    probe = ScriptedProbe(REPORT, pause_after=2)
+    panel = ProbePanel(probe=probe)
+    panel.probe_button.click()
+    assert probe.paused.wait(WAIT_S)
+    assert panel.progress.value == 2
+    assert panel.status.value == "batch size 4: fits, peak 9.1 MiB"
+    assert panel.attempts.value.count("<tr>") == 1 + 2
+    assert panel.probe_button.disabled
+    assert panel.report is None
+    probe.resume.set()
+    assert panel.wait(WAIT_S) is REPORT
+    assert probe.threads[0] is not threading.main_thread()
+    assert panel.code.value == "DataLoader(dataset, batch_size=36)"
+    assert not panel.probe_button.disabled
+
+
+def test_run_probes_on_this_thread_and_shows_each_attempt_as_it_comes(capsys):
+    probe = ScriptedProbe(REPORT)
+    panel = ProbePanel(probe=probe)
+    seen = []
+    panel.status.observe(lambda change: seen.append(change["new"]), names="value")
+    assert panel.run() is REPORT  # what %find_batch does: display, probe here, render
+    assert probe.threads == [threading.main_thread()]
+    assert seen[:2] == ["probing...", "batch size 2: fits, peak 6.2 MiB"]
+    assert "batch size 42: out of memory, peak 64.2 MiB" in seen
+    assert seen[-1] == REPORT.summary()
+    capsys.readouterr()  # outside IPython, display() prints the bundle
+
+
+def test_probing_again_keeps_the_headroom_the_user_chose():
+    probe = ScriptedProbe(REPORT)
+    panel = ProbePanel(REPORT, probe=probe)
+    panel.headroom.value = 0.6
+    panel.probe_button.click()
+    panel.wait(WAIT_S)
+    assert probe.calls == [{"headroom": 0.6}]
+    assert panel.report == REPORT.with_headroom(0.6)
+
+
+def test_a_failing_probe_shows_its_error_and_wait_raises_it():
+    panel = ProbePanel(probe=ScriptedProbe(REPORT, error=ValueError("shapes do not match")))
+    panel.probe_button.click()
+    with pytest.raises(ValueError, match="shapes do not match"):
+        panel.wait(WAIT_S)
+    assert panel.status.value == "ValueError: shapes do not match"
+    assert panel.progress.bar_style == "danger"
+    assert not panel.probe_button.disabled
+
+
+def test_when_nothing_fits_the_panel_shows_every_attempt():
+    error = bw.NoBatchSizeFits(NOTHING_FITS)
+    panel = ProbePanel(probe=ScriptedProbe(NOTHING_FITS, error=error))
+    panel.probe_button.click()
+    with pytest.raises(bw.NoBatchSizeFits):
+        panel.wait(WAIT_S)
+    assert panel.report is NOTHING_FITS
+    assert panel.status.value.startswith("NoBatchSizeFits: No batch size fits")
+    assert panel.headroom.disabled
+    assert bytes(panel.plot.value).startswith(b"\x89PNG")
+
+
+def test_the_panel_displays_live_with_the_static_report_as_fallback():
+    panel = ProbePanel(REPORT)
+    bundle = panel._repr_mimebundle_()
+    assert bundle[WIDGET_VIEW]["model_id"] == panel.model_id
+    assert bundle["text/html"] == REPORT._repr_html_()
+    assert bundle["text/plain"] == REPORT.summary()
+    assert "probing" not in ProbePanel(probe=ScriptedProbe(REPORT))._repr_mimebundle_()[
+        "text/html"]
+
+
+def test_the_button_runs_the_real_find_batch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+    options = {"loss_fn": nn.functional.cross_entropy, "budget": "256KiB",
+               "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    panel = ProbePanel(probe=functools.partial(bw.find_batch, model, make_batch, **options))
+    panel.probe_button.click()
+    report = panel.wait(WAIT_S * 4)
+    assert panel.progress.value == report.n_attempts
+    assert panel.code.value == f"DataLoader(dataset, batch_size={report.recommended_batch_size})"
+    direct = bw.find_batch(model, make_batch, **options)
+    without_times = [dataclasses.replace(a, step_time_s=None) for a in report.attempts]
+    assert without_times == [dataclasses.replace(a, step_time_s=None) for a in direct.attempts]
