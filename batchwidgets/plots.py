@@ -11,7 +11,7 @@ from __future__ import annotations
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from .results import BatchSizeReport
+from .results import AccumulationReport, BatchSizeReport
 
 MIB = 2**20
 
@@ -59,7 +59,29 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
     return figure
 
 
-_PLOTTERS = {BatchSizeReport: plot_probe}
+def plot_accumulate(report: AccumulationReport, *, ax: Axes | None = None) -> Figure:
+    """Each micro-batch's loss (and gradient norm, if tracked), with the real updates marked."""
+    if ax is None:
+        figure = Figure(figsize=(7, 3.2), layout="constrained")
+        ax = figure.subplots()
+    figure = ax.figure
+    steps = range(1, len(report.losses) + 1)
+    ax.plot(steps, report.losses, ".-", color="tab:blue", label="micro-batch loss")
+    for update in range(report.steps, report.micro_steps + 1, report.steps):
+        ax.axvline(update + 0.5, color="tab:gray", alpha=0.3)
+    ax.set_xlabel(f"micro-step (grey: an optimizer update every {report.steps})")
+    ax.set_ylabel("loss")
+    ax.set_title(f"accumulate: {report.micro_steps} micro-steps, {report.real_steps} updates")
+    if report.grad_norms:
+        norm_ax = ax.twinx()
+        norm_ax.plot(range(1, len(report.grad_norms) + 1), report.grad_norms, ".",
+                     color="tab:orange", label="gradient norm")
+        norm_ax.set_ylabel("gradient norm")
+    ax.legend(fontsize="small", loc="upper right")
+    return figure
+
+
+_PLOTTERS = {BatchSizeReport: plot_probe, AccumulationReport: plot_accumulate}
 
 
 def plot(report: object, *, ax: Axes | None = None) -> Figure:

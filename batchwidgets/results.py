@@ -92,6 +92,8 @@ class BatchSizeReport:
 
     @property
     def _faster_smaller_attempt(self) -> Attempt | None:
+        if self.device.startswith("cpu"):
+            return None  # CPU step times include the probe's op-by-op memory tracking
         ran = [a for a in self.attempts if a.fits and a.samples_per_s]
         if not ran:
             return None
@@ -113,7 +115,10 @@ class BatchSizeReport:
             return (f"the fastest size measured: it ran at least {FASTER_BY - 1:.0%} more "
                     f"samples/s than the largest, so larger batches buy no throughput here")
         return (f"headroom {self.headroom:g} x max_batch_size, rounded down to a multiple of "
-                f"{self.multiple_of}")
+                f"{self.multiple_of}"
+                + ("" if not self.device.startswith("cpu") else
+                   " (on the CPU, step times include the probe's memory tracking, so they do "
+                   "not rank throughput)"))
 
     @property
     def headroom_bytes(self) -> float | None:

@@ -7,8 +7,8 @@ import pytest
 from matplotlib.figure import Figure
 
 from batchwidgets import plots
-from batchwidgets.plots import MIB, plot_probe
-from batchwidgets.results import Attempt, BatchSizeReport, MemoryModel
+from batchwidgets.plots import MIB, plot_accumulate, plot_probe
+from batchwidgets.results import AccumulationReport, Attempt, BatchSizeReport, MemoryModel
 
 matplotlib.use("Agg")
 
@@ -58,3 +58,15 @@ def test_plot_dispatches_on_the_report_type():
     assert isinstance(plots.plot(REPORT), Figure)
     with pytest.raises(TypeError, match="report should be one of"):
         plots.plot(object())
+
+
+def test_plot_accumulate_draws_each_micro_batch_loss_and_marks_the_updates():
+    report = AccumulationReport(steps=4, micro_steps=8, real_steps=2,
+                                losses=(3.0, 2.5, 2.0, 1.5, 1.0, 0.9, 0.8, 0.7),
+                                grad_norms=(1.0,) * 8)
+    figure = plot_accumulate(report)
+    loss_ax, norm_ax = figure.axes
+    assert list(loss_ax.lines[0].get_ydata()) == list(report.losses)
+    assert [line.get_xdata()[0] for line in loss_ax.lines[1:]] == [4.5, 8.5]
+    assert loss_ax.get_ylabel() == "loss"
+    assert list(norm_ax.lines[0].get_ydata()) == [1.0] * 8
