@@ -1,10 +1,12 @@
-"""IPython magics, each sugar over the public function of the same name (``%find_batch``).
+"""IPython magics, each sugar over the public function of the same name (``%find_batch``,
+``%%accumulate``).
 
 Loaded by ``%load_ext batchwidgets``; nothing here is imported by ``import batchwidgets``.
 
 Usage:
     %load_ext batchwidgets
     %find_batch model train_dataset --budget 16GiB --amp bf16
+    %%accumulate 8
     report = %find_batch model --input-shape 3,32,32 --num-classes 10 -q
 """
 
@@ -20,12 +22,13 @@ from typing import Any
 
 import torch
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
 from .engine import find_batch, parse_bytes
-from .results import BatchSizeReport
+from .engine.accumulate import accumulate
+from .results import AccumulationReport, BatchSizeReport
 from .widgets import ProbePanel
 
 # find_batch options given as values (the rest name objects in the notebook; see _ROLES)
@@ -73,6 +76,11 @@ _ROLES = {
                          lambda v: hasattr(v, "get_last_lr"), lambda v: hasattr(v, "get_last_lr")),
     "--scaler": _Role("a torch.amp.GradScaler", "scalers", lambda v: hasattr(v, "unscale_"),
                       lambda v: hasattr(v, "unscale_")),
+    "--model": _Role("a torch.nn.Module", "models", lambda v: isinstance(v, torch.nn.Module),
+                     lambda v: isinstance(v, torch.nn.Module)),
+    "--probe": _Role("a find_batch report (BatchSizeReport)", "probe reports",
+                     lambda v: isinstance(v, BatchSizeReport),
+                     lambda v: isinstance(v, BatchSizeReport)),
 }
 
 
@@ -274,9 +282,75 @@ class _HideOnce:
             printer.text(repr(report))
 
 
+# -- %%accumulate: find the one optimizer (scaler, scheduler, model) the cell trains with --------
+
+def _candidates(shell: Any, role: str, belongs: Callable[[Any], bool] = lambda v: True) -> dict:
+    hidden = shell.user_ns_hidden
+    found: dict[int, tuple[str, Any]] = {}
+    for name, value in shell.user_ns.items():
+        if name.startswith("_") or name in hidden or not _ROLES[role].listed(value):
+            continue
+        if belongs(value) and id(value) not in found:  # one object under two names counts once
+            found[id(value)] = (name, value)
+    return dict(found.values())
+
+
+def _find_one(shell: Any, text: str | None, role: str, required: bool,
+              belongs: Callable[[Any], bool] = lambda v: True) -> Any:
+    """The object named by ``text``, else the single one in the notebook (UsageError if several)."""
+    if text is not None:
+        return _resolve(shell, text, role)
+    return _only(_candidates(shell, role, belongs), role, required)
+
+
+def _only(found: dict, role: str, required: bool) -> Any:
+    if len(found) > 1:
+        raise UsageError(f"{len(found)} {_ROLES[role].plural} in the notebook could be meant: "
+                         f"{', '.join(sorted(found))}; pick one with {role} NAME.")
+    if not found and required:
+        raise UsageError(f"no {_ROLES[role].plural} in the notebook ({_ROLES[role].expected}); "
+                         f"create one or pass {role} NAME.")
+    return next(iter(found.values()), None)
+
+
+def _training_model(shell: Any, text: str | None, optimizer: Any) -> Any:
+    """--model, else the model whose parameters the optimizer trains (a DDP wrapper first)."""
+    if text is not None:
+        return _resolve(shell, text, "--model")
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+    def trains(module: Any) -> bool:
+        params = list(module.parameters())
+        return bool(params) and all(id(p) in trained for p in params)
+
+    found = _candidates(shell, "--model", trains)
+    wrappers = {n: m for n, m in found.items()
+                if isinstance(m, torch.nn.parallel.DistributedDataParallel)}
+    return _only(wrappers or found, "--model", False)
+
+
+def _micro_batch(shell: Any, args: argparse.Namespace) -> dict[str, int]:
+    """--batch-size B: the probe's recommended size is the micro-batch, N = ceil(B / micro)."""
+    if args.batch_size is None:
+        if args.probe is not None:
+            raise UsageError("--probe goes with --batch-size, e.g. %%accumulate --batch-size "
+                             "4096 --probe report.")
+        return {"steps": args.steps or 4}
+    if args.steps is not None:
+        raise UsageError(f"give N or --batch-size, not both, but got N={args.steps} and "
+                         f"--batch-size {args.batch_size}.")
+    probe = _find_one(shell, args.probe, "--probe", False)
+    if probe is None and isinstance(shell.user_ns.get("_"), BatchSizeReport):
+        probe = shell.user_ns["_"]
+    if probe is None:
+        raise UsageError("--batch-size needs a find_batch report to take the micro-batch from: "
+                         "run %find_batch first, or pass --probe NAME.")
+    return {"batch_size": args.batch_size, "micro_batch_size": probe.recommended_batch_size}
+
+
 @magics_class
 class BatchMagics(Magics):
-    """``%find_batch``; registered by ``%load_ext batchwidgets``."""
+    """``%find_batch`` and ``%%accumulate``; registered by ``%load_ext batchwidgets``."""
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
@@ -345,6 +419,58 @@ class BatchMagics(Magics):
             self.hide_once.arm(report)
         return report
 
+
+    @magic_arguments()
+    @argument("steps", metavar="N", nargs="?", type=_positive_int,
+              help="micro-steps per optimizer update (default: 4)")
+    @argument("--optimizer", metavar="NAME",
+              help="the optimizer the cell steps (default: the only one in the notebook)")
+    @argument("--scaler", metavar="NAME",
+              help="the cell's GradScaler (default: the only one in the notebook, if any)")
+    @argument("--scheduler", metavar="NAME",
+              help="the LR scheduler to step once per update (default: the only one on the "
+                   "optimizer, if any)")
+    @argument("--model", metavar="NAME",
+              help="the model (default: the one the optimizer trains); needed for DDP")
+    @argument("--remainder", choices=["apply", "drop"],
+              help="micro-steps left at the end: one smaller step (apply, the default) or none")
+    @argument("--track-grad-norms", action="store_true",
+              help="record each micro-batch's gradient norm in the report")
+    @argument("--batch-size", type=_positive_int, metavar="B",
+              help="instead of N: the batch each update should see; the micro-batch is the "
+                   "probe report's recommended_batch_size and N = ceil(B / micro-batch)")
+    @argument("--probe", metavar="NAME",
+              help="with --batch-size: the find_batch report (default: the only one, or _)")
+    @cell_magic
+    def accumulate(self, line: str, cell: str) -> AccumulationReport:
+        """Gradient accumulation around the cell: the same as ``batchwidgets.accumulate``.
+
+        The cell is an ordinary training loop that calls ``loss.backward()``,
+        ``optimizer.step()`` and ``optimizer.zero_grad()`` every iteration; inside, updates
+        happen every N micro-steps and equal one update on a batch N times larger. The
+        optimizer, scaler, scheduler and model are found in the notebook when there is one of
+        each; with several, name the one to use. The report is the cell's value.
+
+        Examples::
+
+          %%accumulate 8
+          %%accumulate 4 --optimizer opt --scheduler warmup --model ddp_model
+          %%accumulate --batch-size 4096 --probe report
+        """
+        line, silenced = _without_semicolon(line)
+        args = _parse(self.accumulate, line)
+        optimizer = _find_one(self.shell, args.optimizer, "--optimizer", True)
+        options = _micro_batch(self.shell, args)
+        options.update(
+            scaler=_find_one(self.shell, args.scaler, "--scaler", False),
+            scheduler=_find_one(self.shell, args.scheduler, "--scheduler", False,
+                                lambda v: getattr(v, "optimizer", None) is optimizer),
+            model=_training_model(self.shell, args.model, optimizer),
+            remainder=args.remainder or "apply", track_grad_norms=args.track_grad_norms)
+        code = compile(self.shell.transform_cell(cell), "<%%accumulate cell>", "exec")
+        with accumulate(optimizer, **options) as acc:
+            exec(code, self.shell.user_ns)  # the user's errors keep their traceback
+        return None if silenced else acc.report
 
 def load(ipython: Any) -> None:
     ipython.register_magics(BatchMagics)

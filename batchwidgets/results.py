@@ -181,8 +181,9 @@ class AccumulationReport:
     skipped_steps: int = 0  # real steps a GradScaler skipped for inf/NaN gradients
     remainder: str = "none"  # none | applied | dropped: micro-steps left when the block ended
     remainder_micro_steps: int = 0
-    micro_batch_size: int | None = None  # first dimension of the model's input, where seen
+    micro_batch_size: int | None = None  # first dimension of the model's input, else as planned
     world_size: int = 1
+    target_batch_size: int | None = None  # the batch_size asked for, when steps was derived
     skips_allreduce: bool = False  # DDP all-reduce skipped on the first steps-1 micro-steps
     losses: tuple[float, ...] = ()  # per micro-batch, from loss.backward()
     grad_norms: tuple[float, ...] = ()  # L2 norm of each micro-batch's own gradient
@@ -208,6 +209,7 @@ class AccumulationReport:
             ("micro-batch size", self.micro_batch_size or "-"),
             ("world size", self.world_size),
             ("effective batch size", self.effective_batch_size or "-"),
+            ("asked for", self.target_batch_size or "-"),
             ("DDP all-reduce on micro-steps", "skipped" if self.skips_allreduce else "-"),
             ("last loss", _html.format_number(self.losses[-1] if self.losses else None)),
         ]

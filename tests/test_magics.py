@@ -48,7 +48,7 @@ def ip():
     yield shell
     shell.run_line_magic("unload_ext", "batchwidgets")
     for name in ("model", "make_batch", "loss_fn", "opt", "steps", "boom", "report", "data",
-                 "recording_batch"):
+                 "recording_batch", "X", "Y", "opt2", "sched", "acc_report", "torch"):
         shell.user_ns.pop(name, None)
 
 
@@ -271,3 +271,84 @@ def test_in_a_kernel_the_panel_shows_the_report_and_the_line_returns_it():
     assert [o.output_type for o in assigned] == ["display_data", "execute_result"]
     assert "application/vnd.jupyter.widget-view+json" in assigned[0].data
     assert assigned[1].data["text/plain"] == "True"
+
+
+# ---- %%accumulate -------------------------------------------------------------------------------
+
+LOOP = """
+for i in range(0, 48, 4):
+    loss = loss_fn(model(X[i:i + 4]), Y[i:i + 4])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.fixture
+def data(ip):
+    generator = torch.Generator().manual_seed(3)
+    ip.push({"torch": torch, "X": torch.randn(48, 16, generator=generator),
+             "Y": torch.randint(0, 4, (48,), generator=generator)})
+    return ip.user_ns["X"], ip.user_ns["Y"]
+
+
+def test_accumulate_cell_equals_the_accumulate_function(ip, data):
+    X, Y = data
+    report = ip.run_cell_magic("accumulate", "4", LOOP)
+    reference = tiny_model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with bw.accumulate(optimizer, steps=4, model=reference) as acc:
+        for i in range(0, 48, 4):
+            nn.functional.cross_entropy(reference(X[i:i + 4]), Y[i:i + 4]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert report == acc.report
+    assert (report.steps, report.micro_steps, report.real_steps) == (4, 12, 3)
+    for ours, theirs in zip(ip.user_ns["model"].parameters(), reference.parameters()):
+        assert torch.equal(ours, theirs)
+    assert "step" not in vars(ip.user_ns["opt"])  # the optimizer is itself again
+
+
+def test_accumulate_finds_the_scheduler_of_the_optimizer(ip, data):
+    ip.run_cell("sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)")
+    ip.run_cell_magic("accumulate", "4", LOOP + "    sched.step()\n")
+    assert ip.user_ns["sched"].get_last_lr() == pytest.approx([0.1 / 2**3])  # 3 updates
+
+
+def test_accumulate_with_several_optimizers_is_a_usage_error_listing_them(ip, data):
+    ip.run_cell("opt2 = torch.optim.Adam(model.parameters())")
+    with pytest.raises(UsageError, match="opt, opt2") as error:
+        ip.run_cell_magic("accumulate", "4", LOOP)
+    assert "--optimizer NAME" in str(error.value)
+    report = ip.run_cell_magic("accumulate", "4 --optimizer opt2", "pass")
+    assert report.micro_steps == 0
+
+
+def test_accumulate_without_an_optimizer_says_so(ip):
+    ip.user_ns.pop("opt")
+    with pytest.raises(UsageError, match=r"no optimizers in the notebook"):
+        ip.run_cell_magic("accumulate", "4", "pass")
+
+
+@pytest.mark.filterwarnings("ignore::batchwidgets._warnings.BatchwidgetsWarning")
+def test_accumulate_batch_size_takes_the_micro_batch_from_the_probe(ip, data):
+    ip.run_cell("report = %find_batch model make_batch --optimizer opt --loss-fn loss_fn "
+                "--budget 256KiB -q")
+    recommended = ip.user_ns["report"].recommended_batch_size
+    acc_report = ip.run_cell_magic("accumulate", "--batch-size 1024 --probe report", "pass")
+    assert acc_report.target_batch_size == 1024
+    assert acc_report.micro_batch_size == recommended
+    assert acc_report.steps == -(-1024 // recommended)
+
+
+def test_accumulate_errors_from_the_cell_propagate_and_restore(ip, data):
+    with pytest.raises(ZeroDivisionError):
+        ip.run_cell_magic("accumulate", "4", "loss_fn(model(X), Y).backward()\nopt.step()\n1/0")
+    assert "step" not in vars(ip.user_ns["opt"])
+
+
+def test_accumulate_manual_names_the_function(ip, capsys):
+    ip.run_cell("%%accumulate?")
+    shown = capsys.readouterr().out
+    assert "batchwidgets.accumulate" in shown
+    assert "--batch-size" in shown

@@ -74,10 +74,12 @@ class Accumulator:
 
     def __init__(self, optimizer: torch.optim.Optimizer, steps: int,
                  model: torch.nn.Module | None, scaler: Any, scheduler: Any,
-                 remainder: str, track_grad_norms: bool) -> None:
+                 remainder: str, track_grad_norms: bool, batch_size: int | None = None,
+                 micro_batch_size: int | None = None) -> None:
         self.optimizer, self.steps, self.model = optimizer, steps, model
         self.scaler, self.scheduler, self.remainder = scaler, scheduler, remainder
         self.track_grad_norms = track_grad_norms
+        self.batch_size, self.planned_micro_batch_size = batch_size, micro_batch_size
         self._pending = 0  # micro-steps since the last real step
         self._micro_steps = self._real_steps = self._skipped = 0
         self._averaged = self._in_real_step = self._update_due = False
@@ -116,8 +118,10 @@ class Accumulator:
         return AccumulationReport(
             steps=self.steps, micro_steps=self._micro_steps, real_steps=self._real_steps,
             skipped_steps=self._skipped, remainder=self._remainder_done,
-            remainder_micro_steps=self._remainder_count, micro_batch_size=self._micro_batch_size,
-            world_size=world, skips_allreduce=self._is_ddp() and self.steps > 1,
+            remainder_micro_steps=self._remainder_count,
+            micro_batch_size=self._micro_batch_size or self.planned_micro_batch_size,
+            world_size=world, target_batch_size=self.batch_size,
+            skips_allreduce=self._is_ddp() and self.steps > 1,
             losses=self._losses.flush(), grad_norms=tuple(v**0.5 for v in self._sq_norms.flush()))
 
     # ---- the intercepted calls ------------------------------------------------------------
@@ -351,9 +355,10 @@ class Accumulator:
             self._restore()
 
 
-def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
+def accumulate(optimizer: torch.optim.Optimizer, steps: int | None = None,
                model: torch.nn.Module | None = None, scaler: Any = None, scheduler: Any = None,
-               *, remainder: str = "apply", track_grad_norms: bool = False) -> Accumulator:
+               *, remainder: str = "apply", track_grad_norms: bool = False,
+               batch_size: int | None = None, micro_batch_size: int | None = None) -> Accumulator:
     """Gradient accumulation around an unchanged training loop.
 
     Inside the block, ``optimizer.step()`` and ``zero_grad()`` take effect every ``steps``
@@ -368,7 +373,7 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
     optimizer : torch.optim.Optimizer
         The optimizer the loop calls ``step()``/``zero_grad()`` on.
     steps : int
-        Micro-steps per real optimizer step.
+        Micro-steps per real optimizer step (default 4, or derived from ``batch_size``).
     model : torch.nn.Module, optional
         Needed for DDP (to skip all-reduces), the BatchNorm warning and the micro-batch size.
     scaler : torch.amp.GradScaler, optional
@@ -381,6 +386,10 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
     track_grad_norms : bool
         Record each micro-batch's gradient norm in the report (one fused reduction per
         parameter per micro-step, which is why it is off by default; the noise tracker uses it).
+    batch_size, micro_batch_size : int, optional
+        Instead of ``steps``: the batch each update should see, and the micro-batch the loop
+        feeds (e.g. ``find_batch``'s ``recommended_batch_size``); ``steps`` becomes
+        ``ceil(batch_size / micro_batch_size)`` and the report states all three.
 
     Returns
     -------
@@ -400,6 +409,7 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer should be a torch.optim.Optimizer, but got "
                         f"optimizer={optimizer!r}; pass the optimizer your loop steps.")
+    steps = _steps_for(steps, batch_size, micro_batch_size)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps should be an int >= 1, but got steps={steps!r}; e.g. steps=4 "
                          f"makes each update use 4 micro-batches.")
@@ -408,5 +418,24 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
                          f"remainder={remainder!r}.")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
-    return Accumulator(optimizer, steps, model, scaler, scheduler, remainder, track_grad_norms)
+    return Accumulator(optimizer, steps, model, scaler, scheduler, remainder, track_grad_norms,
+                       batch_size, micro_batch_size)
+
+
+def _steps_for(steps: int | None, batch_size: int | None, micro_batch_size: int | None) -> int:
+    if batch_size is None and micro_batch_size is None:
+        return 4 if steps is None else steps
+    for name, value in (("batch_size", batch_size), ("micro_batch_size", micro_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} should be a positive int (give batch_size and "
+                             f"micro_batch_size together), but got {name}={value!r}.")
+    if steps is not None:
+        raise ValueError(f"give steps or batch_size with micro_batch_size, not both, but got "
+                         f"steps={steps!r} and batch_size={batch_size!r}.")
+    if batch_size % micro_batch_size:
+        warnings.warn(f"batch_size={batch_size} is not a multiple of micro_batch_size="
+                      f"{micro_batch_size}: each update will see "
+                      f"{-(-batch_size // micro_batch_size) * micro_batch_size} samples.",
+                      BatchwidgetsWarning, stacklevel=3)
+    return -(-batch_size // micro_batch_size)  # ceil
 
