@@ -42,7 +42,8 @@ def _dataset_maker(dataset: Dataset, collate: Callable) -> Callable[[int], Any]:
     n = len(dataset)
     if n == 0:
         raise ValueError("make_batch should be a non-empty Dataset, but got one of length 0.")
-    indices = sorted({i * n // N_SAMPLES_SCANNED for i in range(min(n, N_SAMPLES_SCANNED))})
+    scanned = min(n, N_SAMPLES_SCANNED)  # evenly spread over the whole dataset
+    indices = sorted({i * n // scanned for i in range(scanned)})
     samples = [dataset[i] for i in indices]
     sizes = [_nbytes(s) for s in samples]
     if len(set(sizes)) > 1:  # variable-size samples: the largest is the worst case that must fit

@@ -94,9 +94,11 @@ def forget(error: BaseException) -> None:
     error.__traceback__ = None
 
 
-def free_memory(device: torch.device) -> None:
-    """Collect garbage and hand cached blocks back, so the next step starts from the baseline."""
-    gc.collect()
+def free_memory(device: torch.device, collect: bool = True) -> None:
+    """Collect garbage (if ``collect``) and hand cached blocks back, so the next step starts from
+    the baseline."""
+    if collect:
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
@@ -105,9 +107,15 @@ def free_memory(device: torch.device) -> None:
 
 
 def unique_tensors(tensors: Iterable[object]) -> Iterator[torch.Tensor]:
+    """The strided tensors holding the data in a nested structure: a sparse COO tensor (as
+    ``nn.Embedding(sparse=True)`` makes for gradients) stands for its indices and values."""
     for item in tree_flatten(list(tensors))[0]:
-        if isinstance(item, torch.Tensor):
+        if not isinstance(item, torch.Tensor):
+            continue
+        if item.layout == torch.strided:
             yield item
+        elif item.layout == torch.sparse_coo:
+            yield from (item._indices(), item._values())
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -158,10 +166,17 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.peak_bytes = self.live_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         before = self.live_bytes
+        # An output sharing an input's storage (a view, an in-place op) allocates nothing new. A
+        # storage made before the block, such as a dataset tensor that make_batch slices, is not
+        # the step's memory: counting it would charge the whole dataset to the first slice.
+        inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
         for tensor in unique_tensors([out]):
-            self._count(tensor)
+            key = id(tensor.untyped_storage())
+            if key in self._storages or key not in inputs:
+                self._count(tensor)
         if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             raise BudgetExceededError(
                 f"{self.device.type.upper()} out of memory (batchwidgets budget): the step held "

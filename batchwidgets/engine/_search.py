@@ -22,11 +22,14 @@ from ..results import Attempt, MemoryModel
 # memory does not move, x8 once it does) until the three largest sizes that ran agree on one line
 # (slopes within SLOPE_AGREEMENT, and a growth that is not rounding noise). Then it jumps to the
 # largest size the line says fits under the limit, and tries one step past it, so the boundary is
-# confirmed by two sizes that ran: the one that fits and the next one that does not. Each new
-# measurement refits on the sizes nearest the boundary. When memory is not linear (allocator
-# rounding, workspaces) a prediction can miss; after MAX_SURPRISES misses, or while no line can
-# be trusted, the search bisects the bracket (nudged toward the line, never past its middle
-# half), so the bracket shrinks by a quarter or more each try and ends on the exact boundary.
+# confirmed by two sizes that ran: the one that fits and the next one that does not. A jump goes
+# at most FIT_SPREAD x the largest size that ran: three small sizes can all lie on the plateau's
+# own slope (the input batch's bytes, say), and that line, extrapolated a hundredfold, lands far
+# past the boundary, where every try after it runs out of memory. Each new measurement refits on
+# the sizes nearest the boundary. When memory is not linear (allocator rounding, workspaces) a
+# prediction can miss; after MAX_SURPRISES misses, or while no line can be trusted, the search
+# bisects the bracket (nudged toward the line, never past its middle half), so the bracket shrinks
+# by a quarter or more each try and ends on the exact boundary.
 GALLOP = 2
 FIT_SPREAD = 8
 SLOPE_AGREEMENT = 0.10  # relative difference of the two slopes
@@ -120,7 +123,9 @@ def next_batch_size(attempts: Sequence[Attempt], *, start: int, multiple_of: int
             else model.largest_batch_size(limit_bytes, m))
     if line is not None and _line_is_trusted(attempts) \
             and _surprises(attempts, limit_bytes) < MAX_SURPRISES:
-        guess = lo + m if line == lo else line  # lo is the boundary? confirm with the next size
+        # lo is the boundary? confirm with the next size. Jump at most FIT_SPREAD x lo (see the
+        # NOTE): three small sizes can agree on the plateau's slope, not the per-sample line.
+        guess = lo + m if line == lo else min(line, FIT_SPREAD * lo)
     elif hi is None and not _memory_moves(attempts):
         guess = GALLOP * lo  # nothing to measure: gallop
     elif hi is None:  # an untrusted line still says how far to go: between x2 and x8

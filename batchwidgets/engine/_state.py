@@ -52,14 +52,16 @@ def _put_back(current: Any, saved: Any) -> Any:
 
 
 class ModelState:
-    """Weights, gradients, buffers and train/eval modes of a module."""
+    """Weights, gradients, buffers and train/eval modes of a module; given a list of parameters
+    instead (what the optimizer of a bare step trains), their weights and gradients."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module | list[torch.Tensor]) -> None:
+        is_module = isinstance(model, torch.nn.Module)
         self.model = model
         self.params = [(p, _host_copy(p), None if p.grad is None else _host_copy(p.grad))
-                       for p in model.parameters()]
-        self.buffers = [(b, _host_copy(b)) for b in model.buffers()]
-        self.modes = [(m, m.training) for m in model.modules()]
+                       for p in (model.parameters() if is_module else model)]
+        self.buffers = [(b, _host_copy(b)) for b in model.buffers()] if is_module else []
+        self.modes = [(m, m.training) for m in model.modules()] if is_module else []
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -127,28 +129,57 @@ class RngState:
             sys.modules["numpy"].random.set_state(self.numpy)
 
 
-def _backend_flags() -> dict[str, Any]:
-    return {
-        "grad_enabled": torch.is_grad_enabled(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "matmul_precision": torch.get_float32_matmul_precision(),
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+# NOTE [ TF32 flags ]
+# PyTorch >= 2.9 stores TF32 choices as ``fp32_precision`` per backend and op, and keeps the
+# legacy views (``get_float32_matmul_precision``, ``allow_tf32``) for old code. Reading a legacy
+# view raises once the new API was used, and writing one after ``set_float32_matmul_precision``
+# mixes the two APIs so that reading raises from then on. So read the new API where it exists, and
+# write back only a flag that a step really changed: a probe that changes nothing touches nothing.
+_FP32_PRECISION_OWNERS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn",
+                          "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _attribute(owner: Any, name: str) -> tuple[Any, Any]:
+    return (lambda: getattr(owner, name)), (lambda value: setattr(owner, name, value))
+
+
+def _flag_accessors() -> dict[str, tuple[Any, Any]]:
+    """Name -> (read, write) for every global flag a probe could change."""
+    accessors = {
+        "grad_enabled": (torch.is_grad_enabled, torch.set_grad_enabled),
+        "deterministic": (torch.are_deterministic_algorithms_enabled, lambda value: (
+            torch.use_deterministic_algorithms(
+                value, warn_only=torch.is_deterministic_algorithms_warn_only_enabled()))),
+        "deterministic_warn_only": (torch.is_deterministic_algorithms_warn_only_enabled,
+                                    lambda value: torch.use_deterministic_algorithms(
+                                        torch.are_deterministic_algorithms_enabled(),
+                                        warn_only=value)),
+        "cudnn_benchmark": _attribute(torch.backends.cudnn, "benchmark"),
+        "cudnn_deterministic": _attribute(torch.backends.cudnn, "deterministic"),
     }
+    if hasattr(torch.backends, "fp32_precision"):  # see NOTE [ TF32 flags ]
+        for path in _FP32_PRECISION_OWNERS:
+            owner = torch.backends
+            for part in filter(None, path.split(".")):
+                owner = getattr(owner, part)
+            accessors[f"fp32_precision:{path or 'generic'}"] = _attribute(owner, "fp32_precision")
+    else:
+        accessors["matmul_precision"] = (torch.get_float32_matmul_precision,
+                                         torch.set_float32_matmul_precision)
+        accessors["cudnn_allow_tf32"] = _attribute(torch.backends.cudnn, "allow_tf32")
+        accessors["cuda_matmul_allow_tf32"] = _attribute(torch.backends.cuda.matmul, "allow_tf32")
+    return accessors
+
+
+def _backend_flags() -> dict[str, Any]:
+    return {name: read() for name, (read, _) in _flag_accessors().items()}
 
 
 def _set_backend_flags(flags: dict[str, Any]) -> None:
-    torch.set_grad_enabled(flags["grad_enabled"])
-    torch.use_deterministic_algorithms(flags["deterministic"],
-                                       warn_only=flags["deterministic_warn_only"])
-    torch.set_float32_matmul_precision(flags["matmul_precision"])
-    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
-    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
-    torch.backends.cudnn.allow_tf32 = flags["cudnn_allow_tf32"]
-    torch.backends.cuda.matmul.allow_tf32 = flags["cuda_matmul_allow_tf32"]
+    # In order, each read afresh: setting the generic fp32_precision also sets the ones below it.
+    for name, (read, write) in _flag_accessors().items():
+        if read() != flags[name]:
+            write(flags[name])
 
 
 class TrainingState:
@@ -157,10 +188,17 @@ class TrainingState:
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
                  extras: tuple[Any, ...] = ()) -> None:
+        if model is None and optimizer is not None:  # a bare step: it trains these parameters
+            model = [p for group in optimizer.param_groups for p in group["params"]]
         self.model = ModelState(model) if model is not None else None
         self.optimizer = OptimizerState(optimizer) if optimizer is not None else None
         # Schedulers and GradScalers both have state_dict/load_state_dict.
         self.extras = [(obj, _host_copy(obj.state_dict())) for obj in extras if obj is not None]
+        # A GradScaler's state_dict leaves out how far it got within a step: an out-of-memory
+        # error between unscale_() and update() would leave it "unscaled", so that the next
+        # unscale_() raises and the next step() reuses stale inf checks.
+        self.scaler_stages = [(obj, copy.deepcopy(obj._per_optimizer_states))
+                              for obj in extras if hasattr(obj, "_per_optimizer_states")]
         self.rng = RngState()
         self.flags = _backend_flags()
 
@@ -171,6 +209,8 @@ class TrainingState:
             self.optimizer.restore()
         for obj, saved in self.extras:
             obj.load_state_dict(_put_back(None, saved))
+        for scaler, stages in self.scaler_stages:
+            scaler._per_optimizer_states = copy.deepcopy(stages)
         self.rng.restore()
         _set_backend_flags(self.flags)
 

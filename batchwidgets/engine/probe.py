@@ -51,7 +51,8 @@ class NoBatchSizeFits(RuntimeError):
 
 
 def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_size: int | None,
-                     multiple_of: int, headroom: float, steps_per_trial: int) -> None:
+                     multiple_of: int, headroom: float, steps_per_trial: int,
+                     start: int | None) -> None:
     if not isinstance(model, torch.nn.Module) and not callable(model):
         raise TypeError(f"model should be a torch.nn.Module or a step(batch_size) callable, "
                         f"but got model={model!r}.")
@@ -74,6 +75,13 @@ def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_siz
     if not isinstance(steps_per_trial, int) or steps_per_trial < 1:
         raise ValueError(f"steps_per_trial should be an int >= 1, but got "
                          f"steps_per_trial={steps_per_trial!r}.")
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 1
+                              or start % multiple_of):
+        raise ValueError(f"start should be a positive multiple of multiple_of ({multiple_of}), "
+                         f"but got start={start!r}.")
+    if start is not None and max_batch_size is not None and start > max_batch_size:
+        raise ValueError(f"max_batch_size should be >= start ({start}), but got "
+                         f"max_batch_size={max_batch_size!r}; raise max_batch_size or lower start.")
 
 
 def _resolve_device(model: Any, device: torch.device | str | None) -> torch.device:
@@ -111,18 +119,20 @@ def _agree(attempt: Attempt) -> Attempt:
         return attempt
     nccl = torch.distributed.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    values = [attempt.peak_memory_bytes, attempt.peak_reserved_bytes, attempt.step_time_s]
+    values = [attempt.peak_memory_bytes, attempt.peak_reserved_bytes,
+              attempt.activation_peak_bytes, attempt.step_time_s]
     # MIN of (fits, -x) is (fits everywhere, -max x); -1 stands for "not measured" (None).
     flat = torch.tensor([float(attempt.fits)] + [-(v if v is not None else -1) for v in values],
                         dtype=torch.float64, device=device)
     torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MIN)
-    fits, peak, reserved, seconds = flat.tolist()
+    fits, peak, reserved, activation, seconds = flat.tolist()
     unmeasured = 1.0
     return Attempt(
         batch_size=attempt.batch_size, fits=bool(fits),
         peak_memory_bytes=None if peak == unmeasured else int(-peak),
         peak_reserved_bytes=None if reserved == unmeasured else int(-reserved),
         step_time_s=None if seconds == unmeasured or not fits else -seconds,
+        activation_peak_bytes=None if activation == unmeasured else int(-activation),
         error=attempt.error or ("" if fits else "out of memory on another rank"))
 
 
@@ -146,7 +156,7 @@ class _Trainer:
         self.steps_per_trial, self.tracked = steps_per_trial, tracked
 
     def attempt(self, batch_size: int) -> Attempt:
-        seconds = None
+        seconds, oom = None, False
         try:
             with self.meter.measure(self.tracked()) as reading:
                 for _ in range(self.steps_per_trial):
@@ -158,6 +168,7 @@ class _Trainer:
         except BaseException as error:  # OOM is data; everything else goes to the user as is
             if not _memory.is_oom(error):
                 raise
+            oom = True
             message = _memory.first_line(error)
             _memory.forget(error)
             del error
@@ -166,7 +177,9 @@ class _Trainer:
                            error=message)
         finally:
             self.state.restore()
-            _memory.free_memory(self.meter.device)
+            # A full gc.collect() costs ~0.2 s with torch loaded; only an out-of-memory error
+            # leaves cycles (its traceback) holding tensors. A clean step's are freed already.
+            _memory.free_memory(self.meter.device, collect=oom)
         return Attempt(batch_size, True, reading.peak_bytes, seconds, reading.peak_reserved_bytes,
                        reading.activation_peak_bytes)
 
@@ -221,6 +234,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         Default: the output's ``.loss``, the output itself if scalar, else its mean.
     optimizer : torch.optim.Optimizer, optional
         Default: a fresh ``torch.optim.AdamW`` on the model's parameters (Adam-sized state).
+        With a bare ``step``, pass the optimizer it uses: its parameters (weights, gradients)
+        and state are then restored too; find_batch cannot see them otherwise.
     device : str or torch.device, optional
         Default: the model's device (or CUDA for a bare step when present).
     budget : int or str, optional
@@ -259,15 +274,15 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     (621, 622)
     """
     _check_arguments(model, make_batch, amp, max_batch_size, multiple_of, headroom,
-                     steps_per_trial)
+                     steps_per_trial, start)
     budget_bytes = _memory.parse_bytes(budget, "budget")
     device = _resolve_device(model, device)
     is_module = isinstance(model, torch.nn.Module)
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
-    if start is None:
-        start = max(multiple_of, 2 if _has_batchnorm(model) else 1)
     ceiling = (max_batch_size or SEARCH_CEILING) // multiple_of * multiple_of
+    if start is None:
+        start = min(max(multiple_of, 2 if _has_batchnorm(model) else 1), ceiling)
 
     state = TrainingState(model if is_module else None, optimizer, (scheduler, scaler))
     home = _resolve_device(model, None) if is_module else device

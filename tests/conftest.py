@@ -1,0 +1,79 @@
+"""Shared test setup: the ``gpu`` marker, and a guard failing tests that leak global torch state."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+FP32_PRECISION_OWNERS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn",
+                         "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _fp32_precisions() -> dict[str, str]:
+    """TF32 settings, read through the API that never raises (PyTorch >= 2.9), else the old one."""
+    if not hasattr(torch.backends, "fp32_precision"):
+        return {"cudnn.allow_tf32": str(torch.backends.cudnn.allow_tf32),
+                "cuda.matmul.allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
+                "matmul_precision": torch.get_float32_matmul_precision()}
+    precisions = {}
+    for path in FP32_PRECISION_OWNERS:
+        owner = torch.backends
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part)
+        precisions[path or "generic"] = owner.fp32_precision
+    return precisions
+
+
+def global_torch_state() -> dict[str, object]:
+    """Process-wide settings no test may leave changed (RNG streams are checked where they matter:
+    some tests seed on purpose)."""
+    state: dict[str, object] = {
+        "grad_enabled": torch.is_grad_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "default_dtype": torch.get_default_dtype(),
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "dispatch_modes": len(_get_current_dispatch_mode_stack()),  # a tracker left switched on
+        "distributed": torch.distributed.is_available() and torch.distributed.is_initialized(),
+        **_fp32_precisions(),
+    }
+    if torch.cuda.is_available():
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if getter is not None:
+            state["cuda.memory_fraction"] = getter()
+    return state
+
+
+def _cuda_allocated() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()  # so that a test's first CUDA call does not look like a change
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_torch_state():
+    """Fail a test that leaves global torch state changed or CUDA memory allocated."""
+    before, allocated = global_torch_state(), _cuda_allocated()
+    yield
+    after = global_torch_state()
+    changed = {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys()
+               if before.get(k) != after.get(k)}
+    assert not changed, f"the test left global torch state changed (before, after): {changed}"
+    if allocated is not None:
+        assert _cuda_allocated() <= allocated, "the test left CUDA memory allocated"
