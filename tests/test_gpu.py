@@ -135,3 +135,34 @@ def test_a_bare_step_on_cuda_is_searched_by_its_real_ooms():
     assert report.device.startswith("cuda")
     assert 100 < report.max_batch_size < 256
     assert report.first_oom_batch_size == report.max_batch_size + 1
+
+
+def test_a_cpu_model_probed_on_cuda_comes_back_to_the_cpu_unchanged():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    optimizer = torch.optim.Adam(model.parameters())
+    for _ in range(2):  # optimizer state and gradients exist, on the CPU
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(8, 256)),
+                                    torch.randint(0, 10, (8,))).backward()
+        optimizer.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = to_host(optimizer.state_dict())
+
+    def cpu_batch(batch_size):
+        return torch.randn(batch_size, 256), torch.randint(0, 10, (batch_size,))
+
+    report = bw.find_batch(model, cpu_batch, loss_fn=nn.functional.cross_entropy,
+                           optimizer=optimizer, device="cuda", budget="512MiB",
+                           max_batch_size=4096)
+    assert report.device.startswith("cuda")
+    assert report.max_batch_size > 8
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    after = optimizer.state_dict()
+    for key, saved in state["state"].items():
+        for name, value in saved.items():
+            assert after["state"][key][name].device.type == "cpu"
+            assert torch.equal(after["state"][key][name], value)

@@ -169,7 +169,7 @@ def test_the_oom_error_recorded_in_an_attempt_is_its_first_line():
             raise RuntimeError(OOM_MESSAGES["cuda raw cudaMalloc"])
 
     report = bw.find_batch(step, device="cpu", steps_per_trial=1)
-    assert [a.error for a in report.attempts] == ["", "RuntimeError: CUDA error: out of memory"]
+    assert [a.error for a in report.attempts] == ["RuntimeError: CUDA error: out of memory", ""]
 
 
 def test_views_and_in_place_ops_on_tensors_made_before_the_block_cost_nothing():

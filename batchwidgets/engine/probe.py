@@ -97,9 +97,11 @@ def _resolve_device(model: Any, device: torch.device | str | None) -> torch.devi
     return torch.device("cpu")
 
 
-def _has_batchnorm(model: Any) -> bool:
-    return isinstance(model, torch.nn.Module) and any(
-        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+# NOTE [ Why the probe starts at 2 ]
+# Batch size 1 is a special case for many models: BatchNorm cannot train on one sample, and
+# reductions over the batch, squeezes and kernel choices make its memory fall off the line that
+# larger sizes lie on, so a fit through it misleads the jump. Starting at 2 (as Lightning's tuner
+# does) costs nothing when 2 fits; when it does not, the search halves down to 1.
 
 
 def _state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list:
@@ -137,14 +139,14 @@ def _agree(attempt: Attempt) -> Attempt:
 
 
 def _agree_limit(limit_bytes: int | None) -> int | None:
-    if limit_bytes is None or not (torch.distributed.is_available()
-                                   and torch.distributed.is_initialized()):
-        return limit_bytes
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return limit_bytes  # every rank takes part below, with or without a limit of its own
     nccl = torch.distributed.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    value = torch.tensor([float(limit_bytes)], dtype=torch.float64, device=device)
+    value = torch.tensor([float("inf") if limit_bytes is None else float(limit_bytes)],
+                         dtype=torch.float64, device=device)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
-    return int(value.item())
+    return None if value.item() == float("inf") else int(value.item())
 
 
 class _Trainer:
@@ -182,6 +184,21 @@ class _Trainer:
             _memory.free_memory(self.meter.device, collect=oom)
         return Attempt(batch_size, True, reading.peak_bytes, seconds, reading.peak_reserved_bytes,
                        reading.activation_peak_bytes)
+
+
+def _moved(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+           extras: tuple) -> TrainingState:
+    """Move the model and its optimizer state to ``device``; the state to start each trial from.
+
+    Optimizer state follows its parameter, except ``step`` counters, which PyTorch's optimizers
+    keep on the host unless they are capturable or fused.
+    """
+    model.to(device)
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step" and value.device != param.device:
+                state[key] = value.to(param.device)
+    return TrainingState(model, optimizer, extras)
 
 
 def _model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Callable | None,
@@ -252,7 +269,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     steps_per_trial : int
         Training steps run at each size.
     start : int, optional
-        First size tried (default ``multiple_of``, or 2 when the model has BatchNorm).
+        First size tried (default 2, or ``multiple_of`` when larger); if it does not fit, the
+        probe halves down to ``multiple_of``.
     on_step : callable, optional
         Called with each ``Attempt`` as it finishes (progress for front ends).
 
@@ -282,15 +300,18 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         optimizer = torch.optim.AdamW(model.parameters())
     ceiling = (max_batch_size or SEARCH_CEILING) // multiple_of * multiple_of
     if start is None:
-        start = min(max(multiple_of, 2 if _has_batchnorm(model) else 1), ceiling)
+        start = min(max(multiple_of, 2), ceiling)  # see NOTE [ Why the probe starts at 2 ]
 
-    state = TrainingState(model if is_module else None, optimizer, (scheduler, scaler))
+    extras = (scheduler, scaler)
+    home_state = TrainingState(model if is_module else None, optimizer, extras)
+    moved = is_module and _resolve_device(model, None) != device
     home = _resolve_device(model, None) if is_module else device
     meter = make_meter(device, budget_bytes)
     try:
         with meter.capped():
+            # each trial starts from this state: the user's, on the device probed
+            state = _moved(model, optimizer, device, extras) if moved else home_state
             if is_module:
-                model.to(device)
                 if amp == "fp16" and scaler is None:
                     scaler = torch.amp.GradScaler(device.type)
                 step = _model_step(model, as_batch_maker(make_batch), loss_fn, optimizer, device,
@@ -308,9 +329,9 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                 if on_step is not None:
                     on_step(attempts[-1])
     finally:
-        if is_module and home != device:
+        if moved:
             model.to(home)
-        state.restore()
+        home_state.restore()
         _memory.free_memory(device)
     return _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
                    max_batch_size, ceiling, multiple_of, headroom)
