@@ -15,6 +15,7 @@ _LAZY = {
     "NoBatchSizeFits": "batchwidgets.engine.probe",
     "BudgetExceededError": "batchwidgets.engine._memory",
     "track_tensor_memory": "batchwidgets.engine._memory",
+    "SyntheticBatches": "batchwidgets.engine._batches",
     "accumulate": "batchwidgets.engine.accumulate",
     "AccumulationReport": "batchwidgets.results",
     "BatchwidgetsWarning": "batchwidgets._warnings",

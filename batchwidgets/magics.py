@@ -13,121 +13,37 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import difflib
 import functools
-import types
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
-from .engine import find_batch, parse_bytes
+from ._notebook import (
+    available,
+    budget_size,
+    device_name,
+    example_shape,
+    find_one,
+    fraction,
+    parse,
+    positive_int,
+    resolve,
+    training_model,
+)
+from .engine import SyntheticBatches, find_batch
 from .engine.accumulate import accumulate
 from .results import AccumulationReport, BatchSizeReport
 from .widgets import ProbePanel
 
-# find_batch options given as values (the rest name objects in the notebook; see _ROLES)
+# find_batch options given as values (the rest name objects in the notebook; see _notebook.py)
 _VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "headroom",
                   "steps_per_trial", "start")
 _NAMED_OPTIONS = {"loss_fn": "--loss-fn", "optimizer": "--optimizer",
                   "scheduler": "--scheduler", "scaler": "--scaler"}
-
-
-def _is_function(value: Any) -> bool:
-    return callable(value) and not isinstance(value, type)
-
-
-def _is_batch_source(value: Any) -> bool:  # what find_batch accepts; map-style data included
-    return (isinstance(value, _DATA) or _is_function(value)
-            or (hasattr(value, "__getitem__") and hasattr(value, "__len__")
-                and not isinstance(value, (str, bytes, dict, type))))
-
-
-@dataclass(frozen=True)
-class _Role:
-    """What the name given for one argument may be, and which notebook names to suggest."""
-
-    expected: str
-    plural: str
-    accepts: Callable[[Any], bool]
-    listed: Callable[[Any], bool]
-
-
-_DATA = (torch.Tensor, torch.utils.data.Dataset, torch.utils.data.DataLoader)
-_FUNCTIONS = (types.FunctionType, functools.partial)
-_ROLES = {
-    "MODEL": _Role("a torch.nn.Module or a step(batch_size) function", "models", _is_function,
-                   lambda v: isinstance(v, torch.nn.Module)),
-    "MAKE_BATCH": _Role("a make_batch(batch_size) function, a Dataset, a DataLoader or an "
-                        "example tensor", "batch sources", _is_batch_source,
-                        lambda v: isinstance(v, (*_DATA, *_FUNCTIONS))),
-    "--loss-fn": _Role("a loss function, loss_fn(output, target)", "loss functions",
-                       _is_function, lambda v: isinstance(v, _FUNCTIONS)
-                       or type(v).__name__.endswith("Loss")),
-    "--optimizer": _Role("a torch.optim.Optimizer", "optimizers",
-                         lambda v: isinstance(v, torch.optim.Optimizer),
-                         lambda v: isinstance(v, torch.optim.Optimizer)),
-    "--scheduler": _Role("a learning-rate scheduler", "schedulers",
-                         lambda v: hasattr(v, "get_last_lr"), lambda v: hasattr(v, "get_last_lr")),
-    "--scaler": _Role("a torch.amp.GradScaler", "scalers", lambda v: hasattr(v, "unscale_"),
-                      lambda v: hasattr(v, "unscale_")),
-    "--model": _Role("a torch.nn.Module", "models", lambda v: isinstance(v, torch.nn.Module),
-                     lambda v: isinstance(v, torch.nn.Module)),
-    "--probe": _Role("a find_batch report (BatchSizeReport)", "probe reports",
-                     lambda v: isinstance(v, BatchSizeReport),
-                     lambda v: isinstance(v, BatchSizeReport)),
-}
-
-
-def _available(shell: Any, role: str) -> str:
-    hidden = shell.user_ns_hidden
-    names = sorted(name for name, value in shell.user_ns.items()
-                   if not name.startswith("_") and name not in hidden
-                   and _ROLES[role].listed(value))
-    plural = _ROLES[role].plural
-    return f"{plural} in the notebook: {', '.join(names)}" if names else f"no {plural} there"
-
-
-def _resolve(shell: Any, text: str | None, role: str) -> Any:
-    """The object a (dotted) notebook name refers to; a one-line UsageError if there is none."""
-    if text is None:
-        return None
-    root, *attributes = text.split(".")
-    if root not in shell.user_ns:
-        close = difflib.get_close_matches(root, [n for n in shell.user_ns if n[:1] != "_"], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ";"
-        raise UsageError(f"{role}: name {root!r} is not defined in the notebook{hint} "
-                         f"{_available(shell, role)}.")
-    value = shell.user_ns[root]
-    for depth, attribute in enumerate(attributes):
-        if not hasattr(value, attribute):
-            owner = ".".join([root, *attributes[:depth]])
-            raise UsageError(f"{role}: {owner} (a {type(value).__name__}) has no attribute "
-                             f"{attribute!r}.")
-        value = getattr(value, attribute)
-    if not _ROLES[role].accepts(value):
-        raise UsageError(f"{role} should be {_ROLES[role].expected}, but got {role}={text} "
-                         f"(a {type(value).__name__}); {_available(shell, role)}.")
-    return value
-
-
-@dataclass(frozen=True)
-class _SyntheticBatches:
-    """``--input-shape``: random inputs of that shape, with random labels given ``num_classes``."""
-
-    input_shape: tuple[int, ...]
-    num_classes: int | None = None
-
-    def __call__(self, batch_size: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        inputs = torch.randn(batch_size, *self.input_shape)
-        if self.num_classes is None:
-            return inputs
-        return inputs, torch.randint(0, self.num_classes, (batch_size,))
 
 
 def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:
@@ -136,96 +52,27 @@ def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:
             raise UsageError(f"give MAKE_BATCH or --input-shape, not both, but got "
                              f"MAKE_BATCH={args.make_batch} and --input-shape "
                              f"{','.join(map(str, args.input_shape))}.")
-        return _SyntheticBatches(args.input_shape, args.num_classes)
+        return SyntheticBatches(args.input_shape, args.num_classes)
     if args.num_classes is not None:
         raise UsageError("--num-classes goes with --input-shape (synthetic batches), e.g. "
                          "--input-shape 3,32,32 --num-classes 10.")
     if args.make_batch is None and isinstance(model, torch.nn.Module):
         raise UsageError(f"MAKE_BATCH is needed with a model (or --input-shape 3,32,32 for "
-                         f"synthetic batches); {_available(shell, 'MAKE_BATCH')}.")
-    return _resolve(shell, args.make_batch, "MAKE_BATCH")
+                         f"synthetic batches); {available(shell, 'MAKE_BATCH')}.")
+    return resolve(shell, args.make_batch, "MAKE_BATCH")
 
 
 def _probe(shell: Any, args: argparse.Namespace) -> functools.partial:
     """``find_batch`` with the notebook's objects and only the options given (its defaults stay)."""
-    model = _resolve(shell, args.model, "MODEL")
+    model = resolve(shell, args.model, "MODEL")
     make_batch = _make_batch(shell, args, model)
     options = {name: getattr(args, name) for name in _VALUE_OPTIONS
                if getattr(args, name) is not None}
-    options.update({name: _resolve(shell, getattr(args, name), flag)
+    options.update({name: resolve(shell, getattr(args, name), flag)
                     for name, flag in _NAMED_OPTIONS.items() if getattr(args, name) is not None})
     if args.num_classes is not None:
         options.setdefault("loss_fn", torch.nn.functional.cross_entropy)
     return functools.partial(find_batch, model, make_batch, **options)
-
-
-# -- argument types: a bad value is a one-line UsageError naming what would do -------------------
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"should be a positive integer, but got {text!r}.")
-    return int(text)
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"should be in (0, 1], but got {text!r}; use e.g. 0.9 "
-                                         f"to keep 10% of the memory free.")
-    return value
-
-
-def _budget(text: str) -> str:
-    try:
-        parse_bytes(text, "budget")
-    except (TypeError, ValueError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text  # find_batch parses it again, exactly as when called with the string
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    parts = text.replace("x", ",").strip("()").split(",")
-    if not all(part.strip().isdigit() and int(part) > 0 for part in parts):
-        raise argparse.ArgumentTypeError(f"should be the shape of one example such as 3,32,32, "
-                                         f"but got {text!r}.")
-    return tuple(int(part) for part in parts)
-
-
-def _devices_here() -> list[str]:
-    devices = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
-    return [*devices, "mps"] if torch.backends.mps.is_available() else devices
-
-
-def _device(text: str) -> str:
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    missing = device is not None and (
-        (device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count())
-        or (device.type == "mps" and not torch.backends.mps.is_available()))
-    if device is None or missing:
-        raise argparse.ArgumentTypeError(f"should be a device of this machine, but got {text!r}; "
-                                         f"available here: {', '.join(_devices_here())}.")
-    return text
-
-
-def _parse(magic: Callable, line: str) -> argparse.Namespace:
-    """``parse_argstring``, naming the nearest flag when one is misspelt."""
-    try:
-        return parse_argstring(magic, line)
-    except UsageError as error:
-        unknown = [word for word in str(error).split() if word.startswith("-")]
-        if not str(error).startswith("unrecognized arguments") or not unknown:
-            raise
-        flags = sorted(flag for flag in magic.parser._option_string_actions if flag[:2] == "--")
-        close = difflib.get_close_matches(unknown[0], flags, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise UsageError(f"{error}; {hint}flags: {', '.join(flags)} "
-                         f"(see %{magic.__name__}?).") from None
 
 
 def _has_widgets(shell: Any) -> bool:
@@ -282,53 +129,6 @@ class _HideOnce:
             printer.text(repr(report))
 
 
-# -- %%accumulate: find the one optimizer (scaler, scheduler, model) the cell trains with --------
-
-def _candidates(shell: Any, role: str, belongs: Callable[[Any], bool] = lambda v: True) -> dict:
-    hidden = shell.user_ns_hidden
-    found: dict[int, tuple[str, Any]] = {}
-    for name, value in shell.user_ns.items():
-        if name.startswith("_") or name in hidden or not _ROLES[role].listed(value):
-            continue
-        if belongs(value) and id(value) not in found:  # one object under two names counts once
-            found[id(value)] = (name, value)
-    return dict(found.values())
-
-
-def _find_one(shell: Any, text: str | None, role: str, required: bool,
-              belongs: Callable[[Any], bool] = lambda v: True) -> Any:
-    """The object named by ``text``, else the single one in the notebook (UsageError if several)."""
-    if text is not None:
-        return _resolve(shell, text, role)
-    return _only(_candidates(shell, role, belongs), role, required)
-
-
-def _only(found: dict, role: str, required: bool) -> Any:
-    if len(found) > 1:
-        raise UsageError(f"{len(found)} {_ROLES[role].plural} in the notebook could be meant: "
-                         f"{', '.join(sorted(found))}; pick one with {role} NAME.")
-    if not found and required:
-        raise UsageError(f"no {_ROLES[role].plural} in the notebook ({_ROLES[role].expected}); "
-                         f"create one or pass {role} NAME.")
-    return next(iter(found.values()), None)
-
-
-def _training_model(shell: Any, text: str | None, optimizer: Any) -> Any:
-    """--model, else the model whose parameters the optimizer trains (a DDP wrapper first)."""
-    if text is not None:
-        return _resolve(shell, text, "--model")
-    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
-
-    def trains(module: Any) -> bool:
-        params = list(module.parameters())
-        return bool(params) and all(id(p) in trained for p in params)
-
-    found = _candidates(shell, "--model", trains)
-    wrappers = {n: m for n, m in found.items()
-                if isinstance(m, torch.nn.parallel.DistributedDataParallel)}
-    return _only(wrappers or found, "--model", False)
-
-
 def _micro_batch(shell: Any, args: argparse.Namespace) -> dict[str, int]:
     """--batch-size B: the probe's recommended size is the micro-batch, N = ceil(B / micro)."""
     if args.batch_size is None:
@@ -339,7 +139,7 @@ def _micro_batch(shell: Any, args: argparse.Namespace) -> dict[str, int]:
     if args.steps is not None:
         raise UsageError(f"give N or --batch-size, not both, but got N={args.steps} and "
                          f"--batch-size {args.batch_size}.")
-    probe = _find_one(shell, args.probe, "--probe", False)
+    probe = find_one(shell, args.probe, "--probe", False)
     if probe is None and isinstance(shell.user_ns.get("_"), BatchSizeReport):
         probe = shell.user_ns["_"]
     if probe is None:
@@ -367,26 +167,26 @@ class BatchMagics(Magics):
               help="loss_fn(output, target) (default: the output's .loss, or its mean)")
     @argument("--optimizer", metavar="NAME",
               help="a torch.optim.Optimizer (default: a fresh AdamW)")
-    @argument("--device", type=_device, help="cpu, cuda, cuda:1 or mps (default: the model's)")
-    @argument("--budget", type=_budget, metavar="SIZE",
+    @argument("--device", type=device_name, help="cpu, cuda, cuda:1 or mps (default: the model's)")
+    @argument("--budget", type=budget_size, metavar="SIZE",
               help="memory cap such as 512MB or 16GiB; on CUDA it emulates a smaller GPU "
                    "(default: the whole GPU; half of the available RAM on the CPU)")
     @argument("--amp", choices=["bf16", "fp16"], help="probe under autocast")
-    @argument("--max-batch-size", type=_positive_int, metavar="N",
+    @argument("--max-batch-size", type=positive_int, metavar="N",
               help="largest batch size to try")
-    @argument("--multiple-of", type=_positive_int, metavar="N",
+    @argument("--multiple-of", type=positive_int, metavar="N",
               help="try only multiples of N (default: 1)")
-    @argument("--headroom", type=_fraction, metavar="F",
+    @argument("--headroom", type=fraction, metavar="F",
               help="recommend at most F x max_batch_size (default: 0.9)")
     @argument("--scheduler", metavar="NAME", help="an LR scheduler to restore afterwards")
     @argument("--scaler", metavar="NAME", help="a GradScaler to use and restore afterwards")
-    @argument("--steps-per-trial", type=_positive_int, metavar="N",
+    @argument("--steps-per-trial", type=positive_int, metavar="N",
               help="training steps at each batch size (default: 2)")
-    @argument("--start", type=_positive_int, metavar="N", help="first batch size tried")
-    @argument("--input-shape", type=_shape, metavar="SHAPE",
+    @argument("--start", type=positive_int, metavar="N", help="first batch size tried")
+    @argument("--input-shape", type=example_shape, metavar="SHAPE",
               help="instead of MAKE_BATCH: random inputs with one example of this shape, "
                    "e.g. 3,32,32")
-    @argument("--num-classes", type=_positive_int, metavar="N",
+    @argument("--num-classes", type=positive_int, metavar="N",
               help="with --input-shape: random labels in [0, N) too, and cross-entropy as the "
                    "loss unless --loss-fn is given")
     @argument("-q", "--quiet", action="store_true",
@@ -411,7 +211,7 @@ class BatchMagics(Magics):
           report = %find_batch model make_batch --headroom 0.8 -q
         """
         line, silenced = _without_semicolon(line)
-        args = _parse(self.find_batch, line)
+        args = parse(self.find_batch, line)
         probe = _probe(self.shell, args)
         panel = not (args.quiet or silenced) and _has_widgets(self.shell)
         report = ProbePanel(probe=probe).run() if panel else probe()
@@ -421,7 +221,7 @@ class BatchMagics(Magics):
 
 
     @magic_arguments()
-    @argument("steps", metavar="N", nargs="?", type=_positive_int,
+    @argument("steps", metavar="N", nargs="?", type=positive_int,
               help="micro-steps per optimizer update (default: 4)")
     @argument("--optimizer", metavar="NAME",
               help="the optimizer the cell steps (default: the only one in the notebook)")
@@ -436,7 +236,7 @@ class BatchMagics(Magics):
               help="micro-steps left at the end: one smaller step (apply, the default) or none")
     @argument("--track-grad-norms", action="store_true",
               help="record each micro-batch's gradient norm in the report")
-    @argument("--batch-size", type=_positive_int, metavar="B",
+    @argument("--batch-size", type=positive_int, metavar="B",
               help="instead of N: the batch each update should see; the micro-batch is the "
                    "probe report's recommended_batch_size and N = ceil(B / micro-batch)")
     @argument("--probe", metavar="NAME",
@@ -458,14 +258,14 @@ class BatchMagics(Magics):
           %%accumulate --batch-size 4096 --probe report
         """
         line, silenced = _without_semicolon(line)
-        args = _parse(self.accumulate, line)
-        optimizer = _find_one(self.shell, args.optimizer, "--optimizer", True)
+        args = parse(self.accumulate, line)
+        optimizer = find_one(self.shell, args.optimizer, "--optimizer", True)
         options = _micro_batch(self.shell, args)
         options.update(
-            scaler=_find_one(self.shell, args.scaler, "--scaler", False),
-            scheduler=_find_one(self.shell, args.scheduler, "--scheduler", False,
+            scaler=find_one(self.shell, args.scaler, "--scaler", False),
+            scheduler=find_one(self.shell, args.scheduler, "--scheduler", False,
                                 lambda v: getattr(v, "optimizer", None) is optimizer),
-            model=_training_model(self.shell, args.model, optimizer),
+            model=training_model(self.shell, args.model, optimizer),
             remainder=args.remainder or "apply", track_grad_norms=args.track_grad_norms)
         code = compile(self.shell.transform_cell(cell), "<%%accumulate cell>", "exec")
         with accumulate(optimizer, **options) as acc:

@@ -4,6 +4,7 @@ and the convention for feeding them to a model and a loss."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,6 +12,22 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data import default_collate as _default_collate
 
 N_SAMPLES_SCANNED = 64  # dataset items read to find the largest sample
+
+
+@dataclass(frozen=True)
+class SyntheticBatches:
+    """``make_batch`` without data: random inputs of one example's shape, plus random class
+    labels in ``[0, num_classes)`` when given (``%find_batch --input-shape 3,32,32
+    --num-classes 10``)."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int | None = None
+
+    def __call__(self, batch_size: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        inputs = torch.randn(batch_size, *self.input_shape)
+        if self.num_classes is None:
+            return inputs
+        return inputs, torch.randint(0, self.num_classes, (batch_size,))
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

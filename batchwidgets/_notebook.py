@@ -1,0 +1,213 @@
+"""Names in the notebook and argument types for the magics: each mistake is a one-line
+``UsageError`` that says what was wrong and what is available."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import parse_argstring
+
+from .engine import parse_bytes
+from .results import BatchSizeReport
+
+
+def _is_function(value: Any) -> bool:
+    return callable(value) and not isinstance(value, type)
+
+
+def _is_batch_source(value: Any) -> bool:  # what find_batch accepts; map-style data included
+    return (isinstance(value, _DATA) or _is_function(value)
+            or (hasattr(value, "__getitem__") and hasattr(value, "__len__")
+                and not isinstance(value, (str, bytes, dict, type))))
+
+
+@dataclass(frozen=True)
+class _Role:
+    """What the name given for one argument may be, and which notebook names to suggest."""
+
+    expected: str
+    plural: str
+    accepts: Callable[[Any], bool]
+    listed: Callable[[Any], bool]
+
+
+_DATA = (torch.Tensor, torch.utils.data.Dataset, torch.utils.data.DataLoader)
+_FUNCTIONS = (types.FunctionType, functools.partial)
+_ROLES = {
+    "MODEL": _Role("a torch.nn.Module or a step(batch_size) function", "models", _is_function,
+                   lambda v: isinstance(v, torch.nn.Module)),
+    "MAKE_BATCH": _Role("a make_batch(batch_size) function, a Dataset, a DataLoader or an "
+                        "example tensor", "batch sources", _is_batch_source,
+                        lambda v: isinstance(v, (*_DATA, *_FUNCTIONS))),
+    "--loss-fn": _Role("a loss function, loss_fn(output, target)", "loss functions",
+                       _is_function, lambda v: isinstance(v, _FUNCTIONS)
+                       or type(v).__name__.endswith("Loss")),
+    "--optimizer": _Role("a torch.optim.Optimizer", "optimizers",
+                         lambda v: isinstance(v, torch.optim.Optimizer),
+                         lambda v: isinstance(v, torch.optim.Optimizer)),
+    "--scheduler": _Role("a learning-rate scheduler", "schedulers",
+                         lambda v: hasattr(v, "get_last_lr"), lambda v: hasattr(v, "get_last_lr")),
+    "--scaler": _Role("a torch.amp.GradScaler", "scalers", lambda v: hasattr(v, "unscale_"),
+                      lambda v: hasattr(v, "unscale_")),
+    "--model": _Role("a torch.nn.Module", "models", lambda v: isinstance(v, torch.nn.Module),
+                     lambda v: isinstance(v, torch.nn.Module)),
+    "--probe": _Role("a find_batch report (BatchSizeReport)", "probe reports",
+                     lambda v: isinstance(v, BatchSizeReport),
+                     lambda v: isinstance(v, BatchSizeReport)),
+}
+
+
+def available(shell: Any, role: str) -> str:
+    hidden = shell.user_ns_hidden
+    names = sorted(name for name, value in shell.user_ns.items()
+                   if not name.startswith("_") and name not in hidden
+                   and _ROLES[role].listed(value))
+    plural = _ROLES[role].plural
+    return f"{plural} in the notebook: {', '.join(names)}" if names else f"no {plural} there"
+
+
+def resolve(shell: Any, text: str | None, role: str) -> Any:
+    """The object a (dotted) notebook name refers to; a one-line UsageError if there is none."""
+    if text is None:
+        return None
+    root, *attributes = text.split(".")
+    if root not in shell.user_ns:
+        close = difflib.get_close_matches(root, [n for n in shell.user_ns if n[:1] != "_"], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ";"
+        raise UsageError(f"{role}: name {root!r} is not defined in the notebook{hint} "
+                         f"{available(shell, role)}.")
+    value = shell.user_ns[root]
+    for depth, attribute in enumerate(attributes):
+        if not hasattr(value, attribute):
+            owner = ".".join([root, *attributes[:depth]])
+            raise UsageError(f"{role}: {owner} (a {type(value).__name__}) has no attribute "
+                             f"{attribute!r}.")
+        value = getattr(value, attribute)
+    if not _ROLES[role].accepts(value):
+        raise UsageError(f"{role} should be {_ROLES[role].expected}, but got {role}={text} "
+                         f"(a {type(value).__name__}); {available(shell, role)}.")
+    return value
+
+
+# -- argument types: a bad value is a one-line UsageError naming what would do -------------------
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"should be a positive integer, but got {text!r}.")
+    return int(text)
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"should be in (0, 1], but got {text!r}; use e.g. 0.9 "
+                                         f"to keep 10% of the memory free.")
+    return value
+
+
+def budget_size(text: str) -> str:
+    try:
+        parse_bytes(text, "budget")
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text  # find_batch parses it again, exactly as when called with the string
+
+
+def example_shape(text: str) -> tuple[int, ...]:
+    parts = text.replace("x", ",").strip("()").split(",")
+    if not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"should be the shape of one example such as 3,32,32, "
+                                         f"but got {text!r}.")
+    return tuple(int(part) for part in parts)
+
+
+def _devices_here() -> list[str]:
+    devices = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    return [*devices, "mps"] if torch.backends.mps.is_available() else devices
+
+
+def device_name(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    missing = device is not None and (
+        (device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count())
+        or (device.type == "mps" and not torch.backends.mps.is_available()))
+    if device is None or missing:
+        raise argparse.ArgumentTypeError(f"should be a device of this machine, but got {text!r}; "
+                                         f"available here: {', '.join(_devices_here())}.")
+    return text
+
+
+def parse(magic: Callable, line: str) -> argparse.Namespace:
+    """``parse_argstring``, naming the nearest flag when one is misspelt."""
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as error:
+        unknown = [word for word in str(error).split() if word.startswith("-")]
+        if not str(error).startswith("unrecognized arguments") or not unknown:
+            raise
+        flags = sorted(flag for flag in magic.parser._option_string_actions if flag[:2] == "--")
+        close = difflib.get_close_matches(unknown[0], flags, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(f"{error}; {hint}flags: {', '.join(flags)} "
+                         f"(see %{magic.__name__}?).") from None
+
+
+# -- %%accumulate: find the one optimizer (scaler, scheduler, model) the cell trains with --------
+
+def _candidates(shell: Any, role: str, belongs: Callable[[Any], bool] = lambda v: True) -> dict:
+    hidden = shell.user_ns_hidden
+    found: dict[int, tuple[str, Any]] = {}
+    for name, value in shell.user_ns.items():
+        if name.startswith("_") or name in hidden or not _ROLES[role].listed(value):
+            continue
+        if belongs(value) and id(value) not in found:  # one object under two names counts once
+            found[id(value)] = (name, value)
+    return dict(found.values())
+
+
+def find_one(shell: Any, text: str | None, role: str, required: bool,
+              belongs: Callable[[Any], bool] = lambda v: True) -> Any:
+    """The object named by ``text``, else the single one in the notebook (UsageError if several)."""
+    if text is not None:
+        return resolve(shell, text, role)
+    return _only(_candidates(shell, role, belongs), role, required)
+
+
+def _only(found: dict, role: str, required: bool) -> Any:
+    if len(found) > 1:
+        raise UsageError(f"{len(found)} {_ROLES[role].plural} in the notebook could be meant: "
+                         f"{', '.join(sorted(found))}; pick one with {role} NAME.")
+    if not found and required:
+        raise UsageError(f"no {_ROLES[role].plural} in the notebook ({_ROLES[role].expected}); "
+                         f"create one or pass {role} NAME.")
+    return next(iter(found.values()), None)
+
+
+def training_model(shell: Any, text: str | None, optimizer: Any) -> Any:
+    """--model, else the model whose parameters the optimizer trains (a DDP wrapper first)."""
+    if text is not None:
+        return resolve(shell, text, "--model")
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+    def trains(module: Any) -> bool:
+        params = list(module.parameters())
+        return bool(params) and all(id(p) in trained for p in params)
+
+    found = _candidates(shell, "--model", trains)
+    wrappers = {n: m for n, m in found.items()
+                if isinstance(m, torch.nn.parallel.DistributedDataParallel)}
+    return _only(wrappers or found, "--model", False)
