@@ -1,7 +1,8 @@
 """Overhead of ``bw.accumulate`` against hand-written gradient accumulation on the same loop.
 
-Both loops run the same micro-batches through the same model; they alternate in rounds so
-drift of the machine hits both alike, and the ratio of their median round times is reported.
+Both loops run the same micro-batches through the same model, in paired rounds that alternate
+which goes first, so drift of the machine hits both alike; the overhead is the median of the
+per-round ratios, with its quartiles (the spread is the measurement's own noise).
 
 Usage:
     python benchmarks/accumulate_overhead.py   # writes results/accumulate_overhead_<device>.md
@@ -55,37 +56,46 @@ def with_batchwidgets(model, optimizer, data, steps):
 
 
 def timed(fn, *args, device) -> float:
+    """CPU time of the process (less disturbed by other load than wall time) on the CPU; wall
+    time with synchronisation on a GPU."""
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    started = time.perf_counter()
+    started = clock()
     fn(*args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - started
+    return clock() - started
 
 
 def measure(name, make_model, device, micro, steps, n_micro, rounds):
     model = make_model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = batches(n_micro, micro, device)
-    times = {"by hand": [], "batchwidgets": []}
     by_hand(model, optimizer, data, steps)  # warm-up both paths
     with_batchwidgets(model, optimizer, data, steps)
-    for r in range(rounds):
-        order = [("by hand", by_hand), ("batchwidgets", with_batchwidgets)]
+    hand, ours, ratios = [], [], []
+    for r in range(rounds):  # paired rounds, alternating which goes first
+        pair = {}
+        order = [("hand", by_hand), ("ours", with_batchwidgets)]
         for label, fn in (order if r % 2 == 0 else order[::-1]):
-            times[label].append(timed(fn, model, optimizer, data, steps, device=device))
-    hand, ours = statistics.median(times["by hand"]), statistics.median(times["batchwidgets"])
+            pair[label] = timed(fn, model, optimizer, data, steps, device=device)
+        hand.append(pair["hand"])
+        ours.append(pair["ours"])
+        ratios.append(pair["ours"] / pair["hand"])
+    quartiles = statistics.quantiles(ratios, n=4)
     return {"model": name, "micro_batch": micro, "steps": steps, "micro_steps": n_micro,
-            "rounds": rounds, "by_hand_s": hand, "batchwidgets_s": ours,
-            "per_micro_step_ms_by_hand": 1e3 * hand / n_micro,
-            "overhead": ours / hand - 1}
+            "rounds": rounds, "by_hand_s": statistics.median(hand),
+            "batchwidgets_s": statistics.median(ours),
+            "per_micro_step_ms_by_hand": 1e3 * statistics.median(hand) / n_micro,
+            "overhead": statistics.median(ratios) - 1,
+            "overhead_q1": quartiles[0] - 1, "overhead_q3": quartiles[2] - 1}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=41)
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -97,13 +107,16 @@ def main() -> None:
         "# accumulate overhead vs hand-written accumulation",
         "",
         f"{datetime.date.today()}, device: {name}, torch {torch.__version__}, AdamW, "
-        f"median of {args.rounds} alternating rounds. Target: at most 1% overhead.",
+        f"{'wall' if device.type == 'cuda' else 'process CPU'} time, median of {args.rounds} "
+        f"paired rounds. Target: at most 1% overhead.",
         "",
-        "| model | micro-batch | steps | ms per micro-step (by hand) | overhead |",
-        "|---|---|---|---|---|",
+        "| model | micro-batch | steps | ms per micro-step (by hand) | overhead (median) "
+        "| quartiles |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [f"| {r['model']} | {r['micro_batch']} | {r['steps']} | "
-              f"{r['per_micro_step_ms_by_hand']:.2f} | {r['overhead']:+.2%} |" for r in rows]
+              f"{r['per_micro_step_ms_by_hand']:.2f} | {r['overhead']:+.2%} | "
+              f"{r['overhead_q1']:+.2%} .. {r['overhead_q3']:+.2%} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)
