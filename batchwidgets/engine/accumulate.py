@@ -355,7 +355,7 @@ class Accumulator:
             self._restore()
 
 
-def accumulate(optimizer: torch.optim.Optimizer, steps: int | None = None,
+def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
                model: torch.nn.Module | None = None, scaler: Any = None, scheduler: Any = None,
                *, remainder: str = "apply", track_grad_norms: bool = False,
                batch_size: int | None = None, micro_batch_size: int | None = None) -> Accumulator:
@@ -373,7 +373,7 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int | None = None,
     optimizer : torch.optim.Optimizer
         The optimizer the loop calls ``step()``/``zero_grad()`` on.
     steps : int
-        Micro-steps per real optimizer step (default 4, or derived from ``batch_size``).
+        Micro-steps per real optimizer step (or derived from ``batch_size``).
     model : torch.nn.Module, optional
         Needed for DDP (to skip all-reduces), the BatchNorm warning and the micro-batch size.
     scaler : torch.amp.GradScaler, optional
@@ -422,14 +422,14 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int | None = None,
                        batch_size, micro_batch_size)
 
 
-def _steps_for(steps: int | None, batch_size: int | None, micro_batch_size: int | None) -> int:
+def _steps_for(steps: int, batch_size: int | None, micro_batch_size: int | None) -> int:
     if batch_size is None and micro_batch_size is None:
-        return 4 if steps is None else steps
+        return steps
     for name, value in (("batch_size", batch_size), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} should be a positive int (give batch_size and "
                              f"micro_batch_size together), but got {name}={value!r}.")
-    if steps is not None:
+    if steps != 4:  # the default: batch_size decides
         raise ValueError(f"give steps or batch_size with micro_batch_size, not both, but got "
                          f"steps={steps!r} and batch_size={batch_size!r}.")
     if batch_size % micro_batch_size:
