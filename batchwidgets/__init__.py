@@ -17,6 +17,8 @@ _LAZY = {
     "track_tensor_memory": "batchwidgets.engine._memory",
     "SyntheticBatches": "batchwidgets.engine._batches",
     "accumulate": "batchwidgets.engine.accumulate",
+    "measure_noise": "batchwidgets.engine.noise",
+    "NoiseReport": "batchwidgets.results",
     "AccumulationReport": "batchwidgets.results",
     "BatchwidgetsWarning": "batchwidgets._warnings",
     "Attempt": "batchwidgets.results",

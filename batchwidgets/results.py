@@ -13,6 +13,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from . import _html
@@ -215,3 +216,120 @@ class AccumulationReport:
         ]
         table = _html.table(rows, caption="batchwidgets: accumulate")
         return f"<div>{table}{_html.inline_plot(self)}</div>"
+
+
+@dataclass(frozen=True)
+class LayerNoise:
+    """One parameter's share of the gradient noise: the totals are the sums over all layers."""
+
+    name: str  # as in model.named_parameters()
+    trace_cov: float  # tr of this block's per-example gradient covariance (population, /N)
+    grad_norm_sq: float  # |G|^2 of this block of the mean gradient
+
+    @property
+    def b_simple(self) -> float:
+        return _ratio(self.trace_cov, self.grad_norm_sq)
+
+
+def _ratio(trace_cov: float, grad_norm_sq: float) -> float:
+    """B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018, "An Empirical Model of Large-Batch
+    Training", eq. 2.8); inf when the mean gradient vanishes, nan when both do."""
+    if grad_norm_sq > 0:
+        return trace_cov / grad_norm_sq
+    return math.inf if trace_cov > 0 else math.nan
+
+
+def batch_variance(variance: float, n: int, batch_size: int, replacement: bool) -> float:
+    """Variance of the mean of ``batch_size`` draws from ``n`` values of population variance
+    ``variance``: ``variance / B`` with replacement, times the finite-population correction
+    ``(N - B) / (N - 1)`` without (Cochran, "Sampling Techniques", 1977, thm. 2.2)."""
+    if replacement:
+        return variance / batch_size
+    if not 1 <= batch_size <= n or n < 2:
+        raise ValueError(f"batch_size should be between 1 and n={n} without replacement, but got "
+                         f"batch_size={batch_size!r}; sample with replacement or use fewer.")
+    return variance / batch_size * (n - batch_size) / (n - 1)
+
+
+@dataclass(frozen=True)
+class NoiseReport:
+    """What ``measure_noise`` found: gradient and loss noise over ``n_examples`` examples.
+
+    ``grad_variance[B]`` is the variance (trace) of the mini-batch mean gradient at batch size B,
+    for sampling with replacement if ``replacement`` else without (as a shuffling DataLoader
+    does); both variants are there as ``grad_variance_with_replacement`` and
+    ``grad_variance_without_replacement`` (the latter only for B <= n_examples).
+    """
+
+    trace_cov: float  # (1/N) sum_i |g_i - G|^2, population-normalised
+    grad_norm_sq: float  # |G|^2, G = mean per-example gradient
+    loss_mean: float  # mean per-example loss
+    loss_variance: float  # (1/N) sum_i (l_i - mean)^2, population-normalised
+    n_examples: int  # N, the examples measured
+    n_available: int | None  # examples in the data (None: an iterable dataset not read to the end)
+    sampled: bool  # True when N < the data's size (an evenly spaced, deterministic sample)
+    batch_sizes: tuple[int, ...]
+    replacement: bool = False  # which variant grad_variance and loss_variance_per_batch give
+    method: str = "vmap"  # vmap | loop: how per-example gradients were computed
+    layers: tuple[LayerNoise, ...] = ()
+    eval_batchnorm: bool = False  # BatchNorm layers in train mode were measured in eval mode
+
+    @property
+    def b_simple(self) -> float:
+        return _ratio(self.trace_cov, self.grad_norm_sq)
+
+    def _per_batch(self, variance: float, replacement: bool) -> dict[int, float]:
+        return {b: batch_variance(variance, self.n_examples, b, replacement)
+                for b in self.batch_sizes if replacement or b <= self.n_examples}
+
+    @property
+    def grad_variance_with_replacement(self) -> dict[int, float]:
+        return self._per_batch(self.trace_cov, True)
+
+    @property
+    def grad_variance_without_replacement(self) -> dict[int, float]:
+        return self._per_batch(self.trace_cov, False)
+
+    @property
+    def grad_variance(self) -> dict[int, float]:
+        return self._per_batch(self.trace_cov, self.replacement)
+
+    @property
+    def loss_variance_per_batch(self) -> dict[int, float]:
+        """Variance of the mini-batch mean loss at each batch size (same sampling as above)."""
+        return self._per_batch(self.loss_variance, self.replacement)
+
+    def summary(self) -> str:
+        return (f"B_simple {_html.format_number(self.b_simple)} from {self.n_examples} examples "
+                f"(tr cov {_html.format_number(self.trace_cov)}, "
+                f"|G|^2 {_html.format_number(self.grad_norm_sq)})")
+
+    def _repr_html_(self) -> str:
+        sampling = "with replacement" if self.replacement else "without replacement"
+        rows = [
+            ("B_simple = tr(cov) / |G|^2", _html.format_number(self.b_simple)),
+            ("tr(cov) per example", _html.format_number(self.trace_cov)),
+            ("|G|^2", _html.format_number(self.grad_norm_sq)),
+            ("loss mean / variance", f"{_html.format_number(self.loss_mean)} / "
+                                     f"{_html.format_number(self.loss_variance)}"),
+            ("examples measured", f"{self.n_examples} of {self.n_available or '?'}"
+                                  f"{' (sample)' if self.sampled else ''}"),
+            ("per-example gradients", self.method),
+            ("BatchNorm", "measured in eval mode" if self.eval_batchnorm else "-"),
+        ]
+        summary = _html.table(rows, caption="batchwidgets: measure_noise")
+        with_r = self.grad_variance_with_replacement
+        without_r = self.grad_variance_without_replacement
+        losses = self.loss_variance_per_batch
+        batches = _html.table(
+            [(b, _html.format_number(with_r.get(b)), _html.format_number(without_r.get(b)),
+              _html.format_number(losses.get(b))) for b in self.batch_sizes],
+            header=("batch size", "grad variance (with repl.)", "grad variance (without)",
+                    f"loss variance ({sampling})"),
+            caption="mini-batch gradient and loss variance")
+        layers = _html.table(
+            [(layer.name, _html.format_number(layer.trace_cov),
+              _html.format_number(layer.grad_norm_sq), _html.format_number(layer.b_simple))
+             for layer in self.layers],
+            header=("parameter", "tr(cov)", "|G|^2", "B_simple"), caption="per layer")
+        return f"<div>{summary}{batches}{layers}{_html.inline_plot(self)}</div>"

@@ -11,7 +11,14 @@ import pytest
 from IPython.core.formatters import DisplayFormatter
 
 from batchwidgets import plots, results
-from batchwidgets.results import AccumulationReport, Attempt, BatchSizeReport, MemoryModel
+from batchwidgets.results import (
+    AccumulationReport,
+    Attempt,
+    BatchSizeReport,
+    LayerNoise,
+    MemoryModel,
+    NoiseReport,
+)
 
 MIB = 2**20
 EXAMPLES = {  # one or more per report type; test_every_report_type_has_an_example keeps it whole
@@ -30,6 +37,11 @@ EXAMPLES = {  # one or more per report type; test_every_report_type_has_an_examp
         AccumulationReport(steps=4, micro_steps=10, real_steps=3, remainder="applied",
                            remainder_micro_steps=2, micro_batch_size=32,
                            losses=(2.3, 2.1, 1.9), grad_norms=(1.0, 0.9, 0.8)),
+    ],
+    NoiseReport: [
+        NoiseReport(trace_cov=2.0, grad_norm_sq=0.5, loss_mean=1.0, loss_variance=0.25,
+                    n_examples=10, n_available=100, sampled=True, batch_sizes=(1, 4, 16),
+                    layers=(LayerNoise("0.weight", 1.5, 0.4), LayerNoise("0.bias", 0.5, 0.1))),
     ],
 }
 ALL_EXAMPLES = [report for reports in EXAMPLES.values() for report in reports]

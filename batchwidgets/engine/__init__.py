@@ -2,7 +2,8 @@
 
 from ._batches import SyntheticBatches
 from ._memory import BudgetExceededError, is_oom, parse_bytes, track_tensor_memory
+from .noise import measure_noise
 from .probe import NoBatchSizeFits, find_batch
 
 __all__ = ["BudgetExceededError", "NoBatchSizeFits", "SyntheticBatches", "find_batch", "is_oom",
-           "parse_bytes", "track_tensor_memory"]
+           "measure_noise", "parse_bytes", "track_tensor_memory"]
