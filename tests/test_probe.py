@@ -400,3 +400,13 @@ def test_a_model_with_sparse_gradients_is_probed():
                            loss_fn=nn.functional.cross_entropy,
                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1), budget=64 * KIB)
     assert report.first_oom_batch_size == report.max_batch_size + 1
+
+
+def test_synthetic_batches_make_random_inputs_and_labels_of_the_given_shape():
+    make = bw.SyntheticBatches((3, 8, 8), num_classes=10)
+    inputs, labels = make(5)
+    assert inputs.shape == (5, 3, 8, 8)
+    assert labels.shape == (5,)
+    assert int(labels.min()) >= 0
+    assert int(labels.max()) < 10
+    assert bw.SyntheticBatches((4,))(2).shape == (2, 4)
