@@ -136,10 +136,10 @@ class BatchSizeReport:
         return dataclasses.replace(self, headroom=headroom)
 
     def summary(self) -> str:
-        oom = self.first_oom_batch_size
-        return (f"max_batch_size={self.max_batch_size} (first OOM at {oom}), "
-                f"recommended_batch_size={self.recommended_batch_size} on {self.device}, "
-                f"{self.n_attempts} attempts, {self.n_ooms} out of memory")
+        # one short line: the panel shows it beside its progress bar
+        return (f"max_batch_size={self.max_batch_size}, "
+                f"recommended_batch_size={self.recommended_batch_size} ({self.device}, "
+                f"{self.n_attempts} tries, {self.n_ooms} OOM)")
 
     def _summary_rows(self) -> list[tuple[str, object]]:
         model = self.memory_model

@@ -114,6 +114,13 @@ class ProbePanel(widgets.VBox):
             widgets.HBox([self.summary, widgets.VBox([self.headroom, self.code])]),
             self.attempts,
         ])
+        # CSS classes name the parts for stylesheets and browser tests (tests/browser)
+        self.add_class("batchwidgets-probe")
+        for widget, part in [(self.probe_button, "button"), (self.progress, "progress"),
+                             (self.status, "status"), (self.plot, "plot"),
+                             (self.summary, "summary"), (self.headroom, "headroom"),
+                             (self.code, "code"), (self.attempts, "attempts")]:
+            widget.add_class(f"batchwidgets-probe-{part}")
         if report is not None:
             self.render(report)
 

@@ -98,8 +98,8 @@ def test_headroom_bytes_is_what_the_model_leaves_under_the_limit_at_the_recommen
 def test_counts_and_summary():
     report = report_with(STEADY)
     assert (report.n_attempts, report.n_ooms) == (4, 1)
-    assert report.summary() == ("max_batch_size=100 (first OOM at 101), recommended_batch_size=90 "
-                                "on cuda:0, 4 attempts, 1 out of memory")
+    assert report.summary() == ("max_batch_size=100, recommended_batch_size=90 (cuda:0, 4 tries, "
+                                "1 OOM)")
 
 
 def test_repr_html_escapes_every_value():

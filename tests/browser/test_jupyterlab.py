@@ -1,0 +1,217 @@
+"""The tutorials in a real browser, checked as a person would: JupyterLab 4 runs every cell of
+each notebook, every panel renders (none fails, none stays loading), the probe panel shows its
+chart and recommendation, and each report its table and picture; Notebook 7 opens them and runs
+a panel too. Screenshots of each panel go to the folder printed at the end of the run.
+
+``python -m pytest -m browser`` runs only these; the fixtures are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+T = TypeVar("T")
+LOAD_TIMEOUT_S = 120  # page load, kernel start
+RUN_TIMEOUT_S = 420  # all cells of one notebook: 20-90 s, more on a busy 2-core machine
+RENDER_TIMEOUT_S = 60  # widgets and images, once the kernel is done
+POLL_S = 0.5
+CODE_PROMPTS = ".jp-Notebook .jp-CodeCell .jp-InputPrompt"
+STATIC_REPORT = ".jp-OutputArea-output:has(img[alt='batchwidgets plot'])"  # results._repr_html_
+RECOMMENDED = re.compile(r"recommended_batch_size\s*(\d+)")
+
+# what each tutorial shows once run in JupyterLab: live panels and static (HTML + PNG) reports
+TUTORIALS = {
+    # %find_batch's panel and `panel` (bw.ProbePanel); `%find_batch ... -q` is static
+    "01_find_batch.ipynb": {"probe_panels": 2, "static_reports": 1},
+    # acc.report and the two %%accumulate cells
+    "02_accumulate.ipynb": {"probe_panels": 0, "static_reports": 3},
+}
+
+
+def wait_until(check: Callable[[], T], timeout_s: float, what: str,
+               seen: Callable[[], object] | None = None) -> T:
+    """Poll ``check`` until it returns something truthy; fail saying what was awaited and what
+    was seen last (``seen()``, or the last result of ``check``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            last = seen() if seen is not None else result
+            raise AssertionError(f"waited {timeout_s:.0f} s for {what}; last seen: {last!r}")
+        time.sleep(POLL_S)
+
+
+def kernel_state(page: Any, lab_server: Any, notebook: str) -> dict[str, object]:
+    """The notebook's kernel as the server sees it, and its name in the page's toolbar."""
+    sessions = [session for session in lab_server.api("GET", "sessions")
+                if session["path"] == notebook]
+    kernel = sessions[0]["kernel"] if len(sessions) == 1 else {}
+    toolbar = page.locator(".jp-KernelName").first
+    return {"sessions": len(sessions), "execution_state": kernel.get("execution_state"),
+            "connections": kernel.get("connections", 0),
+            "toolbar": toolbar.inner_text().strip() if toolbar.is_visible() else None}
+
+
+def kernel_ready(page: Any, lab_server: Any, notebook: str) -> bool:
+    """Its kernel is idle, the page is connected to it and shows its name."""
+    state = kernel_state(page, lab_server, notebook)
+    return (state["execution_state"] == "idle" and state["connections"] >= 1
+            and state["toolbar"] not in (None, "", "No Kernel"))
+
+
+def open_notebook(page: Any, lab_server: Any, path: str, **query: str) -> str:
+    """Open the page ``path`` (``lab/tree/NAME`` or ``notebooks/NAME``) and wait until the
+    notebook's kernel is idle and connected. Returns the notebook's name."""
+    notebook = path.split("/", 2)[-1]
+    page.goto(lab_server.url(path, **query), timeout=LOAD_TIMEOUT_S * 1000)
+    page.locator(".jp-Notebook .jp-CodeCell").first.wait_for(timeout=LOAD_TIMEOUT_S * 1000)
+    wait_until(lambda: kernel_ready(page, lab_server, notebook), LOAD_TIMEOUT_S,
+               "an idle, connected kernel", lambda: kernel_state(page, lab_server, notebook))
+    return notebook
+
+
+def menu(page: Any, title: str, command: str) -> None:
+    """Click menu ``title`` (File, Edit, Run, ...), then its item for ``command``."""
+    page.locator(".lm-MenuBar-item", has_text=title).first.click()
+    page.locator(f".lm-Menu-item[data-command='{command}']").click()
+
+
+def prompts(page: Any) -> list[str]:
+    return [text.strip() for text in page.locator(CODE_PROMPTS).all_inner_texts()]
+
+
+def notebook_text(page: Any) -> str:
+    return page.locator(".jp-Notebook").first.text_content() or ""
+
+
+def errors_in_outputs(page: Any) -> list[str]:
+    outputs = page.locator(".jp-Notebook .jp-OutputArea-output").all_text_contents()
+    return [text[-800:] for text in outputs
+            if "Traceback (most recent call last)" in text or "UsageError" in text]
+
+
+def clear_outputs(page: Any) -> None:
+    """Edit > Clear Outputs of All Cells: every prompt back to ``[ ]``, no stored output left."""
+    menu(page, "Edit", "editmenu:clear-all")
+    wait_until(lambda: all(prompt == "[ ]:" for prompt in prompts(page)), RENDER_TIMEOUT_S,
+               "the stored outputs to be cleared")
+
+
+def wait_for_cells(page: Any, lab_server: Any, notebook: str) -> None:
+    """Wait until no cell is queued or running (``[*]``) and the kernel is idle, then check
+    that every code cell ran (a number in its prompt) and none raised."""
+    def finished() -> bool:
+        return "[*]:" not in prompts(page) and kernel_ready(page, lab_server, notebook)
+
+    wait_until(lambda: "[*]:" in prompts(page) or all(p != "[ ]:" for p in prompts(page)),
+               LOAD_TIMEOUT_S, "the cells to start running", lambda: prompts(page))
+    wait_until(finished, RUN_TIMEOUT_S, "every cell to finish",
+               lambda: (prompts(page), kernel_state(page, lab_server, notebook)))
+    assert not errors_in_outputs(page), f"a cell raised: {errors_in_outputs(page)}"
+    not_run = [prompt for prompt in prompts(page) if not re.fullmatch(r"\[\d+\]:", prompt)]
+    assert not not_run, f"cells that did not run: {prompts(page)}"
+
+
+def check_widgets_rendered(page: Any) -> None:
+    """What a person would see first: no widget that failed, none still loading."""
+    wait_until(lambda: "Loading widget..." not in notebook_text(page), RENDER_TIMEOUT_S,
+               "every widget to finish loading")
+    assert "Error displaying widget" not in notebook_text(page)
+
+
+def check_image(image: Any, what: str) -> None:
+    """``image`` (an ``<img>``) is on screen and its picture decoded, not a broken icon."""
+    image.scroll_into_view_if_needed()
+    wait_until(lambda: image.evaluate("img => img.complete && img.naturalWidth > 0"),
+               RENDER_TIMEOUT_S, f"the {what} to load")
+    box = image.bounding_box()
+    assert box is not None, f"the {what} has no place on the page"
+    assert box["width"] > 100, (what, box)
+    assert box["height"] > 100, (what, box)
+
+
+def check_probe_panel(panel: Any) -> int:
+    """The chart, and the same recommended batch size in the summary, the status line and the
+    line of code. Returns that batch size."""
+    check_image(panel.locator("img.batchwidgets-probe-plot"), "probe chart")
+    summary = panel.locator(".batchwidgets-probe-summary").inner_text()
+    found = RECOMMENDED.search(summary)
+    assert found, f"no recommended_batch_size in the panel's summary: {summary!r}"
+    recommended = int(found.group(1))
+    assert recommended > 0, summary
+    assert f"recommended_batch_size={recommended}" in panel.locator(
+        ".batchwidgets-probe-status").inner_text()
+    code = panel.locator(".batchwidgets-probe-code input").input_value()
+    assert code == f"DataLoader(dataset, batch_size={recommended})"
+    return recommended
+
+
+def check_static_report(report: Any) -> None:
+    """A report without widgets: its table (caption "batchwidgets: ...") and its plot."""
+    captions = report.locator("table.batchwidgets caption").all_inner_texts()
+    assert any(caption.startswith("batchwidgets: ") for caption in captions), captions
+    assert report.locator("table.batchwidgets td").count() > 0
+    check_image(report.locator("img[alt='batchwidgets plot']"), "report's plot")
+
+
+def screenshot(page: Any, element: Any, folder: Path, name: str) -> Path:
+    path = folder / name
+    page.mouse.move(0, 0)  # no hover highlight on a table row
+    element.scroll_into_view_if_needed()
+    element.screenshot(path=str(path))
+    print(f"screenshot: {path}")
+    return path
+
+
+@pytest.mark.parametrize("notebook", list(TUTORIALS))
+def test_tutorial_runs_and_renders_in_jupyterlab(page: Any, lab_server: Any, screenshot_dir: Path,
+                                                 notebook: str) -> None:
+    # ?reset: a fresh workspace, without the tabs an earlier test left open
+    open_notebook(page, lab_server, f"lab/tree/{notebook}", reset="")
+    clear_outputs(page)
+    menu(page, "Run", "runmenu:run-all")
+    wait_for_cells(page, lab_server, notebook)
+    check_widgets_rendered(page)
+
+    expected, stem = TUTORIALS[notebook], Path(notebook).stem
+    panels = page.locator(".jp-Notebook .batchwidgets-probe")
+    assert panels.count() == expected["probe_panels"]
+    for index, panel in enumerate(panels.all(), start=1):
+        check_probe_panel(panel)
+        screenshot(page, panel, screenshot_dir, f"lab-{stem}-probe-panel-{index}.png")
+    reports = page.locator(f".jp-Notebook {STATIC_REPORT}")
+    assert reports.count() == expected["static_reports"]
+    for index, report in enumerate(reports.all(), start=1):
+        check_static_report(report)
+        screenshot(page, report, screenshot_dir, f"lab-{stem}-report-{index}.png")
+
+
+def test_tutorial_opens_and_runs_a_panel_in_notebook7(page: Any, lab_server: Any,
+                                                      screenshot_dir: Path) -> None:
+    """Smoke test: Notebook 7 loads the tutorial, runs the cells up to ``%find_batch`` and shows
+    its panel."""
+    open_notebook(page, lab_server, "notebooks/01_find_batch.ipynb")
+    assert page.locator(".jp-NotebookPanel .jp-Cell").count() > 10  # the whole tutorial
+    clear_outputs(page)
+    cell = page.locator(".jp-CodeCell", has_text="%find_batch model synthetic_images").first
+    cell.locator(".jp-InputPrompt").click()  # select it (command mode)
+    menu(page, "Run", "notebook:run-all-above")
+    menu(page, "Run", "notebook:run-cell")
+    panel = cell.locator(".batchwidgets-probe")
+    panel.wait_for(timeout=RUN_TIMEOUT_S * 1000)
+    wait_until(lambda: re.fullmatch(r"\[\d+\]:", cell.locator(".jp-InputPrompt").inner_text()),
+               RUN_TIMEOUT_S, "the %find_batch cell to finish")
+    check_widgets_rendered(page)
+    assert not errors_in_outputs(page), f"a cell raised: {errors_in_outputs(page)}"
+    check_probe_panel(panel)
+    screenshot(page, panel, screenshot_dir, "notebook7-01_find_batch-probe-panel.png")
