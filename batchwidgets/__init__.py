@@ -19,6 +19,8 @@ _LAZY = {
     "accumulate": "batchwidgets.engine.accumulate",
     "measure_noise": "batchwidgets.engine.noise",
     "NoiseReport": "batchwidgets.results",
+    "NoiseTracker": "batchwidgets.engine.noise_tracker",
+    "NoiseTrackerReport": "batchwidgets.results",
     "AccumulationReport": "batchwidgets.results",
     "BatchwidgetsWarning": "batchwidgets._warnings",
     "Attempt": "batchwidgets.results",

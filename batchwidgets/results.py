@@ -333,3 +333,94 @@ class NoiseReport:
              for layer in self.layers],
             header=("parameter", "tr(cov)", "|G|^2", "B_simple"), caption="per layer")
         return f"<div>{summary}{batches}{layers}{_html.inline_plot(self)}</div>"
+
+
+LOSS_WINDOW = 100  # losses behind NoiseTrackerReport's rolling mean and std
+
+
+@dataclass(frozen=True)
+class NoiseTrackerReport:
+    """What ``NoiseTracker`` saw: per-batch losses and the online gradient noise scale.
+
+    ``grad_norm_sq`` and ``trace_cov`` are the moving averages of the two-batch-size estimates
+    (McCandlish et al. 2018, appendix A.1), in units of samples, or of micro-batches when the
+    micro-batch size is unknown. ``b_simple`` is their ratio, None unless ``measurable``.
+    """
+
+    history: tuple[tuple[int, float | None, float, float], ...]  # (update, B_simple, |G|^2, trS)
+    losses: tuple[float, ...]  # per batch, oldest first (bounded)
+    b_simple: float | None  # trace_cov / grad_norm_sq; None while not measurable
+    b_simple_error: float | None  # one standard error (delta method)
+    grad_norm_sq: float | None  # moving average of the |G|^2 estimates (can dip below 0)
+    trace_cov: float | None  # moving average of the tr(Sigma) estimates
+    measurable: bool
+    reason: str  # why b_simple is None; '' when measurable
+    n_updates: int  # updates that gave an estimate
+    micro_batch_size: int | None  # None: unknown, sizes are counted in micro-batches
+    effective_batch_size: int | None  # samples per update
+    grad_norm_sq_error: float | None = None  # standard errors of the moving averages
+    trace_cov_error: float | None = None
+    n_micro: int | None = None  # micro-batches averaged per update
+    ema: float = 0.9
+
+    @property
+    def loss_mean(self) -> float | None:
+        """Mean of the last ``LOSS_WINDOW`` losses."""
+        window = self.losses[-LOSS_WINDOW:]
+        return sum(window) / len(window) if window else None
+
+    @property
+    def loss_std(self) -> float | None:
+        """Standard deviation (n - 1) of the last ``LOSS_WINDOW`` losses."""
+        window = self.losses[-LOSS_WINDOW:]
+        if len(window) < 2:
+            return None
+        mean = sum(window) / len(window)
+        return math.sqrt(sum((x - mean) ** 2 for x in window) / (len(window) - 1))
+
+    @property
+    def unit(self) -> str:
+        return "samples" if self.micro_batch_size is not None else "micro-batches"
+
+    @property
+    def advice(self) -> str:
+        lr = ("learning rate: scale linearly with the batch size up to about B_simple, with a "
+              "warm-up of a few hundred steps (Goyal et al. 2017).")
+        if not self.measurable:
+            return f"critical batch size: {self.reason}. {lr}"
+        unknown = ("" if self.micro_batch_size is not None else
+                   " (the micro-batch size is unknown: pass model= to accumulate)")
+        current = (f"; the effective batch is {self.effective_batch_size}"
+                   if self.effective_batch_size else "")
+        return (f"critical batch size B_simple ~ {_html.format_number(self.b_simple)} ± "
+                f"{_html.format_number(self.b_simple_error, 2)} {self.unit}{unknown}"
+                f"{current} (McCandlish et al. 2018: batches well above it cost more samples "
+                f"for little gain, well below it more steps). {lr}")
+
+    def summary(self) -> str:
+        if not self.measurable:
+            return f"B_simple: {self.reason} ({self.n_updates} updates, {len(self.losses)} losses)"
+        return (f"B_simple {_html.format_number(self.b_simple)} ± "
+                f"{_html.format_number(self.b_simple_error, 2)} {self.unit} "
+                f"after {self.n_updates} updates")
+
+    def _repr_html_(self) -> str:
+        def plus_minus(value: float | None, error: float | None) -> str:
+            if value is None:
+                return "-"
+            return f"{_html.format_number(value)} ± {_html.format_number(error, 2)}"
+
+        rows = [
+            (f"B_simple ({self.unit})", plus_minus(self.b_simple, self.b_simple_error)
+             if self.measurable else self.reason),
+            ("|G|^2 (moving average)", plus_minus(self.grad_norm_sq, self.grad_norm_sq_error)),
+            ("tr(Sigma) (moving average)", plus_minus(self.trace_cov, self.trace_cov_error)),
+            ("updates measured", self.n_updates),
+            ("micro-batch size", self.micro_batch_size or "unknown"),
+            ("effective batch size", self.effective_batch_size or "-"),
+            (f"loss (last {LOSS_WINDOW}): mean / std",
+             f"{_html.format_number(self.loss_mean)} / {_html.format_number(self.loss_std)}"),
+            ("advice", self.advice),
+        ]
+        table = _html.table(rows, caption="batchwidgets: NoiseTracker")
+        return f"<div>{table}{_html.inline_plot(self)}</div>"

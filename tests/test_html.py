@@ -18,6 +18,7 @@ from batchwidgets.results import (
     LayerNoise,
     MemoryModel,
     NoiseReport,
+    NoiseTrackerReport,
 )
 
 MIB = 2**20
@@ -42,6 +43,17 @@ EXAMPLES = {  # one or more per report type; test_every_report_type_has_an_examp
         NoiseReport(trace_cov=2.0, grad_norm_sq=0.5, loss_mean=1.0, loss_variance=0.25,
                     n_examples=10, n_available=100, sampled=True, batch_sizes=(1, 4, 16),
                     layers=(LayerNoise("0.weight", 1.5, 0.4), LayerNoise("0.bias", 0.5, 0.1))),
+    ],
+    NoiseTrackerReport: [
+        NoiseTrackerReport(history=((1, None, 1.1, 5.5), (2, 6.2, 1.0, 6.2)), losses=(2.0, 1.8),
+                           b_simple=6.2, b_simple_error=0.4, grad_norm_sq=1.0, trace_cov=6.2,
+                           measurable=True, reason="", n_updates=2, micro_batch_size=8,
+                           effective_batch_size=32, grad_norm_sq_error=0.05,
+                           trace_cov_error=0.3, n_micro=4),
+        NoiseTrackerReport(history=(), losses=(1.0,), b_simple=None, b_simple_error=None,
+                           grad_norm_sq=None, trace_cov=None, measurable=False,
+                           reason="<not measured>", n_updates=0, micro_batch_size=None,
+                           effective_batch_size=None),
     ],
 }
 ALL_EXAMPLES = [report for reports in EXAMPLES.values() for report in reports]

@@ -23,6 +23,7 @@ import torch
 
 from .._warnings import BatchwidgetsWarning
 from ..results import AccumulationReport
+from .noise_tracker import NoiseTracker, grad_sq_norm
 
 REMAINDERS = ("apply", "drop")
 _FLUSH_EVERY = 256  # device scalars kept before one host sync converts them to floats
@@ -75,10 +76,12 @@ class Accumulator:
     def __init__(self, optimizer: torch.optim.Optimizer, steps: int,
                  model: torch.nn.Module | None, scaler: Any, scheduler: Any,
                  remainder: str, track_grad_norms: bool, batch_size: int | None = None,
-                 micro_batch_size: int | None = None) -> None:
+                 micro_batch_size: int | None = None, *,
+                 noise: NoiseTracker | None = None) -> None:
         self.optimizer, self.steps, self.model = optimizer, steps, model
         self.scaler, self.scheduler, self.remainder = scaler, scheduler, remainder
-        self.track_grad_norms = track_grad_norms
+        self.noise = noise
+        self.track_grad_norms = track_grad_norms or noise is not None
         self.batch_size, self.planned_micro_batch_size = batch_size, micro_batch_size
         self._pending = 0  # micro-steps since the last real step
         self._micro_steps = self._real_steps = self._skipped = 0
@@ -88,6 +91,10 @@ class Accumulator:
         self._micro_batch_size: int | None = None
         self._losses, self._sq_norms = _Scalars(), _Scalars()
         self._sq_current: torch.Tensor | None = None
+        # for the noise tracker, per update: micro-batch squares, losses, |G_big|^2 if clipped
+        self._group_sq: list[torch.Tensor] = []
+        self._group_losses: list[torch.Tensor] = []
+        self._big_sq: torch.Tensor | None = None
         self._scaled_loss_id: int | None = None
         self._patches: list[tuple[Any, str, bool, Any]] = []
         self._hooks: list[Any] = []
@@ -108,6 +115,8 @@ class Accumulator:
         if not self.is_sync_step:
             return None
         self._average(self._pending + 1)
+        if self.noise is not None:  # before clipping changes the accumulated gradient
+            self._big_sq = grad_sq_norm(self._params(), self.scaler, self.optimizer)
         params = self._params() if parameters is None else parameters
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
@@ -149,6 +158,8 @@ class Accumulator:
 
     def _real_step(self, real: Callable[[], Any]) -> Any:
         self._average(self._pending)
+        if self.noise is not None:
+            self._feed_noise_tracker()
         self._in_real_step = True
         try:
             result = real()
@@ -161,6 +172,39 @@ class Accumulator:
         self._set_ddp_sync(self.steps == 1)
         return result
 
+    # ---- the noise tracker --------------------------------------------------------------------
+    def _flush_group_losses(self, losses: list[float]) -> None:
+        for loss in losses:
+            self.noise.observe_loss(loss)
+        self._group_losses.clear()
+
+    def _feed_noise_tracker(self) -> None:
+        """One host sync per update: the group's micro squares, |G_big|^2 and losses."""
+        big = (self._big_sq if self._big_sq is not None
+               else grad_sq_norm(self._params(), self.scaler, self.optimizer))
+        squares, losses = self._group_sq, self._group_losses
+        self._group_sq, self._big_sq = [], None
+        tensors = [*squares, *losses] + ([big] if big is not None else [])
+        if not tensors:
+            return
+        device = tensors[-1].device
+        values = torch.stack([t.detach().float().reshape(()).to(device)
+                              for t in tensors]).tolist()
+        small, loss_values = values[:len(squares)], values[len(squares):len(squares) + len(losses)]
+        self._flush_group_losses(loss_values)
+        if big is None or not small:
+            return
+        world = (torch.distributed.get_world_size() if self._is_ddp() else 1)
+        # under DDP the micro norms are each rank's own; the big gradient is averaged over ranks
+        self.noise.update(small_sq_norms=small, big_sq_norm=values[-1],
+                          micro_batch_size=self._micro_batch_size, n_micro=len(small) * world)
+
+    def _record_loss(self, loss: torch.Tensor) -> None:
+        self._losses.append(loss)
+        if self.noise is not None:
+            self._group_losses.append(loss.detach())
+
+    # ---- the intercepted calls, continued -----------------------------------------------------
     def _optimizer_step(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -181,7 +225,7 @@ class Accumulator:
         def scale(outputs: Any) -> Any:
             scaled = original(outputs)
             if isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
-                self._losses.append(outputs)
+                self._record_loss(outputs)
                 self._scaled_loss_id = id(scaled)
             return scaled
         return scale
@@ -228,7 +272,7 @@ class Accumulator:
         @functools.wraps(original)
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             if tensor.dim() == 0 and id(tensor) != self._scaled_loss_id:
-                self._losses.append(tensor)
+                self._record_loss(tensor)
             return original(tensor, *args, **kwargs)
         return backward
 
@@ -245,6 +289,8 @@ class Accumulator:
         if isinstance(scale, torch.Tensor):
             square = square / scale.to(square.device).float().pow(2)
         self._sq_norms.append(square)
+        if self.noise is not None:
+            self._group_sq.append(square)
         self._sq_current = None
 
     def _record_batch_size(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -314,6 +360,8 @@ class Accumulator:
         self._remainder_count = self._pending
         if self.remainder == "drop":
             self._remainder_done = "dropped"
+            if self.noise is not None:
+                self._flush_group_losses([float(loss) for loss in self._group_losses])
             self._restore()
             self.optimizer.zero_grad()
             self._pending = 0
@@ -358,7 +406,8 @@ class Accumulator:
 def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
                model: torch.nn.Module | None = None, scaler: Any = None, scheduler: Any = None,
                *, remainder: str = "apply", track_grad_norms: bool = False,
-               batch_size: int | None = None, micro_batch_size: int | None = None) -> Accumulator:
+               batch_size: int | None = None, micro_batch_size: int | None = None,
+               noise: NoiseTracker | None = None) -> Accumulator:
     """Gradient accumulation around an unchanged training loop.
 
     Inside the block, ``optimizer.step()`` and ``zero_grad()`` take effect every ``steps``
@@ -390,6 +439,9 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
         Instead of ``steps``: the batch each update should see, and the micro-batch the loop
         feeds (e.g. ``find_batch``'s ``recommended_batch_size``); ``steps`` becomes
         ``ceil(batch_size / micro_batch_size)`` and the report states all three.
+    noise : NoiseTracker, optional
+        Follows the losses and the gradient noise scale from each update's micro-batches
+        (turns on ``track_grad_norms``; pass ``model`` so it knows the micro-batch size).
 
     Returns
     -------
@@ -418,8 +470,11 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
                          f"remainder={remainder!r}.")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
+    if noise is not None and not isinstance(noise, NoiseTracker):
+        raise TypeError(f"noise should be a batchwidgets.NoiseTracker, but got noise={noise!r}; "
+                        f"e.g. noise=bw.NoiseTracker().")
     return Accumulator(optimizer, steps, model, scaler, scheduler, remainder, track_grad_norms,
-                       batch_size, micro_batch_size)
+                       batch_size, micro_batch_size, noise=noise)
 
 
 def _steps_for(steps: int, batch_size: int | None, micro_batch_size: int | None) -> int:
