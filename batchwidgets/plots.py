@@ -8,10 +8,12 @@ Usage:
 
 from __future__ import annotations
 
+import textwrap
+
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from .results import AccumulationReport, BatchSizeReport
+from .results import AccumulationReport, BatchSizeReport, NoiseReport, NoiseTrackerReport
 
 MIB = 2**20
 
@@ -81,7 +83,55 @@ def plot_accumulate(report: AccumulationReport, *, ax: Axes | None = None) -> Fi
     return figure
 
 
-_PLOTTERS = {BatchSizeReport: plot_probe, AccumulationReport: plot_accumulate}
+def plot_noise(report: NoiseReport, *, ax: Axes | None = None) -> Figure:
+    """Variance (trace) of the mini-batch gradient against the batch size, on log axes, with
+    the 1/B line it follows when examples are drawn with replacement."""
+    if ax is None:
+        figure = Figure(figsize=(6, 3.4), layout="constrained")
+        ax = figure.subplots()
+    figure = ax.figure
+    variances = report.grad_variance
+    sizes = sorted(b for b in variances if variances[b] > 0)
+    ax.plot(sizes, [variances[b] for b in sizes], "o-", color="tab:blue",
+            label="measured (" + ("with" if report.replacement else "without") + " replacement)")
+    if sizes:
+        ax.plot(sizes, [report.trace_cov / b for b in sizes], "--", color="tab:gray",
+                label="tr(Σ) / B")
+        ax.axhline(report.grad_norm_sq, color="tab:red", linestyle=":", label="|G|²")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("gradient variance (trace)")
+    ax.set_title(f"gradient noise: B_simple = {report.b_simple:.3g}")
+    ax.legend(fontsize="small")
+    return figure
+
+
+def plot_noise_tracker(report: NoiseTrackerReport, *, ax: Axes | None = None) -> Figure:
+    """Per-batch loss, and the noise scale B_simple over the updates (where measurable)."""
+    if ax is not None:
+        figure, loss_ax, noise_ax = ax.figure, ax, ax.twinx()
+    else:
+        figure = Figure(figsize=(9, 3.2), layout="constrained")
+        loss_ax, noise_ax = figure.subplots(1, 2)
+    loss_ax.plot(range(1, len(report.losses) + 1), report.losses, ".", color="tab:blue",
+                 markersize=3)
+    loss_ax.set_xlabel("batch")
+    loss_ax.set_ylabel("loss")
+    points = [(update, value) for update, value, _g2, _s in report.history if value is not None]
+    noise_ax.plot([u for u, _ in points], [v for _, v in points], "-", color="tab:orange")
+    noise_ax.set_xlabel("update")
+    noise_ax.set_ylabel(f"B_simple ({report.unit})")
+    noise_ax.set_title("noise scale B_simple" if report.measurable
+                       else "noise scale: not measurable yet")
+    if not report.measurable:
+        noise_ax.text(0.5, 0.5, textwrap.fill(report.reason, 45), transform=noise_ax.transAxes,
+                      ha="center", va="center", fontsize="small", color="tab:gray")
+    return figure
+
+
+_PLOTTERS = {BatchSizeReport: plot_probe, AccumulationReport: plot_accumulate,
+             NoiseReport: plot_noise, NoiseTrackerReport: plot_noise_tracker}
 
 
 def plot(report: object, *, ax: Axes | None = None) -> Figure:

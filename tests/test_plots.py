@@ -7,8 +7,15 @@ import pytest
 from matplotlib.figure import Figure
 
 from batchwidgets import plots
-from batchwidgets.plots import MIB, plot_accumulate, plot_probe
-from batchwidgets.results import AccumulationReport, Attempt, BatchSizeReport, MemoryModel
+from batchwidgets.plots import MIB, plot_accumulate, plot_noise, plot_noise_tracker, plot_probe
+from batchwidgets.results import (
+    AccumulationReport,
+    Attempt,
+    BatchSizeReport,
+    MemoryModel,
+    NoiseReport,
+    NoiseTrackerReport,
+)
 
 matplotlib.use("Agg")
 
@@ -70,3 +77,28 @@ def test_plot_accumulate_draws_each_micro_batch_loss_and_marks_the_updates():
     assert [line.get_xdata()[0] for line in loss_ax.lines[1:]] == [4.5, 8.5]
     assert loss_ax.get_ylabel() == "loss"
     assert list(norm_ax.lines[0].get_ydata()) == [1.0] * 8
+
+
+def test_plot_noise_draws_the_variance_against_batch_size_with_the_one_over_b_line():
+    report = NoiseReport(trace_cov=4.0, grad_norm_sq=0.5, loss_mean=1.0, loss_variance=0.2,
+                         n_examples=1000, n_available=1000, sampled=False,
+                         batch_sizes=(1, 10, 100), replacement=True)
+    ax = plot_noise(report).axes[0]
+    measured, one_over_b, _g2 = ax.lines
+    assert list(measured.get_xdata()) == [1, 10, 100]
+    assert list(measured.get_ydata()) == pytest.approx([4.0, 0.4, 0.04])
+    assert list(one_over_b.get_ydata()) == pytest.approx([4.0, 0.4, 0.04])
+    assert ax.get_xscale() == "log"
+    assert "8" in ax.get_title()  # B_simple = 4 / 0.5
+
+
+def test_plot_noise_tracker_draws_losses_and_the_measurable_noise_scale():
+    report = NoiseTrackerReport(
+        history=((1, None, 0.1, 1.0), (2, 12.0, 0.1, 1.2), (3, 11.0, 0.1, 1.1)),
+        losses=(2.0, 1.9, 1.8), b_simple=11.0, b_simple_error=1.0, grad_norm_sq=0.1,
+        trace_cov=1.1, measurable=True, reason="", n_updates=3, micro_batch_size=8,
+        effective_batch_size=32)
+    loss_ax, noise_ax = plot_noise_tracker(report).axes
+    assert list(loss_ax.lines[0].get_ydata()) == [2.0, 1.9, 1.8]
+    assert list(noise_ax.lines[0].get_xdata()) == [2, 3]  # the unmeasurable first one left out
+    assert noise_ax.get_ylabel() == "B_simple (samples)"
