@@ -56,6 +56,15 @@ class MemoryModel:
         return max(0, size // multiple_of * multiple_of)
 
 
+def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
+    """The probe's attempts as an escaped HTML table (the report's and the live panel's)."""
+    rows = [(a.batch_size, "yes" if a.fits else "OOM", _html.format_bytes(a.peak_memory_bytes),
+             _html.format_number(a.step_time_s), _html.format_number(a.samples_per_s, 4))
+            for a in attempts]
+    return _html.table(rows, caption="attempts, in order",
+                       header=("batch size", "fits", "peak memory", "step s", "samples/s"))
+
+
 # A smaller size must beat the largest one by this much (samples/s) to be preferred: fewer
 # trials than a throughput curve needs, so small timing noise must not flip the recommendation.
 FASTER_BY = 1.10
@@ -160,15 +169,9 @@ class BatchSizeReport:
              f"{self.n_attempts} ({self.n_ooms} out of memory); stop: {self.stop_reason}"),
         ]
 
-    def _attempt_rows(self) -> list[tuple[object, ...]]:
-        return [(a.batch_size, "yes" if a.fits else "OOM", _html.format_bytes(a.peak_memory_bytes),
-                 _html.format_number(a.step_time_s), _html.format_number(a.samples_per_s, 4))
-                for a in self.attempts]
-
     def _repr_html_(self) -> str:
         summary = _html.table(self._summary_rows(), caption="batchwidgets: find_batch")
-        attempts = _html.table(self._attempt_rows(), caption="attempts, in order",
-                               header=("batch size", "fits", "peak memory", "step s", "samples/s"))
+        attempts = attempts_table(self.attempts)
         return f"<div>{summary}{attempts}{_html.inline_plot(self)}</div>"
 
 

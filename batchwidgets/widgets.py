@@ -22,7 +22,7 @@ from IPython.display import display
 
 from . import _html
 from .plots import plot_probe
-from .results import Attempt, BatchSizeReport
+from .results import Attempt, BatchSizeReport, attempts_table
 
 # probe(on_step=..., headroom=...) -> report, e.g. functools.partial(find_batch, model, data)
 Probe = Callable[..., BatchSizeReport]
@@ -42,14 +42,6 @@ def _attempt_line(attempt: Attempt) -> str:
     outcome = "fits" if attempt.fits else "out of memory"
     return (f"batch size {attempt.batch_size}: {outcome}, peak "
             f"{_html.format_bytes(attempt.peak_memory_bytes)}")
-
-
-def _attempts_table(attempts: list[Attempt] | tuple[Attempt, ...]) -> str:
-    rows = [(a.batch_size, "yes" if a.fits else "OOM", _html.format_bytes(a.peak_memory_bytes),
-             _html.format_number(a.step_time_s), _html.format_number(a.samples_per_s, 4))
-            for a in attempts]
-    return _html.table(rows, caption="attempts, in order",
-                       header=("batch size", "fits", "peak memory", "step s", "samples/s"))
 
 
 def _summary_table(report: BatchSizeReport) -> str:
@@ -132,7 +124,7 @@ class ProbePanel(widgets.VBox):
             self.report = report
             self.plot.value = _png(report)
             self.summary.value = _summary_table(report)
-            self.attempts.value = _attempts_table(report.attempts)
+            self.attempts.value = attempts_table(report.attempts)
             self.code.value = f"DataLoader(dataset, batch_size={report.recommended_batch_size})"
             self.headroom.min = min(self.headroom.min, report.headroom)
             self.headroom.value = report.headroom
@@ -148,7 +140,7 @@ class ProbePanel(widgets.VBox):
         self.progress.max = max(self.progress.max, len(self._attempts) + 1)
         self.progress.value = len(self._attempts)
         self.status.value = _attempt_line(attempt)
-        self.attempts.value = _attempts_table(self._attempts)
+        self.attempts.value = attempts_table(self._attempts)
 
     def _begin(self) -> None:
         self._attempts = []

@@ -114,13 +114,21 @@ def _state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimiz
     return tensors
 
 
+def _collective_device() -> torch.device | None:
+    """Where all_reduce tensors live (CUDA for NCCL, else the CPU); None when not distributed."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _agree(attempt: Attempt) -> Attempt:
     """Under torch.distributed, one outcome for all ranks: fits only if it fit everywhere, and
     the largest memory and time of any rank, so every rank takes the same next step."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    device = _collective_device()
+    if device is None:
         return attempt
-    nccl = torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     values = [attempt.peak_memory_bytes, attempt.peak_reserved_bytes,
               attempt.activation_peak_bytes, attempt.step_time_s]
     # MIN of (fits, -x) is (fits everywhere, -max x); -1 stands for "not measured" (None).
@@ -139,10 +147,9 @@ def _agree(attempt: Attempt) -> Attempt:
 
 
 def _agree_limit(limit_bytes: int | None) -> int | None:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    device = _collective_device()
+    if device is None:
         return limit_bytes  # every rank takes part below, with or without a limit of its own
-    nccl = torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     value = torch.tensor([float("inf") if limit_bytes is None else float(limit_bytes)],
                          dtype=torch.float64, device=device)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
