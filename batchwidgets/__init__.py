@@ -28,6 +28,14 @@ _LAZY = {
     "MemoryModel": "batchwidgets.results",
     "plot_probe": "batchwidgets.plots",
     "ProbePanel": "batchwidgets.widgets",
+    "NoisePanel": "batchwidgets.widgets",
+    "tune_loader": "batchwidgets.engine.loader",
+    "measure_loader": "batchwidgets.engine.loader",
+    "data_stall": "batchwidgets.engine.loader",
+    "LoaderReport": "batchwidgets.results",
+    "LoaderTrial": "batchwidgets.results",
+    "DataStallReport": "batchwidgets.results",
+    "LoaderPanel": "batchwidgets.widgets",
 }
 __all__ = sorted(_LAZY)
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import batchwidgets as bw
+from batchwidgets._warnings import BatchwidgetsWarning
 from batchwidgets.results import NoiseTrackerReport
 
 D, SIGMA, MICRO, STEPS = 4, 0.5, 8, 4  # dimensions, label noise, micro-batch, micro-steps
@@ -182,3 +183,20 @@ def test_grad_scaler_and_clipping_do_not_change_the_estimates():
         assert [h[0] for h in other] == [h[0] for h in plain]
         assert [v for h in other for v in h[2:]] == pytest.approx(
             [v for h in plain for v in h[2:]], rel=1e-6)
+
+
+def test_listeners_hear_every_loss_and_update_and_a_broken_one_is_dropped_with_a_warning():
+    tracker = bw.NoiseTracker(warmup_updates=1)
+    heard = []
+    tracker.add_listener(lambda t: heard.append(t.report.n_updates))
+
+    def broken(_tracker):
+        raise RuntimeError("display gone")
+
+    tracker.add_listener(broken)
+    with pytest.warns(BatchwidgetsWarning, match="display gone"):
+        tracker.observe_loss(1.0)
+    tracker.update(small_sq_norms=[1.75, 1.8], big_sq_norm=1.2, micro_batch_size=8, n_micro=2)
+    tracker.observe_loss(0.5)
+    assert heard == [0, 1, 1]
+    tracker.remove_listener(broken)  # already gone: no error

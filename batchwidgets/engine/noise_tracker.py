@@ -14,12 +14,14 @@ Usage:
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .._warnings import BatchwidgetsWarning
 from ..results import NoiseTrackerReport
 
 # NOTE [ The two-batch-size estimator ]
@@ -139,10 +141,31 @@ class NoiseTracker:
         self._n_updates = self._n_single = 0
         self._micro_batch_size: int | None = None
         self._n_micro: int | None = None
+        self._listeners: list[Callable[[NoiseTracker], None]] = []
+
+    def add_listener(self, listener: Callable[[NoiseTracker], None]) -> None:
+        """Call ``listener(tracker)`` after every recorded loss and update (a live panel redraws
+        from it; it should be cheap). A listener that raises is removed with a warning, so a
+        broken display never stops training."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[NoiseTracker], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _notify(self) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(self)
+            except Exception as error:
+                self.remove_listener(listener)
+                warnings.warn(f"NoiseTracker: the listener {listener!r} raised {error!r} and "
+                              f"was removed; training goes on", BatchwidgetsWarning, stacklevel=2)
 
     def observe_loss(self, loss: Any) -> None:
         """Record one batch's loss (a float or a 0-dim tensor, read with ``float``)."""
         self._losses.append(float(loss))
+        self._notify()
 
     def update(self, *, small_sq_norms: Sequence[float], big_sq_norm: float,
                micro_batch_size: int | None, n_micro: int) -> None:
@@ -152,6 +175,7 @@ class NoiseTracker:
         values = [*small_sq_norms, big_sq_norm]
         if n_micro < 2 or not small_sq_norms or not all(map(math.isfinite, values)):
             self._n_single += n_micro < 2  # nothing to compare; inf/NaN steps are skipped
+            self._notify()
             return
         self._micro_batch_size, self._n_micro = micro_batch_size, n_micro
         grad_norm_sq, trace_cov = estimate(small_sq_norms, big_sq_norm, micro_batch_size or 1,
@@ -159,6 +183,7 @@ class NoiseTracker:
         self._moments.add(grad_norm_sq, trace_cov)
         self._n_updates += 1
         self._history.append((self._n_updates, self._b_simple()[0], *self._moments.means()[:2]))
+        self._notify()
 
     def _b_simple(self) -> tuple[float | None, float | None, str]:
         """(B_simple, its standard error, reason it is not measurable or '')."""

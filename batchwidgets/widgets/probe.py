@@ -20,9 +20,9 @@ from typing import Any
 import ipywidgets as widgets
 from IPython.display import display
 
-from . import _html
-from .plots import plot_probe
-from .results import Attempt, BatchSizeReport, attempts_table
+from .. import _html
+from ..plots import plot_probe
+from ..results import Attempt, BatchSizeReport, attempts_table
 
 # probe(on_step=..., headroom=...) -> report, e.g. functools.partial(find_batch, model, data)
 Probe = Callable[..., BatchSizeReport]

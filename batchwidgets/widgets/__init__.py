@@ -1,0 +1,21 @@
+"""The panels: ipywidgets front ends over the engine, one module each.
+
+- ``probe.py``   ProbePanel   ``find_batch`` live: progress, memory and throughput plots, headroom
+- ``noise.py``   NoisePanel   per-batch losses and the gradient noise scale while training runs
+- ``loader.py``  LoaderPanel  DataLoader options as live toggles, throughput, auto-tune
+
+Only widgets that ipywidgets 7.7 (Colab) and 8 both have, and no custom front-end code.
+"""
+
+import importlib
+
+from .probe import WIDGET_VIEW, ProbePanel
+
+_LAZY = {"NoisePanel": ".noise", "LoaderPanel": ".loader"}
+__all__ = ["WIDGET_VIEW", "LoaderPanel", "NoisePanel", "ProbePanel"]
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'batchwidgets.widgets' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)
