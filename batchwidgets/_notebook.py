@@ -16,6 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
 from .engine import parse_bytes
+from .engine.noise_tracker import NoiseTracker
 from .results import BatchSizeReport
 
 
@@ -62,6 +63,8 @@ _ROLES = {
     "--probe": _Role("a find_batch report (BatchSizeReport)", "probe reports",
                      lambda v: isinstance(v, BatchSizeReport),
                      lambda v: isinstance(v, BatchSizeReport)),
+    "--noise": _Role("a batchwidgets.NoiseTracker", "noise trackers",
+                     lambda v: isinstance(v, NoiseTracker), lambda v: isinstance(v, NoiseTracker)),
 }
 
 
@@ -211,3 +214,19 @@ def training_model(shell: Any, text: str | None, optimizer: Any) -> Any:
     wrappers = {n: m for n, m in found.items()
                 if isinstance(m, torch.nn.parallel.DistributedDataParallel)}
     return _only(wrappers or found, "--model", False)
+
+
+NEW_TRACKER_NAME = "noise_tracker"  # where a bare --noise keeps the tracker it creates
+
+
+def noise_tracker(shell: Any, text: str | None) -> NoiseTracker | None:
+    """--noise NAME: that tracker; a bare --noise: a new one, kept as ``noise_tracker``."""
+    if text is None:
+        return None
+    if text.isdigit():
+        raise UsageError(f"--noise takes the name of a NoiseTracker, but got --noise {text}; "
+                         f"give N first: %%accumulate {text} --noise.")
+    if text:
+        return resolve(shell, text, "--noise")
+    tracker = shell.user_ns[NEW_TRACKER_NAME] = NoiseTracker()
+    return tracker

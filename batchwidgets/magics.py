@@ -7,6 +7,7 @@ Usage:
     %load_ext batchwidgets
     %find_batch model train_dataset --budget 16GiB --amp bf16
     %%accumulate 8
+    %%accumulate 4 --noise
     report = %find_batch model --input-shape 3,32,32 --num-classes 10 -q
 """
 
@@ -29,6 +30,7 @@ from ._notebook import (
     example_shape,
     find_one,
     fraction,
+    noise_tracker,
     parse,
     positive_int,
     resolve,
@@ -36,8 +38,10 @@ from ._notebook import (
 )
 from .engine import SyntheticBatches, find_batch
 from .engine.accumulate import accumulate
+from .engine.noise_tracker import NoiseTracker
 from .results import AccumulationReport, BatchSizeReport
 from .widgets import ProbePanel
+from .widgets.noise import NoisePanel
 
 # find_batch options given as values (the rest name objects in the notebook; see _notebook.py)
 _VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "headroom",
@@ -127,6 +131,15 @@ class _HideOnce:
             self.disarm()
         else:
             printer.text(repr(report))
+
+
+def _noise_panel(shell: Any, tracker: NoiseTracker | None) -> NoisePanel | None:
+    """A live NoisePanel shown above the cell's output, where widgets run."""
+    if tracker is None or not _has_widgets(shell):
+        return None
+    panel = NoisePanel(tracker)
+    display(panel)
+    return panel
 
 
 def _micro_batch(shell: Any, args: argparse.Namespace) -> dict[str, int]:
@@ -241,6 +254,9 @@ class BatchMagics(Magics):
                    "probe report's recommended_batch_size and N = ceil(B / micro-batch)")
     @argument("--probe", metavar="NAME",
               help="with --batch-size: the find_batch report (default: the only one, or _)")
+    @argument("--noise", metavar="NAME", nargs="?", const="",
+              help="also track the gradient noise scale and per-batch losses, in a live panel: "
+                   "a new NoiseTracker kept as noise_tracker, or the NoiseTracker NAME")
     @cell_magic
     def accumulate(self, line: str, cell: str) -> AccumulationReport:
         """Gradient accumulation around the cell: the same as ``batchwidgets.accumulate``.
@@ -251,11 +267,19 @@ class BatchMagics(Magics):
         optimizer, scaler, scheduler and model are found in the notebook when there is one of
         each; with several, name the one to use. The report is the cell's value.
 
+        ``--noise`` also follows the per-batch losses and the gradient noise scale from the
+        micro-batches (``accumulate(..., noise=tracker)``): a bare ``--noise`` makes a new
+        ``NoiseTracker`` and keeps it in the notebook as ``noise_tracker``; ``--noise NAME``
+        goes on with the tracker NAME. Where widgets run, a ``NoisePanel`` above the output
+        draws it while the cell runs; ``noise_tracker.report`` has the numbers and the advice.
+
         Examples::
 
           %%accumulate 8
           %%accumulate 4 --optimizer opt --scheduler warmup --model ddp_model
           %%accumulate --batch-size 4096 --probe report
+          %%accumulate 4 --noise
+          %%accumulate 4 --noise noise_tracker
         """
         line, silenced = _without_semicolon(line)
         args = parse(self.accumulate, line)
@@ -266,10 +290,17 @@ class BatchMagics(Magics):
             scheduler=find_one(self.shell, args.scheduler, "--scheduler", False,
                                 lambda v: getattr(v, "optimizer", None) is optimizer),
             model=training_model(self.shell, args.model, optimizer),
-            remainder=args.remainder or "apply", track_grad_norms=args.track_grad_norms)
+            remainder=args.remainder or "apply", track_grad_norms=args.track_grad_norms,
+            noise=noise_tracker(self.shell, args.noise))
         code = compile(self.shell.transform_cell(cell), "<%%accumulate cell>", "exec")
-        with accumulate(optimizer, **options) as acc:
-            exec(code, self.shell.user_ns)  # the user's errors keep their traceback
+        panel = _noise_panel(self.shell, options["noise"])
+        try:
+            with accumulate(optimizer, **options) as acc:
+                exec(code, self.shell.user_ns)  # the user's errors keep their traceback
+        finally:
+            if panel is not None:  # the last numbers, also in the saved notebook; then let go
+                panel.refresh()
+                panel.detach()
         return None if silenced else acc.report
 
 def load(ipython: Any) -> None:

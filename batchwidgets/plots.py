@@ -12,8 +12,15 @@ import textwrap
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import ScalarFormatter
 
-from .results import AccumulationReport, BatchSizeReport, NoiseReport, NoiseTrackerReport
+from .results import (
+    AccumulationReport,
+    BatchSizeReport,
+    LoaderReport,
+    NoiseReport,
+    NoiseTrackerReport,
+)
 
 MIB = 2**20
 
@@ -107,6 +114,52 @@ def plot_noise(report: NoiseReport, *, ax: Axes | None = None) -> Figure:
     return figure
 
 
+def _draw_losses(ax: Axes, report: NoiseTrackerReport) -> None:
+    """Each batch's loss, its rolling mean and a band of one rolling standard deviation."""
+    n_seen = report.n_losses_seen
+    batches = range(n_seen - len(report.losses) + 1, n_seen + 1)
+    ax.plot(batches, report.losses, ".", color="tab:blue", markersize=3, alpha=0.5,
+            label="per batch")
+    means, stds = report.rolling_loss()
+    if len(means) > 1:
+        ax.plot(batches, means, "-", color="tab:blue",
+                label=f"rolling mean ({report.loss_window} batches)")
+        ax.fill_between(batches, [m - s for m, s in zip(means, stds)],
+                        [m + s for m, s in zip(means, stds)], color="tab:blue", alpha=0.2,
+                        linewidth=0, label="± 1 std")
+        ax.legend(fontsize="small", loc="upper right")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("loss")
+    ax.set_title("per-batch loss")
+
+
+def _draw_noise_scale(ax: Axes, report: NoiseTrackerReport) -> None:
+    """B_simple over the updates with a band of one standard error, and the current batch."""
+    errors = report.history_errors or (None,) * len(report.history)
+    points = [(entry[0], entry[1], error) for entry, error in zip(report.history, errors)
+              if entry[1] is not None]
+    ax.plot([u for u, _, _ in points], [b for _, b, _ in points], "-", color="tab:orange",
+            label="B_simple")
+    banded = [(u, b, e) for u, b, e in points if e is not None]
+    if banded:
+        ax.fill_between([u for u, _, _ in banded], [b - e for _, b, e in banded],
+                        [b + e for _, b, e in banded], color="tab:orange", alpha=0.25,
+                        linewidth=0, label="± 1 standard error")
+    if points and report.current_batch_size:
+        ax.axhline(report.current_batch_size, color="tab:gray", linestyle="--",
+                   label=f"current batch {report.current_batch_size}")
+    if points:
+        ax.legend(fontsize="small", loc="lower right")
+    ax.set_xlabel("update")
+    ax.set_ylabel(f"B_simple ({report.unit})")
+    ax.set_title("noise scale B_simple" if report.measurable
+                 else "noise scale: not measurable yet")
+    if not report.measurable:
+        ax.text(0.5, 0.97, textwrap.fill(report.reason, 50), transform=ax.transAxes,
+                ha="center", va="top", fontsize="small", color="tab:gray",
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+
+
 def plot_noise_tracker(report: NoiseTrackerReport, *, ax: Axes | None = None) -> Figure:
     """Per-batch loss, and the noise scale B_simple over the updates (where measurable)."""
     if ax is not None:
@@ -114,24 +167,70 @@ def plot_noise_tracker(report: NoiseTrackerReport, *, ax: Axes | None = None) ->
     else:
         figure = Figure(figsize=(9, 3.2), layout="constrained")
         loss_ax, noise_ax = figure.subplots(1, 2)
-    loss_ax.plot(range(1, len(report.losses) + 1), report.losses, ".", color="tab:blue",
-                 markersize=3)
-    loss_ax.set_xlabel("batch")
-    loss_ax.set_ylabel("loss")
-    points = [(update, value) for update, value, _g2, _s in report.history if value is not None]
-    noise_ax.plot([u for u, _ in points], [v for _, v in points], "-", color="tab:orange")
-    noise_ax.set_xlabel("update")
-    noise_ax.set_ylabel(f"B_simple ({report.unit})")
-    noise_ax.set_title("noise scale B_simple" if report.measurable
-                       else "noise scale: not measurable yet")
-    if not report.measurable:
-        noise_ax.text(0.5, 0.5, textwrap.fill(report.reason, 45), transform=noise_ax.transAxes,
-                      ha="center", va="center", fontsize="small", color="tab:gray")
+    _draw_losses(loss_ax, report)
+    _draw_noise_scale(noise_ax, report)
+    return figure
+
+
+def _draw_variance(ax: Axes, report: NoiseTrackerReport, noise_report: NoiseReport | None) -> None:
+    """Mini-batch gradient variance against B: the tracker's tr(Σ)/B through the two batch sizes
+    it measured, and measure_noise's variance at each of its batch sizes, on log axes."""
+    sizes: list[float] = []
+    if noise_report is not None:
+        variances = noise_report.grad_variance
+        measured = sorted(b for b in variances if variances[b] > 0)
+        ax.plot(measured, [variances[b] for b in measured], "o", color="tab:blue",
+                label="measure_noise")
+        if measured:
+            ax.plot(measured, [noise_report.trace_cov / b for b in measured], "--",
+                    color="tab:blue", alpha=0.6, label="measure_noise tr(Σ)/B")
+        sizes += measured
+    tracked = (report.trace_cov is not None and report.trace_cov > 0
+               and report.micro_batch_size is not None and report.n_micro is not None)
+    if tracked:
+        small, big = report.micro_batch_size, report.micro_batch_size * report.n_micro
+        crossing = (report.trace_cov / report.grad_norm_sq  # where |G|^2 = tr(Σ)/B
+                    if report.grad_norm_sq is not None and report.grad_norm_sq > 0 else big)
+        span = [min([small, *sizes]), max([big, *sizes, min(crossing, 100 * big)])]
+        ax.plot(span, [report.trace_cov / b for b in span], "-", color="tab:orange",
+                label="tracker tr(Σ)/B")
+        ax.plot([small, big], [report.trace_cov / small, report.trace_cov / big], "s",
+                color="tab:orange", label=f"measured at B = {small}, {big}")
+        if report.grad_norm_sq is not None and report.grad_norm_sq > 0:
+            ax.axhline(report.grad_norm_sq, color="tab:red", linestyle=":",
+                       label="|G|² (crosses at B_simple)")
+    if tracked or sizes:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_yscale("log")
+        ax.legend(fontsize="small", loc="lower left")
+    else:
+        ax.text(0.5, 0.5, "no variance measured yet", transform=ax.transAxes, ha="center",
+                va="center", fontsize="small", color="tab:gray")
+    ax.set_xlabel(f"batch size B ({report.unit})")
+    ax.set_ylabel("gradient variance (trace)")
+    ax.set_title("variance falls as 1/B")
+
+
+def plot_noise_panel(report: NoiseTrackerReport,
+                     noise_report: NoiseReport | None = None) -> Figure:
+    """What ``NoisePanel`` shows, in three axes: the per-batch loss with its rolling mean and a
+    band of one standard deviation; the gradient variance against the batch size with the 1/B
+    line (the tracker's, and ``noise_report``'s points from ``measure_noise`` if given); the
+    noise scale B_simple over the updates with a band of one standard error."""
+    figure = Figure(figsize=(13, 3.6))
+    # fixed margins: constrained layout would double the time of each live redraw
+    figure.subplots_adjust(left=0.05, right=0.99, bottom=0.14, top=0.92, wspace=0.22)
+    loss_ax, variance_ax, noise_ax = figure.subplots(1, 3)
+    _draw_losses(loss_ax, report)
+    _draw_variance(variance_ax, report, noise_report)
+    _draw_noise_scale(noise_ax, report)
     return figure
 
 
 _PLOTTERS = {BatchSizeReport: plot_probe, AccumulationReport: plot_accumulate,
              NoiseReport: plot_noise, NoiseTrackerReport: plot_noise_tracker}
+_FIGURES = {NoiseTrackerReport: plot_noise_panel}  # a whole figure, where no ax is given
 
 
 def plot(report: object, *, ax: Axes | None = None) -> Figure:
@@ -140,4 +239,35 @@ def plot(report: object, *, ax: Axes | None = None) -> Figure:
     if plotter is None:
         raise TypeError(f"report should be one of {[t.__name__ for t in _PLOTTERS]}, but got "
                         f"{type(report).__name__}.")
+    if ax is None and type(report) in _FIGURES:
+        return _FIGURES[type(report)](report)
     return plotter(report, ax=ax)
+
+
+def plot_loader(report: LoaderReport, *, ax: Axes | None = None) -> Figure:
+    """samples/s of each DataLoader setting tried, in the order measured: the best in green,
+    failed settings in red, the current one outlined, each with its time to the first batch."""
+    trials = report.trials
+    if ax is None:
+        figure = Figure(figsize=(7, 1.2 + 0.42 * len(trials)), layout="constrained")
+        ax = figure.subplots()
+    figure = ax.figure
+    colors = ["tab:green" if i == report.best_index else "tab:blue" if t.ok else "tab:red"
+              for i, t in enumerate(trials)]
+    rows = range(len(trials))
+    bars = ax.barh(rows, [t.samples_per_s for t in trials], color=colors)
+    bars[report.current_index].set_edgecolor("black")
+    bars[report.current_index].set_linewidth(1.5)
+    ax.set_yticks(list(rows), [t.label for t in trials], fontsize="small")
+    ax.invert_yaxis()  # first measured on top
+    for i, t in enumerate(trials):
+        note = f" first batch {t.first_batch_s:.2f} s" if t.ok else f" failed: {t.error}"
+        ax.text(t.samples_per_s, i, textwrap.shorten(note, 60), va="center", fontsize="small")
+    ax.set_xlabel("samples/s (steady state, warm-up excluded)")
+    ax.margins(x=0.35)
+    ax.set_title(f"input pipeline on {report.device}: {len(trials)} of {report.grid_size} "
+                 f"settings tried")
+    return figure
+
+
+_PLOTTERS[LoaderReport] = plot_loader

@@ -13,6 +13,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -254,6 +255,55 @@ def batch_variance(variance: float, n: int, batch_size: int, replacement: bool) 
     return variance / batch_size * (n - batch_size) / (n - 1)
 
 
+# NOTE [ The steps-versus-examples trade-off ]
+# McCandlish et al. 2018, eq. 2.11: training to a given loss at batch size B takes about
+#   S = S_min (1 + B_noise / B) optimizer steps and E = E_min (1 + B / B_noise) examples,
+# with S_min the fewest steps (B -> infinity) and E_min the fewest examples (B -> 0); B_simple
+# estimates B_noise. At B = B_simple both are twice their minimum: the critical batch size.
+# Their eq. 2.7 gives the best SGD learning rate as eps_max / (1 + B_noise / B): linear in B
+# well below B_noise (Goyal et al. 2017's linear scaling rule), flat well above it.
+def steps_over_min(b_simple: float, batch_size: float) -> float:
+    """S / S_min = 1 + B_simple / B: steps needed at batch size B over the fewest possible."""
+    return 1 + b_simple / batch_size
+
+
+def examples_over_min(b_simple: float, batch_size: float) -> float:
+    """E / E_min = 1 + B / B_simple: examples needed at batch size B over the fewest possible."""
+    return 1 + batch_size / b_simple
+
+
+def lr_scale(b_simple: float, batch_size: float, new_batch_size: float) -> float:
+    """Factor on the learning rate when the batch goes from B to B', from eps_opt(B) ~
+    1 / (1 + B_simple / B); about B' / B (linear scaling) while both are well below B_simple."""
+    return steps_over_min(b_simple, batch_size) / steps_over_min(b_simple, new_batch_size)
+
+
+def noise_advice(b_simple: float, error: float | None, unit: str,
+                 batch_sizes: tuple[int, ...], current: int | None) -> str:
+    """The advice of both noise reports: the critical batch size, the steps-versus-examples
+    trade-off at ``current`` (else at each of ``batch_sizes``) and the learning rate to use
+    when changing the batch size. See NOTE [ The steps-versus-examples trade-off ]."""
+    number = _html.format_number
+    spread = f" ± {number(error, 2)}" if error is not None else ""
+    sizes = (current,) if current else batch_sizes
+    label = "the current batch" if current else "batch size"
+    at = "; ".join(f"at {label} B = {b}: {number(steps_over_min(b_simple, b), 3)}× the fewest "
+                   f"steps and {number(examples_over_min(b_simple, b), 3)}× the fewest examples"
+                   for b in sizes)
+    target = max(1, int(float(f"{b_simple:.2g}")))  # B_simple to 2 significant digits
+    start = current or min(batch_sizes, default=1)
+    return (f"critical batch size B_simple ≈ {number(b_simple)}{spread} {unit} (McCandlish et "
+            f"al. 2018). Training at batch size B takes about S_min·(1 + B_simple/B) steps and "
+            f"E_min·(1 + B/B_simple) examples, {at}; B ≈ B_simple balances the two (2× each), "
+            f"and batches well above it spend many more examples to save few steps. Learning "
+            f"rate: when the batch changes from B to B', multiply it by B'/B (linear scaling) "
+            f"and warm it up over the first few epochs (Goyal et al. 2017), while B' stays "
+            f"below about B_simple; from B = {start} to {target}: "
+            f"×{number(lr_scale(b_simple, start, target))} (linear scaling: "
+            f"×{number(target / start)}; the optimum, ∝ 1/(1 + B_simple/B), stops growing past "
+            f"B_simple).")
+
+
 @dataclass(frozen=True)
 class NoiseReport:
     """What ``measure_noise`` found: gradient and loss noise over ``n_examples`` examples.
@@ -276,10 +326,22 @@ class NoiseReport:
     method: str = "vmap"  # vmap | loop: how per-example gradients were computed
     layers: tuple[LayerNoise, ...] = ()
     eval_batchnorm: bool = False  # BatchNorm layers in train mode were measured in eval mode
+    batch_size: int | None = None  # the DataLoader's batch size, when data was one
+    warnings: tuple[str, ...] = ()  # what makes these numbers less exact (e.g. no shuffling)
 
     @property
     def b_simple(self) -> float:
         return _ratio(self.trace_cov, self.grad_norm_sq)
+
+    @property
+    def advice(self) -> str:
+        """The critical batch size, the steps-versus-examples trade-off at the loader's batch
+        size (else at each of ``batch_sizes``), and the learning rate for another batch size."""
+        if not math.isfinite(self.b_simple) or self.b_simple <= 0:
+            return (f"critical batch size: B_simple = {self.b_simple} is not finite (the mean "
+                    f"gradient vanishes here: a converged model, or too few examples).")
+        text = noise_advice(self.b_simple, None, "examples", self.batch_sizes, self.batch_size)
+        return " ".join([text, *(f"Warning: {w}." for w in self.warnings)])
 
     def _per_batch(self, variance: float, replacement: bool) -> dict[int, float]:
         return {b: batch_variance(variance, self.n_examples, b, replacement)
@@ -319,17 +381,23 @@ class NoiseReport:
                                   f"{' (sample)' if self.sampled else ''}"),
             ("per-example gradients", self.method),
             ("BatchNorm", "measured in eval mode" if self.eval_batchnorm else "-"),
+            ("advice", self.advice),
         ]
         summary = _html.table(rows, caption="batchwidgets: measure_noise")
         with_r = self.grad_variance_with_replacement
         without_r = self.grad_variance_without_replacement
         losses = self.loss_variance_per_batch
+        finite = math.isfinite(self.b_simple) and self.b_simple > 0
         batches = _html.table(
             [(b, _html.format_number(with_r.get(b)), _html.format_number(without_r.get(b)),
-              _html.format_number(losses.get(b))) for b in self.batch_sizes],
+              _html.format_number(losses.get(b)),
+              _html.format_number(steps_over_min(self.b_simple, b) if finite else None),
+              _html.format_number(examples_over_min(self.b_simple, b) if finite else None))
+             for b in self.batch_sizes],
             header=("batch size", "grad variance (with repl.)", "grad variance (without)",
-                    f"loss variance ({sampling})"),
-            caption="mini-batch gradient and loss variance")
+                    f"loss variance ({sampling})", "steps / S_min", "examples / E_min"),
+            caption="mini-batch gradient and loss variance; steps and examples to a given "
+                    "loss, over their minimum")
         layers = _html.table(
             [(layer.name, _html.format_number(layer.trace_cov),
               _html.format_number(layer.grad_norm_sq), _html.format_number(layer.b_simple))
@@ -365,6 +433,71 @@ class NoiseTrackerReport:
     trace_cov_error: float | None = None
     n_micro: int | None = None  # micro-batches averaged per update
     ema: float = 0.9
+    history_errors: tuple[float | None, ...] = ()  # B_simple's standard error at each history entry
+    n_losses: int | None = None  # losses seen in all (``losses`` keeps the latest); None: len
+    measured_by: str = "micro-batches"  # or "split batches": NoiseTracker.measure
+    every: int = 1  # NoiseTracker.measure measured every ``every``-th call
+    warnings: tuple[str, ...] = ()  # what makes these numbers less exact (e.g. no shuffling)
+
+    @property
+    def n_losses_seen(self) -> int:
+        """Losses recorded in all, the ones no longer kept included."""
+        return self.n_losses if self.n_losses is not None else len(self.losses)
+
+    @property
+    def current_batch_size(self) -> int | None:
+        """The batch of one update, in ``unit`` (micro-batches when their size is unknown)."""
+        return self.effective_batch_size or self.n_micro
+
+    @property
+    def steps_over_min(self) -> float | None:
+        """S / S_min at the current batch (see NOTE [ The steps-versus-examples trade-off ])."""
+        if not self.measurable or not self.current_batch_size:
+            return None
+        return steps_over_min(self.b_simple, self.current_batch_size)
+
+    @property
+    def examples_over_min(self) -> float | None:
+        """E / E_min at the current batch."""
+        if not self.measurable or not self.current_batch_size:
+            return None
+        return examples_over_min(self.b_simple, self.current_batch_size)
+
+    @property
+    def loss_window(self) -> int:
+        """The default window of ``rolling_loss``: a tenth of the losses kept, in [2, 100]."""
+        return min(max(len(self.losses) // 10, 2), LOSS_WINDOW)
+
+    def rolling_loss(self, window: int | None = None) -> tuple[tuple[float, ...],
+                                                                tuple[float, ...]]:
+        """Trailing mean and standard deviation (n - 1; 0 for a single loss) of ``losses`` over
+        ``window`` batches (default ``loss_window``), one pair per loss."""
+        n = len(self.losses)
+        window = window or self.loss_window
+        shift = self.losses[0] if n else 0.0  # shifted sums keep small spreads exact
+        sums, squares, means, stds = [0.0], [0.0], [], []
+        for i, loss in enumerate(self.losses):
+            sums.append(sums[-1] + loss - shift)
+            squares.append(squares[-1] + (loss - shift) ** 2)
+            count = min(i + 1, window)
+            total, total_sq = sums[-1] - sums[-1 - count], squares[-1] - squares[-1 - count]
+            means.append(shift + total / count)
+            variance = (total_sq - total * total / count) / (count - 1) if count > 1 else 0.0
+            stds.append(math.sqrt(max(variance, 0.0)))
+        return tuple(means), tuple(stds)
+
+    @property
+    def measurement(self) -> str:
+        """How the noise scale was measured, and what that costs."""
+        if self.n_micro is None:
+            return "not measured yet"
+        if self.measured_by == "split batches":
+            steps = "every step" if self.every == 1 else f"1 step in {self.every}"
+            return (f"on {steps}, splitting the batch into {self.n_micro} parts: one extra "
+                    f"forward and backward of the batch per measured step, about "
+                    f"{100 / self.every:.3g}% more compute")
+        return (f"from the {self.n_micro} micro-batches of each update: one gradient-norm "
+                f"reduction per parameter per micro-step and one host sync per update")
 
     @property
     def loss_mean(self) -> float | None:
@@ -387,18 +520,20 @@ class NoiseTrackerReport:
 
     @property
     def advice(self) -> str:
-        lr = ("learning rate: scale linearly with the batch size up to about B_simple, with a "
-              "warm-up of a few hundred steps (Goyal et al. 2017).")
-        if not self.measurable:
-            return f"critical batch size: {self.reason}. {lr}"
-        unknown = ("" if self.micro_batch_size is not None else
-                   " (the micro-batch size is unknown: pass model= to accumulate)")
-        current = (f"; the effective batch is {self.effective_batch_size}"
-                   if self.effective_batch_size else "")
-        return (f"critical batch size B_simple ~ {_html.format_number(self.b_simple)} ± "
-                f"{_html.format_number(self.b_simple_error, 2)} {self.unit}{unknown}"
-                f"{current} (McCandlish et al. 2018: batches well above it cost more samples "
-                f"for little gain, well below it more steps). {lr}")
+        """The critical batch size, the steps-versus-examples trade-off at the current batch,
+        the learning rate for another batch size, how it was measured and any warnings."""
+        if self.measurable:
+            text = noise_advice(self.b_simple, self.b_simple_error, self.unit, (),
+                                self.current_batch_size)
+            if self.micro_batch_size is None:
+                text += " (The micro-batch size is unknown: pass model= to accumulate.)"
+        else:
+            text = (f"critical batch size: {self.reason}. Learning rate: scale it linearly "
+                    f"with the batch size up to about B_simple, with a warm-up over the first "
+                    f"few epochs (Goyal et al. 2017).")
+        if self.measured_by == "split batches":
+            text += f" Measured {self.measurement}."
+        return " ".join([text, *(f"Warning: {w}." for w in self.warnings)])
 
     def summary(self) -> str:
         if not self.measurable:
@@ -407,7 +542,8 @@ class NoiseTrackerReport:
                 f"{_html.format_number(self.b_simple_error, 2)} {self.unit} "
                 f"after {self.n_updates} updates")
 
-    def _repr_html_(self) -> str:
+    def summary_table(self) -> str:
+        """The report's HTML table without the picture (the live panel draws its own)."""
         def plus_minus(value: float | None, error: float | None) -> str:
             if value is None:
                 return "-"
@@ -421,9 +557,202 @@ class NoiseTrackerReport:
             ("updates measured", self.n_updates),
             ("micro-batch size", self.micro_batch_size or "unknown"),
             ("effective batch size", self.effective_batch_size or "-"),
+            ("steps / S_min, examples / E_min", f"{_html.format_number(self.steps_over_min)}, "
+                                                f"{_html.format_number(self.examples_over_min)}"),
             (f"loss (last {LOSS_WINDOW}): mean / std",
              f"{_html.format_number(self.loss_mean)} / {_html.format_number(self.loss_std)}"),
+            ("measured", self.measurement),
             ("advice", self.advice),
         ]
-        table = _html.table(rows, caption="batchwidgets: NoiseTracker")
-        return f"<div>{table}{_html.inline_plot(self)}</div>"
+        return _html.table(rows, caption="batchwidgets: NoiseTracker")
+
+    def _repr_html_(self) -> str:
+        return f"<div>{self.summary_table()}{_html.inline_plot(self)}</div>"
+
+
+@dataclass(frozen=True)
+class LoaderTrial:
+    """One DataLoader setting, measured by ``measure_loader``: steady-state throughput over a
+    bounded time, with the warm-up (worker start to the first batch) reported apart."""
+
+    num_workers: int
+    pin_memory: bool
+    prefetch_factor: int | None  # None when num_workers == 0
+    persistent_workers: bool
+    batch_size: int | None  # None: the loader's own batch_sampler (or no batching) decides
+    samples_per_s: float  # steady state, warm-up excluded; 0.0 when it failed
+    batches_per_s: float
+    bytes_per_s: float  # bytes of the batches' tensors (copied to the device when one is given)
+    first_batch_s: float  # warm-up: from creating the iterator (worker start) to the first batch
+    n_batches: int  # batches timed after the warm-up
+    n_samples: int
+    duration_s: float  # time spent timing, warm-up excluded
+    device: str  # where batches were copied ("cpu": no copy)
+    error: str = ""  # one line when this setting failed (a worker raised, pickling...)
+    n_epoch_ends: int = 0  # times the loader ran out inside the timed window and was restarted
+    cancelled: bool = False  # should_stop ended the timing before duration_s
+    warnings: tuple[str, ...] = ()  # what measure_loader warned about for this setting
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def settings(self) -> dict[str, object]:
+        """The DataLoader keyword arguments of this setting (``batch_size`` only when known)."""
+        settings: dict[str, object] = {
+            "num_workers": self.num_workers, "pin_memory": self.pin_memory,
+            "prefetch_factor": self.prefetch_factor,
+            "persistent_workers": self.persistent_workers}
+        if self.batch_size is not None:
+            settings["batch_size"] = self.batch_size
+        return settings
+
+    @property
+    def bytes_per_batch(self) -> float:
+        return self.bytes_per_s / self.batches_per_s if self.batches_per_s else 0.0
+
+    @property
+    def label(self) -> str:
+        """Short name of the setting, e.g. ``'4 workers, pinned, prefetch 4, persistent'``."""
+        parts = ["no workers" if self.num_workers == 0 else
+                 f"{self.num_workers} worker{'s' if self.num_workers > 1 else ''}"]
+        if self.pin_memory:
+            parts.append("pinned")
+        if self.num_workers:
+            parts.append(f"prefetch {self.prefetch_factor}")
+        if self.persistent_workers:
+            parts.append("persistent")
+        return ", ".join(parts)
+
+    def summary(self) -> str:
+        if not self.ok:
+            return f"{self.label}: failed: {self.error}"
+        return (f"{self.label}: {_html.format_number(self.samples_per_s)} samples/s, first batch "
+                f"after {self.first_batch_s:.3f} s{' (cancelled)' if self.cancelled else ''}")
+
+
+@dataclass(frozen=True)
+class DataStallReport:
+    """What ``data_stall`` found: how much of a training step waits on the input pipeline."""
+
+    stall_fraction: float  # share of the step's time spent waiting on data, in [0, 1]
+    step_time_s: float  # per step with the real loader
+    replay_step_time_s: float  # per step with one batch replayed from the device
+    data_wait_s: float  # per step: step_time_s - replay_step_time_s, at least 0
+    n_steps: int  # steps timed with each
+    device: str
+
+    def summary(self) -> str:
+        return (f"{self.stall_fraction:.0%} of each step waits on data "
+                f"({self.data_wait_s * 1e3:.3g} ms of {self.step_time_s * 1e3:.3g} ms, "
+                f"{self.n_steps} steps on {self.device})")
+
+    def _rows(self) -> list[tuple[str, object]]:
+        return [("data stall", f"{self.stall_fraction:.1%} of the step time"),
+                ("step with the loader", f"{_html.format_number(self.step_time_s * 1e3)} ms"),
+                ("step on a replayed batch",
+                 f"{_html.format_number(self.replay_step_time_s * 1e3)} ms"),
+                ("waiting on data per step", f"{_html.format_number(self.data_wait_s * 1e3)} ms"),
+                ("steps timed", f"{self.n_steps} of each on {self.device}")]
+
+    def _repr_html_(self) -> str:
+        return f"<div>{_html.table(self._rows(), caption='batchwidgets: data_stall')}</div>"
+
+
+@dataclass(frozen=True)
+class LoaderReport:
+    """What ``tune_loader`` (or a ``LoaderPanel``) measured: every DataLoader setting tried, the
+    fastest, and the one this report is about (``current``: the best, or the panel's latest)."""
+
+    trials: tuple[LoaderTrial, ...]  # in the order measured
+    best_index: int  # fastest trial that ran
+    current_index: int
+    device: str
+    grid_size: int  # settings in the full grid, of which the search measured len(trials)
+    search_time_s: float
+    warnings: tuple[str, ...] = ()
+    stall: DataStallReport | None = None  # with tune_loader(step=...): for the best setting
+    source: object = dataclasses.field(default=None, compare=False, repr=False)  # for make_loader
+
+    @property
+    def best(self) -> LoaderTrial:
+        return self.trials[self.best_index]
+
+    @property
+    def current(self) -> LoaderTrial:
+        return self.trials[self.current_index]
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.current.samples_per_s
+
+    @property
+    def baseline(self) -> LoaderTrial | None:
+        """The first trial with no workers that ran (what ``speedup`` compares against)."""
+        return next((t for t in self.trials if t.num_workers == 0 and t.ok), None)
+
+    @property
+    def speedup(self) -> float | None:
+        """samples/s of the best setting over that with no workers; None without that trial."""
+        base = self.baseline
+        if base is None or not base.samples_per_s:
+            return None
+        return self.best.samples_per_s / base.samples_per_s
+
+    def make_loader(self, **overrides: object) -> object:
+        """A ``torch.utils.data.DataLoader`` over the same data with the best settings found;
+        ``overrides`` (e.g. ``num_workers=2``) replace single settings."""
+        if self.source is None:
+            raise ValueError("source should be the loader or dataset measured, but got "
+                             "source=None (a report rebuilt without it); call batchwidgets."
+                             "engine.loader.make_loader(data, **report.best.settings).")
+        engine = importlib.import_module("batchwidgets.engine.loader")  # results.py has no torch
+        return engine.make_loader(self.source, **{**self.best.settings, **overrides})
+
+    def summary(self) -> str:
+        best = self.best
+        faster = (f", {self.speedup:.2g}x no workers" if self.speedup and best.num_workers
+                  else "")
+        return (f"best: {best.label} at {_html.format_number(best.samples_per_s)} samples/s"
+                f"{faster} ({len(self.trials)} of {self.grid_size} settings tried in "
+                f"{self.search_time_s:.1f} s on {self.device})")
+
+    def _summary_rows(self) -> list[tuple[str, object]]:
+        best = self.best
+        rows: list[tuple[str, object]] = [
+            ("device", self.device),
+            ("best setting", ", ".join(f"{k}={v!r}" for k, v in best.settings.items())),
+            ("samples/s (best)", _html.format_number(best.samples_per_s)),
+            ("speedup over no workers", "-" if self.speedup is None
+             else f"{self.speedup:.2f}x"),
+            ("time to first batch (best)", f"{best.first_batch_s:.3f} s"),
+            ("settings tried", f"{len(self.trials)} of {self.grid_size} in the full grid, "
+                               f"{self.search_time_s:.1f} s"),
+        ]
+        if self.current_index != self.best_index:
+            current = f"{self.current.label}: {_html.format_number(self.samples_per_s)} samples/s"
+            rows.insert(1, ("current setting", current))
+        if self.stall is not None:
+            rows.append(("data stall (best setting)", self.stall.summary()))
+        rows += [("warning", text) for text in self.warnings]
+        return rows
+
+    def _trial_rows(self) -> list[tuple[object, ...]]:
+        rows = []
+        for i, t in enumerate(self.trials):
+            mark = "best" if i == self.best_index else ("current" if i == self.current_index
+                                                        else "")
+            rows.append((i + 1, mark, t.num_workers, t.pin_memory, t.prefetch_factor or "-",
+                         t.persistent_workers, _html.format_number(t.samples_per_s, 4),
+                         _html.format_number(t.batches_per_s), _html.format_bytes(t.bytes_per_s),
+                         f"{t.first_batch_s:.3f}", t.error or ("cancelled" if t.cancelled else "")))
+        return rows
+
+    def _repr_html_(self) -> str:
+        summary = _html.table(self._summary_rows(), caption="batchwidgets: tune_loader")
+        trials = _html.table(self._trial_rows(), caption="settings, in the order measured",
+                             header=("#", "", "num_workers", "pin_memory", "prefetch_factor",
+                                     "persistent_workers", "samples/s", "batches/s",
+                                     "bytes/s", "first batch s", "error"))
+        return f"<div>{summary}{trials}{_html.inline_plot(self)}</div>"

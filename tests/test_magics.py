@@ -352,3 +352,68 @@ def test_accumulate_manual_names_the_function(ip, capsys):
     shown = capsys.readouterr().out
     assert "batchwidgets.accumulate" in shown
     assert "--batch-size" in shown
+
+
+# ---- %%accumulate --noise ------------------------------------------------------------------------
+
+NOISE_LOOP = "for epoch in range(3):\n" + "".join(f"    {line}\n" for line in LOOP.splitlines())
+
+
+@pytest.fixture
+def noise_ip(ip, data):
+    yield ip
+    for name in ("noise_tracker", "tracker", "accumulated"):
+        ip.user_ns.pop(name, None)
+
+
+def test_accumulate_noise_tracks_the_same_numbers_as_the_function(noise_ip):
+    X, Y = noise_ip.user_ns["X"], noise_ip.user_ns["Y"]
+    report = noise_ip.run_cell_magic("accumulate", "4 --noise", NOISE_LOOP)
+    tracked = noise_ip.user_ns["noise_tracker"].report
+    reference = tiny_model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    tracker = bw.NoiseTracker()
+    with bw.accumulate(optimizer, steps=4, model=reference, noise=tracker) as acc:
+        for _ in range(3):
+            for i in range(0, 48, 4):
+                nn.functional.cross_entropy(reference(X[i:i + 4]), Y[i:i + 4]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert report == acc.report  # the magic still returns the accumulation report
+    assert tracked == tracker.report
+    assert (tracked.n_updates, tracked.micro_batch_size, len(tracked.losses)) == (9, 4, 36)
+    assert tracked.trace_cov is not None  # estimated (48 examples are too few for B_simple)
+
+
+def test_accumulate_noise_name_goes_on_with_that_tracker(noise_ip):
+    tracker = bw.NoiseTracker()
+    noise_ip.push({"tracker": tracker})
+    noise_ip.run_cell_magic("accumulate", "4 --noise tracker", LOOP)
+    noise_ip.run_cell_magic("accumulate", "4 --noise tracker", LOOP)
+    assert tracker.report.n_updates == 6
+    assert "noise_tracker" not in noise_ip.user_ns
+    noise_ip.run_cell_magic("accumulate", "4 --noise", LOOP)  # a bare --noise starts afresh
+    assert noise_ip.user_ns["noise_tracker"].report.n_updates == 3
+    assert noise_ip.user_ns["noise_tracker"] is not tracker
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("4 --noise trackr", "--noise: name 'trackr' is not defined in the notebook; did you mean "
+                         "'tracker'? noise trackers in the notebook: tracker."),
+    ("4 --noise X", "--noise should be a batchwidgets.NoiseTracker, but got --noise=X (a Tensor)"),
+    ("--noise 4", "--noise takes the name of a NoiseTracker, but got --noise 4; give N first: "
+                  "%%accumulate 4 --noise."),
+])
+def test_accumulate_noise_mistakes_are_one_line_usage_errors(noise_ip, line, expected):
+    noise_ip.push({"tracker": bw.NoiseTracker()})
+    with pytest.raises(UsageError) as error:
+        noise_ip.run_cell_magic("accumulate", line, "raise AssertionError('the cell ran')")
+    assert expected in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_accumulate_manual_explains_noise(ip, capsys):
+    ip.run_cell("%%accumulate?")
+    shown = capsys.readouterr().out
+    assert "--noise [NAME]" in shown
+    assert "noise_tracker" in shown

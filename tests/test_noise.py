@@ -275,3 +275,54 @@ def test_report_is_plain_data_and_its_html_escapes_every_value():
     assert "without replacement" in html
     assert LayerNoise("w", 1.0, 0.0).b_simple == math.inf
     assert math.isnan(LayerNoise("w", 0.0, 0.0).b_simple)
+
+
+# ---- issue 5: loaders that do not shuffle, and the advice ----------------------------------------
+
+def test_a_loader_that_does_not_shuffle_is_a_warning_and_is_kept_in_the_report():
+    model, data = make_mlp(), make_data(40)
+    with pytest.warns(BatchwidgetsWarning, match="does not shuffle") as caught:
+        report = bw.measure_noise(model, DataLoader(data, batch_size=8), loss_fn)
+    message = str(caught[0].message)
+    assert "reads its 40 examples in order (SequentialSampler, batch_size=8)" in message
+    assert "shuffle=True" in message
+    assert "measure_noise draws the examples itself" in message
+    assert caught[0].filename == __file__
+    assert report.warnings == (message[:-1],)
+    assert report.batch_size == 8
+    assert "Warning: the DataLoader does not shuffle" in report.advice
+    assert "does not shuffle" in report._repr_html_()
+    shuffled = bw.measure_noise(model, DataLoader(data, batch_size=8, shuffle=True), loss_fn)
+    assert shuffled.warnings == ()
+    assert (shuffled.trace_cov, shuffled.grad_norm_sq) == (report.trace_cov, report.grad_norm_sq)
+
+
+def noise_report(b_simple, batch_sizes=(8, 32, 256), batch_size=None):
+    return NoiseReport(trace_cov=b_simple * 0.5, grad_norm_sq=0.5, loss_mean=1.0,
+                       loss_variance=0.25, n_examples=1000, n_available=1000, sampled=False,
+                       batch_sizes=batch_sizes, batch_size=batch_size)
+
+
+def test_advice_gives_the_trade_off_at_each_batch_size_and_the_learning_rate():
+    advice = noise_report(64.0).advice
+    assert "critical batch size B_simple ≈ 64 examples (McCandlish et al. 2018)" in advice
+    # S/S_min = 1 + 64/B and E/E_min = 1 + B/64 at B = 8, 32 and 256
+    assert "at batch size B = 8: 9× the fewest steps and 1.12× the fewest examples" in advice
+    assert "at batch size B = 32: 3× the fewest steps and 1.5× the fewest examples" in advice
+    assert "at batch size B = 256: 1.25× the fewest steps and 5× the fewest examples" in advice
+    # from the smallest size, 8, to 64: (1 + 8) / (1 + 1) = 4.5 against linear scaling's 8
+    assert "from B = 8 to 64: ×4.5 (linear scaling: ×8;" in advice
+    assert "Goyal et al. 2017" in advice
+    page = noise_report(64.0)._repr_html_()
+    assert "<th>steps / S_min</th><th>examples / E_min</th>" in page
+    assert "<td>9</td><td>1.12</td>" in page
+
+
+def test_advice_at_the_loaders_batch_size_and_for_a_vanishing_gradient():
+    advice = noise_report(1234.0, batch_size=128).advice
+    assert "at the current batch B = 128: 10.6× the fewest steps and 1.1× the fewest" in advice
+    assert "from B = 128 to 1200:" in advice  # B_simple to two significant digits
+    flat = NoiseReport(trace_cov=1.0, grad_norm_sq=0.0, loss_mean=1.0, loss_variance=0.0,
+                       n_examples=4, n_available=4, sampled=False, batch_sizes=(1, 2))
+    assert "is not finite" in flat.advice
+    assert "<td>-</td><td>-</td>" in flat._repr_html_()

@@ -2,7 +2,9 @@
 closed form of linear regression with Gaussian inputs and noise, and say "not measurable"
 instead of giving negative or wild values."""
 
+import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -200,3 +202,252 @@ def test_listeners_hear_every_loss_and_update_and_a_broken_one_is_dropped_with_a
     tracker.observe_loss(0.5)
     assert heard == [0, 1, 1]
     tracker.remove_listener(broken)  # already gone: no error
+
+
+# ---- issue 5: error bars in the history, measuring without micro-batches, loaders, advice ------
+
+def test_history_keeps_the_standard_error_of_each_b_simple():
+    tracker = bw.NoiseTracker(ema=0.9, warmup_updates=5)
+    regression_run(torch.tensor([1.0, -0.5, 0.5, 0.0], dtype=torch.float64), tracker,
+                   updates=30)
+    report = tracker.report
+    assert len(report.history_errors) == len(report.history) == 30
+    for (_, b_simple, _, _), error in zip(report.history, report.history_errors):
+        assert (b_simple is None) == (error is None)
+    assert report.history_errors[:4] == (None,) * 4  # the warm-up
+    assert report.history[-1][1] == report.b_simple
+    assert report.history_errors[-1] == report.b_simple_error > 0
+
+
+def split_regression_run(delta, tracker, calls, batch=32, parts=4, seed=0):
+    """The regression of ``regression_run`` without micro-batches: ``tracker.measure`` on each
+    batch of ``batch`` fresh samples (weights fixed at w* + delta)."""
+    generator = torch.Generator().manual_seed(seed)
+    w_star = torch.randn(D, generator=generator, dtype=torch.float64)
+    model = nn.Linear(D, 1, bias=False).to(torch.float64)
+    with torch.no_grad():
+        model.weight.copy_((w_star + delta).unsqueeze(0))
+
+    def loss_fn(output, target):
+        return 0.5 * (output.squeeze(1) - target).pow(2).mean()
+
+    measured = []
+    for _ in range(calls):
+        x = torch.randn(batch, D, generator=generator, dtype=torch.float64)
+        y = x @ w_star + SIGMA * torch.randn(batch, generator=generator, dtype=torch.float64)
+        measured.append(tracker.measure(model, loss_fn, (x, y), parts=parts))
+    return measured
+
+
+def test_measure_without_micro_batches_matches_the_closed_form_of_linear_regression():
+    delta = torch.tensor([1.0, -0.5, 0.5, 0.0], dtype=torch.float64)
+    tracker = bw.NoiseTracker(ema=0.99, warmup_updates=5)
+    assert all(split_regression_run(delta, tracker, calls=300))
+    report = tracker.report
+    grad_norm_sq = float(delta @ delta)
+    trace_cov = (D + 1) * grad_norm_sq + D * SIGMA**2
+    assert report.measurable, report.reason
+    assert (report.n_updates, report.micro_batch_size, report.n_micro) == (300, 8, 4)
+    assert report.effective_batch_size == 32
+    assert report.grad_norm_sq == pytest.approx(grad_norm_sq, rel=0.10)
+    assert report.trace_cov == pytest.approx(trace_cov, rel=0.10)
+    assert report.b_simple == pytest.approx(trace_cov / grad_norm_sq, rel=0.15)
+    assert report.measured_by == "split batches"
+
+
+def test_measure_splits_into_equal_parts_and_feeds_the_exact_estimator():
+    # batch of 5 in 2 parts: the first 4 examples, parts of 2; oracle: autograd per part
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1])
+    tracker = bw.NoiseTracker(ema=0.0, warmup_updates=1)
+    tracker.measure(model, nn.functional.cross_entropy, (x, y))
+    grads = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        nn.functional.cross_entropy(model(x[i:i + 2]), y[i:i + 2]), list(model.parameters()))])
+        for i in (0, 2)]
+    small = [float(g @ g) for g in grads]
+    mean = (grads[0] + grads[1]) / 2
+    big = float(mean @ mean)
+    expected = (2 * 2 * big - 2 * sum(small) / 2) / (4 - 2)  # |G|^2 of the estimator
+    report = tracker.report
+    assert report.grad_norm_sq == pytest.approx(expected, rel=1e-12)
+    assert report.trace_cov == pytest.approx((sum(small) / 2 - big) / (1 / 2 - 1 / 4),
+                                             rel=1e-12)
+    assert (report.micro_batch_size, report.n_micro) == (2, 2)
+
+
+def test_measure_runs_on_the_first_and_every_kth_call_and_states_the_cost():
+    tracker = bw.NoiseTracker(every=3, warmup_updates=1)
+    measured = split_regression_run(torch.ones(D, dtype=torch.float64), tracker, calls=7)
+    assert measured == [True, False, False, True, False, False, True]
+    report = tracker.report
+    assert report.n_updates == 3
+    assert report.every == 3
+    assert "one extra forward and backward of the batch per measured step" in report.measurement
+    assert "about 33.3% more compute" in report.measurement
+    assert "Measured on 1 step in 3, splitting the batch into 4 parts" in report.advice
+
+
+def test_measure_leaves_weights_grads_buffers_hooks_and_rng_as_they_were():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Linear(16, 3))
+    model.train()
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    nn.functional.cross_entropy(model(x), y).backward()  # the loop's own gradients
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad.clone() for p in model.parameters()]
+    fired = []
+    for p in model.parameters():
+        p.register_hook(lambda g: fired.append(1))
+    rng = torch.get_rng_state()
+    tracker = bw.NoiseTracker(warmup_updates=1)
+    assert tracker.measure(model, nn.functional.cross_entropy, (x, y), parts=4)
+    assert tracker.report.n_updates == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # BN stats too
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert fired == []  # e.g. accumulate's gradient-norm hooks see nothing
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training
+
+
+def test_measure_with_accumulate_of_one_step_keeps_the_loops_numbers():
+    torch.manual_seed(0)
+    model = nn.Linear(D, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = bw.NoiseTracker(every=2, warmup_updates=1)
+    data = [(torch.randn(16, D), torch.randint(0, 2, (16,))) for _ in range(6)]
+    with bw.accumulate(optimizer, steps=1, model=model, noise=tracker,
+                       track_grad_norms=True) as acc:
+        for x, y in data:
+            tracker.measure(model, nn.functional.cross_entropy, (x, y), parts=4)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    report = tracker.report
+    assert report.n_updates == 3  # calls 1, 3, 5
+    assert len(report.losses) == 6  # accumulate recorded the loop's losses
+    assert acc.report.micro_batch_size == 16  # not the parts' 4
+    assert len(acc.report.grad_norms) == 6
+
+
+@pytest.mark.parametrize(("kwargs", "error", "name"), [
+    ({"parts": 1}, ValueError, "parts"),
+    ({"batch": torch.randn(8, D)}, TypeError, "batch should be an"),
+    ({"batch": (torch.randn(3, D), torch.randn(3))}, ValueError, "at least parts=4"),
+])
+def test_measure_rejects_bad_arguments(kwargs, error, name):
+    arguments = {"batch": (torch.randn(8, D), torch.randn(8)), "parts": 4, **kwargs}
+    with pytest.raises(error) as raised:
+        bw.NoiseTracker().measure(nn.Linear(D, 1), nn.functional.mse_loss, arguments["batch"],
+                                  parts=arguments["parts"])
+    assert name in str(raised.value)
+
+
+def test_without_micro_batches_the_reason_says_how_to_measure_instead():
+    tracker = bw.NoiseTracker()
+    tracker.update(small_sq_norms=[1.0], big_sq_norm=1.0, micro_batch_size=8, n_micro=1)
+    reason = tracker.report.reason
+    assert "every update had one micro-batch" in reason
+    assert "tracker.measure(model, loss_fn, batch)" in reason
+    assert "one extra forward+backward" in reason
+
+
+def test_a_loader_that_does_not_shuffle_is_a_warning_with_its_numbers_and_the_fix():
+    data = torch.utils.data.TensorDataset(torch.randn(100, D), torch.randn(100))
+    with pytest.warns(BatchwidgetsWarning) as caught:
+        tracker = bw.NoiseTracker(loader=torch.utils.data.DataLoader(data, batch_size=10))
+    message = str(caught[0].message)
+    assert "reads its 100 examples in order (SequentialSampler, batch_size=10)" in message
+    assert "B_simple" in message
+    assert "shuffle=True" in message
+    assert caught[0].filename == __file__  # points at the user's line
+    assert tracker.report.warnings == (message[:-1],)
+    assert "Warning: the DataLoader does not shuffle" in tracker.report.advice
+    assert "does not shuffle" in tracker.report._repr_html_()
+
+
+def test_shuffling_loaders_and_unknown_batch_samplers_give_no_warning():
+    data = torch.utils.data.TensorDataset(torch.randn(100, D), torch.randn(100))
+    sequential = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 10,
+                                               drop_last=False)
+    with pytest.warns(BatchwidgetsWarning, match="does not shuffle"):
+        bw.NoiseTracker(loader=torch.utils.data.DataLoader(data, batch_sampler=sequential))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for loader in (torch.utils.data.DataLoader(data, batch_size=10, shuffle=True),
+                       torch.utils.data.DataLoader(data, batch_sampler=[[0, 1], [2, 3]])):
+            assert bw.NoiseTracker(loader=loader).report.warnings == ()
+    with pytest.raises(TypeError, match="loader should be a torch DataLoader"):
+        bw.NoiseTracker(loader=data)
+
+
+def measured_report(b_simple, effective_batch_size, micro_batch_size=8):
+    n_micro = effective_batch_size // micro_batch_size
+    return NoiseTrackerReport(
+        history=((1, b_simple, 1.0, b_simple),), losses=(1.0, 0.9), b_simple=b_simple,
+        b_simple_error=b_simple / 10, grad_norm_sq=1.0, trace_cov=b_simple, measurable=True,
+        reason="", n_updates=1, micro_batch_size=micro_batch_size,
+        effective_batch_size=effective_batch_size, n_micro=n_micro)
+
+
+def test_advice_gives_the_trade_off_and_the_learning_rate_at_the_current_batch():
+    report = measured_report(430.0, 32)
+    # McCandlish et al. 2018: S/S_min = 1 + B_simple/B, E/E_min = 1 + B/B_simple
+    assert report.steps_over_min == pytest.approx(1 + 430 / 32)
+    assert report.examples_over_min == pytest.approx(1 + 32 / 430)
+    advice = report.advice
+    assert "critical batch size B_simple ≈ 430 ± 43 samples" in advice
+    assert "at the current batch B = 32: 14.4× the fewest steps and 1.07× the fewest examples" \
+        in advice
+    # from 32 to B_simple: (1 + 430/32) / (1 + 1) = 7.22, against linear scaling's 430/32 = 13.4
+    assert "from B = 32 to 430: ×7.22 (linear scaling: ×13.4" in advice
+    assert "Goyal et al. 2017" in advice
+    assert "warm it up" in advice
+
+
+def test_advice_above_the_critical_batch_says_examples_are_wasted():
+    report = measured_report(50.0, 512, micro_batch_size=128)
+    assert report.steps_over_min == pytest.approx(1.09765625)
+    assert report.examples_over_min == pytest.approx(11.24)
+    assert "1.1× the fewest steps and 11.2× the fewest examples" in report.advice
+    # (1 + 50/512) / (1 + 1) = 0.549: a lower learning rate, but not linear scaling's 0.0977
+    assert "from B = 512 to 50: ×0.549 (linear scaling: ×0.0977" in report.advice
+
+
+def test_rolling_loss_is_the_trailing_mean_and_standard_deviation():
+    losses = tuple(1000.0 + 0.001 * ((7 * i) % 5) for i in range(40))  # small spread, large mean
+    report = with_losses(losses)
+    assert report.loss_window == 4
+    means, stds = report.rolling_loss()
+    for i in range(40):
+        window = torch.tensor(losses[max(0, i - 3):i + 1], dtype=torch.float64)
+        assert means[i] == pytest.approx(window.mean().item(), rel=1e-12)
+        expected = window.std().item() if len(window) > 1 else 0.0
+        assert stds[i] == pytest.approx(expected, rel=1e-6, abs=1e-12)
+
+
+def with_losses(losses):
+    return dataclasses.replace(bw.NoiseTracker().report, losses=losses)
+
+
+def test_a_smaller_last_batch_is_a_warning_and_does_not_change_the_reported_sizes():
+    data = torch.utils.data.TensorDataset(torch.randn(100, D), torch.randn(100))
+    with pytest.warns(BatchwidgetsWarning) as caught:
+        tracker = bw.NoiseTracker(warmup_updates=1, loader=torch.utils.data.DataLoader(
+            data, batch_size=32, shuffle=True))
+    assert [str(w.message) for w in caught] == [
+        "the DataLoader's last batch of each epoch has 4 examples, not batch_size=32 (100 "
+        "examples): the two-batch-size estimate assumes equal micro-batches, so the updates "
+        "that include it are off. Pass drop_last=True to the DataLoader."]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bw.NoiseTracker(loader=torch.utils.data.DataLoader(data, batch_size=32, shuffle=True,
+                                                           drop_last=True))
+    for _ in range(3):
+        tracker.update(small_sq_norms=[1.75] * 4, big_sq_norm=1.1875, micro_batch_size=8,
+                       n_micro=4)
+    tracker.update(small_sq_norms=[3.0, 3.5], big_sq_norm=2.0, micro_batch_size=4, n_micro=2)
+    report = tracker.report
+    assert (report.micro_batch_size, report.n_micro, report.effective_batch_size) == (8, 4, 32)
+    assert report.n_updates == 4

@@ -90,7 +90,7 @@ class Accumulator:
         self._remainder_done, self._remainder_count = "none", 0
         self._micro_batch_size: int | None = None
         self._losses, self._sq_norms = _Scalars(), _Scalars()
-        self._sq_current: torch.Tensor | None = None
+        self._norms_current: list[torch.Tensor] = []  # this micro-batch's, per parameter
         # for the noise tracker, per update: micro-batch squares, losses, |G_big|^2 if clipped
         self._group_sq: list[torch.Tensor] = []
         self._group_losses: list[torch.Tensor] = []
@@ -277,21 +277,24 @@ class Accumulator:
         return backward
 
     def _grad_hook(self, grad: torch.Tensor) -> None:
+        # one reduction per parameter here, squared and summed in one go at the micro-step's end:
+        # the hook runs once per parameter per micro-step, so every op in it counts
         wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
-        square = torch.linalg.vector_norm(grad.detach(), dtype=wide).float().square()
-        self._sq_current = square if self._sq_current is None else self._sq_current + square
+        self._norms_current.append(torch.linalg.vector_norm(grad.detach(), dtype=wide))
 
     def _close_micro_batch(self) -> None:
-        if self._sq_current is None:
+        if not self._norms_current:
             return
-        square = self._sq_current
+        norms, self._norms_current = self._norms_current, []
+        if any(n.device != norms[0].device for n in norms):  # a model split across devices
+            norms = [n.to(norms[0].device) for n in norms]
+        square = torch.stack(norms).float().square().sum()
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
         if isinstance(scale, torch.Tensor):
             square = square / scale.to(square.device).float().pow(2)
         self._sq_norms.append(square)
         if self.noise is not None:
             self._group_sq.append(square)
-        self._sq_current = None
 
     def _record_batch_size(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         size = _first_batch_dim(args, kwargs)

@@ -12,6 +12,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import warnings
@@ -26,6 +27,7 @@ from .._warnings import BatchwidgetsWarning
 from ..results import LayerNoise, NoiseReport
 from ._batches import to_device
 from ._state import TrainingState
+from .noise_tracker import unshuffled_loader_warning
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _METHODS = ("auto", "vmap", "loop")
@@ -193,7 +195,9 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: L
         (with a ``BatchwidgetsWarning``).
     data : Dataset or DataLoader
         Items ``(input, target)``; a DataLoader's dataset is read item by item. Inputs are moved
-        to the model's device.
+        to the model's device. A DataLoader's ``batch_size`` is the one the advice is given at;
+        one that does not shuffle gives a ``BatchwidgetsWarning`` (its batches are not the
+        random ones these numbers describe), kept in ``report.warnings``.
     loss_fn : callable
         ``loss_fn(output, target) -> scalar``, called on one-example batches (``output`` and
         ``target`` keep a leading dimension of 1), so a mean reduction gives the example's loss.
@@ -238,6 +242,11 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: L
         raise ValueError(f"batch_sizes should be <= the {len(items)} examples measured without "
                          f"replacement, but got batch_sizes={batch_sizes!r}; pass "
                          f"replacement=True, more data or a larger max_examples.")
+    unshuffled = unshuffled_loader_warning(data)
+    if unshuffled:
+        unshuffled += (": measure_noise draws the examples itself, so its numbers hold for "
+                       "random batches, not for the ones this loader gives")
+        warnings.warn(f"{unshuffled}.", BatchwidgetsWarning, stacklevel=2)
     batchnorm = _batchnorm_in_training(model)
     if batchnorm:
         warnings.warn(f"{len(batchnorm)} BatchNorm layer(s) are in train mode; per-example "
@@ -252,7 +261,10 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: L
             moments, used = _accumulate(model, items, loss_fn, chunk_size, method)
     finally:
         state.restore()
-    return _report(moments, n_available, batch_sizes, replacement, used, bool(batchnorm))
+    report = _report(moments, n_available, batch_sizes, replacement, used, bool(batchnorm))
+    loader_batch = data.batch_size if isinstance(data, DataLoader) else None
+    return dataclasses.replace(report, batch_size=loader_batch,
+                               warnings=(unshuffled,) if unshuffled else ())
 
 
 def _accumulate(model: torch.nn.Module, items: list, loss_fn: LossFn, chunk_size: int,

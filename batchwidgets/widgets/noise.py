@@ -1,0 +1,169 @@
+"""NoisePanel: per-batch losses and the gradient noise scale, drawn live while a training loop runs
+in the same cell (one image redrawn in place, throttled), and as a static report everywhere else.
+
+Usage:
+    >>> tracker = bw.NoiseTracker()                                   # doctest: +SKIP
+    >>> noise = bw.measure_noise(model, data, loss_fn)                # doctest: +SKIP
+    >>> panel = bw.NoisePanel(tracker, report=noise)                  # doctest: +SKIP
+    >>> display(panel)                                                # doctest: +SKIP
+    >>> with bw.accumulate(optimizer, steps=4, model=model, noise=tracker):  # doctest: +SKIP
+    ...     train()
+    >>> panel.refresh()          # the last numbers, also into the saved notebook  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as widgets
+from IPython.display import display
+
+from .. import _html
+from ..engine.noise_tracker import NoiseTracker
+from ..plots import plot_noise_panel
+from ..results import LOSS_WINDOW, NoiseReport, NoiseTrackerReport
+from .probe import PLOT_DPI, WIDGET_VIEW
+
+# After a redraw that took t seconds, the next waits max(min_interval_s, DRAW_SHARE * t): drawing
+# then takes at most 1 / (1 + DRAW_SHARE) of the training loop's time however slow it is.
+DRAW_SHARE = 4.0
+
+
+def _png(report: NoiseTrackerReport, noise_report: NoiseReport | None) -> bytes:
+    buffer = io.BytesIO()
+    plot_noise_panel(report, noise_report).savefig(buffer, format="png", dpi=PLOT_DPI)
+    return buffer.getvalue()
+
+
+def _status(report: NoiseTrackerReport) -> str:
+    number = _html.format_number
+    loss = (f"loss {number(report.loss_mean)} ± {number(report.loss_std, 2)} (mean ± std of "
+            f"the last {LOSS_WINDOW} batches at most)" if report.loss_std is not None else
+            "no losses yet")
+    return (f"<b>batchwidgets: noise</b> · {html.escape(report.summary())} · "
+            f"{html.escape(loss)} · {report.n_losses_seen} batches")
+
+
+class NoisePanel(widgets.VBox):
+    """Per-batch losses and the gradient noise scale of a ``NoiseTracker``, live.
+
+    Three plots in one image: each batch's loss with its rolling mean and a band of one
+    standard deviation; the gradient variance against the batch size with the 1/B line (the
+    tracker's two batch sizes, and every batch size of a ``measure_noise`` report if given);
+    B_simple over the updates with a band of one standard error. Below them the advice:
+    critical batch size, steps-versus-examples trade-off, learning rate.
+
+    The panel listens to the tracker and redraws in place, synchronously, on the thread that
+    trains (widget updates reach the front end while the cell still runs), at most every
+    ``min_interval_s`` and so that drawing takes at most a fifth of the time. Call
+    ``refresh()`` after the loop to draw the last numbers and store the final picture in the
+    notebook's static copy.
+
+    Parameters
+    ----------
+    tracker : NoiseTracker, optional
+        The tracker to follow; a new one (``panel.tracker``) if not given.
+    report : NoiseReport, optional
+        A ``measure_noise`` report: its variance at each batch size joins the middle plot.
+    min_interval_s : float
+        Seconds between redraws, at least.
+    clock : callable
+        Seconds as a float (injectable for tests).
+
+    Examples
+    --------
+    >>> panel = NoisePanel()                                            # doctest: +SKIP
+    >>> display(panel)                                                  # doctest: +SKIP
+    >>> with accumulate(optimizer, steps=4, model=model, noise=panel.tracker):  # doctest: +SKIP
+    ...     train()
+    >>> panel.refresh(); panel.report.advice                            # doctest: +SKIP
+    """
+
+    def __init__(self, tracker: NoiseTracker | None = None, *, report: NoiseReport | None = None,
+                 min_interval_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if tracker is not None and not isinstance(tracker, NoiseTracker):
+            raise TypeError(f"tracker should be a batchwidgets.NoiseTracker, but got "
+                            f"tracker={tracker!r}; e.g. NoisePanel(bw.NoiseTracker()).")
+        if report is not None and not isinstance(report, NoiseReport):
+            raise TypeError(f"report should be a NoiseReport from measure_noise, but got "
+                            f"report={type(report).__name__}; e.g. "
+                            f"NoisePanel(tracker, report=bw.measure_noise(model, data, loss_fn)).")
+        if (isinstance(min_interval_s, bool) or not isinstance(min_interval_s, (int, float))
+                or not min_interval_s >= 0):
+            raise ValueError(f"min_interval_s should be a number >= 0, but got "
+                             f"min_interval_s={min_interval_s!r}; e.g. 0.5.")
+        self.tracker = tracker if tracker is not None else NoiseTracker()
+        self.noise_report = report
+        self.report: NoiseTrackerReport | None = None  # the last report drawn: all panel state
+        self.min_interval_s, self._clock = float(min_interval_s), clock
+        self._next_draw_s = 0.0  # the clock's time of the next redraw the tracker may trigger
+        self._handles: list[Any] = []  # displays whose static copy refresh() updates
+        self.status = widgets.HTML()
+        self.plot = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self.advice = widgets.HTML()
+        super().__init__(children=[self.status, self.plot, self.advice])
+        self.add_class("batchwidgets-noise")  # for stylesheets and browser tests
+        for widget, part in [(self.status, "status"), (self.plot, "plot"),
+                             (self.advice, "advice")]:
+            widget.add_class(f"batchwidgets-noise-{part}")
+        self._draw()
+        self.tracker.add_listener(self._on_tracker)
+
+    # -- rendering: report fields -> widget values ------------------------------------------
+
+    def render(self, report: NoiseTrackerReport) -> None:
+        """Show ``report``: the image, the status line and the advice."""
+        self.report = report
+        self.plot.value = _png(report, self.noise_report)
+        self.status.value = _status(report)
+        self.advice.value = f"<p>{html.escape(report.advice)}</p>"
+
+    def _draw(self) -> None:
+        started = self._clock()
+        self.render(self.tracker.report)
+        finished = self._clock()
+        self._next_draw_s = finished + max(self.min_interval_s, DRAW_SHARE * (finished - started))
+
+    def _on_tracker(self, _tracker: NoiseTracker) -> None:
+        """The tracker's listener: redraw unless the last redraw was too recent."""
+        if self._clock() >= self._next_draw_s:
+            self._draw()
+
+    def refresh(self) -> None:
+        """Redraw now from the tracker, and update the static copy of every display of the
+        panel (what nbviewer, GitHub and a notebook without widget state show)."""
+        self._draw()
+        for handle in self._handles:
+            handle.update(self._repr_mimebundle_(), raw=True)
+
+    def detach(self) -> None:
+        """Stop following the tracker; the panel keeps its last picture."""
+        tracker = getattr(self, "tracker", None)  # None: __init__ raised (ipywidgets' __del__)
+        if tracker is not None:
+            tracker.remove_listener(self._on_tracker)
+
+    def close(self) -> None:
+        """Stop following the tracker and close the widgets."""
+        self.detach()
+        super().close()
+
+    # -- display: a live panel where widgets run, the static report everywhere else ---------
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        report = self.report
+        png = base64.b64encode(bytes(self.plot.value)).decode("ascii")
+        static = (f'<div>{report.summary_table()}<img alt="batchwidgets plot" '
+                  f'src="data:image/png;base64,{png}"/></div>')
+        return {"text/plain": f"NoisePanel({report.summary()})", "text/html": static,
+                WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": self.model_id}}
+
+    def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
+        handle = display(self._repr_mimebundle_(), raw=True, display_id=True)
+        if handle is not None:  # None outside IPython
+            self._handles.append(handle)
