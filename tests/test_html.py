@@ -15,7 +15,10 @@ from batchwidgets.results import (
     AccumulationReport,
     Attempt,
     BatchSizeReport,
+    DataStallReport,
     LayerNoise,
+    LoaderReport,
+    LoaderTrial,
     MemoryModel,
     NoiseReport,
     NoiseTrackerReport,
@@ -55,6 +58,19 @@ EXAMPLES = {  # one or more per report type; test_every_report_type_has_an_examp
                            reason="<not measured>", n_updates=0, micro_batch_size=None,
                            effective_batch_size=None),
     ],
+    LoaderReport: [
+        LoaderReport(
+            trials=(LoaderTrial(0, False, None, False, 32, 900.0, 28.1, 1.1e7, 0.004, 50, 1600,
+                                1.78, "cpu"),
+                    LoaderTrial(2, True, 4, True, 32, 2400.0, 75.0, 2.9e7, 0.31, 120, 3840,
+                                1.6, "cuda:0", warnings=("<more workers than CPUs>",)),
+                    LoaderTrial(4, False, 2, False, 32, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, "cpu",
+                                error="<ValueError: bad sample 7>")),
+            best_index=1, current_index=1, device="cuda:0", grid_size=24, search_time_s=6.2,
+            warnings=("<pin_memory without an accelerator>",),
+            stall=DataStallReport(0.4, 0.05, 0.03, 0.02, 20, "cuda:0")),
+    ],
+    DataStallReport: [DataStallReport(0.25, 0.04, 0.03, 0.01, 20, "<cpu>")],
 }
 ALL_EXAMPLES = [report for reports in EXAMPLES.values() for report in reports]
 
