@@ -1,7 +1,10 @@
 """The tutorials in a real browser, checked as a person would: JupyterLab 4 runs every cell of
 each notebook, every panel renders (none fails, none stays loading), the probe panel shows its
 chart and recommendation, and each report its table and picture; Notebook 7 opens them and runs
-a panel too. Screenshots of each panel go to the folder printed at the end of the run.
+a panel too. Then the live parts: the noise panel's chart changes while a training loop runs in
+its cell (and the loop prints nothing), and choosing another ``num_workers`` in the loader panel
+measures it and changes the readout. Screenshots of each panel go to the folder printed at the
+end of the run.
 
 ``python -m pytest -m browser`` runs only these; the fixtures are in conftest.py.
 """
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import nbformat
 import pytest
 
 pytestmark = pytest.mark.browser
@@ -27,12 +31,19 @@ CODE_PROMPTS = ".jp-Notebook .jp-CodeCell .jp-InputPrompt"
 STATIC_REPORT = ".jp-OutputArea-output:has(img[alt='batchwidgets plot'])"  # results._repr_html_
 RECOMMENDED = re.compile(r"recommended_batch_size\s*(\d+)")
 
+PANELS = {"probe": ".batchwidgets-probe", "noise": ".batchwidgets-noise",
+          "loader": ".batchwidgets-loader"}
 # what each tutorial shows once run in JupyterLab: live panels and static (HTML + PNG) reports
 TUTORIALS = {
     # %find_batch's panel and `panel` (bw.ProbePanel); `%find_batch ... -q` is static
-    "01_find_batch.ipynb": {"probe_panels": 2, "static_reports": 1},
+    "01_find_batch.ipynb": {"probe": 2, "static_reports": 1},
     # acc.report and the two %%accumulate cells
-    "02_accumulate.ipynb": {"probe_panels": 0, "static_reports": 3},
+    "02_accumulate.ipynb": {"static_reports": 3},
+    # the live NoisePanel and %%accumulate --noise's; the measure_noise report and the
+    # %%accumulate cell's report
+    "03_batch_noise.ipynb": {"noise": 2, "static_reports": 2},
+    # the LoaderPanel; tune_loader's report
+    "04_dataloader.ipynb": {"loader": 1, "static_reports": 1},
 }
 
 
@@ -156,6 +167,30 @@ def check_probe_panel(panel: Any) -> int:
     return recommended
 
 
+def check_noise_panel(panel: Any) -> None:
+    """The three charts (one picture), the status line and the advice."""
+    check_image(panel.locator("img.batchwidgets-noise-plot"), "noise chart")
+    assert panel.locator(".batchwidgets-noise-status").inner_text().strip()
+    assert "critical batch size" in panel.locator(".batchwidgets-noise-advice").inner_text()
+
+
+def samples_per_s(panel: Any) -> str:
+    return panel.locator(".batchwidgets-loader-samples-per-s").inner_text().strip()
+
+
+def check_loader_panel(panel: Any) -> None:
+    """The controls, a measured samples/s in the readout, the chart of the settings tried."""
+    for control in ("num-workers", "pin-memory", "prefetch-factor", "persistent-workers",
+                    "batch-size", "autotune"):
+        assert panel.locator(f".batchwidgets-loader-{control}").count() == 1, control
+    assert re.fullmatch(r"[\d,]+", samples_per_s(panel)), samples_per_s(panel)
+    check_image(panel.locator("img.batchwidgets-loader-chart"), "loader chart")
+
+
+CHECK_PANEL = {"probe": check_probe_panel, "noise": check_noise_panel,
+               "loader": check_loader_panel}
+
+
 def check_static_report(report: Any) -> None:
     """A report without widgets: its table (caption "batchwidgets: ...") and its plot."""
     captions = report.locator("table.batchwidgets caption").all_inner_texts()
@@ -184,11 +219,12 @@ def test_tutorial_runs_and_renders_in_jupyterlab(page: Any, lab_server: Any, scr
     check_widgets_rendered(page)
 
     expected, stem = TUTORIALS[notebook], Path(notebook).stem
-    panels = page.locator(".jp-Notebook .batchwidgets-probe")
-    assert panels.count() == expected["probe_panels"]
-    for index, panel in enumerate(panels.all(), start=1):
-        check_probe_panel(panel)
-        screenshot(page, panel, screenshot_dir, f"lab-{stem}-probe-panel-{index}.png")
+    for kind, selector in PANELS.items():
+        panels = page.locator(f".jp-Notebook {selector}")
+        assert panels.count() == expected.get(kind, 0), kind
+        for index, panel in enumerate(panels.all(), start=1):
+            CHECK_PANEL[kind](panel)
+            screenshot(page, panel, screenshot_dir, f"lab-{stem}-{kind}-panel-{index}.png")
     reports = page.locator(f".jp-Notebook {STATIC_REPORT}")
     assert reports.count() == expected["static_reports"]
     for index, report in enumerate(reports.all(), start=1):
@@ -215,3 +251,95 @@ def test_tutorial_opens_and_runs_a_panel_in_notebook7(page: Any, lab_server: Any
     assert not errors_in_outputs(page), f"a cell raised: {errors_in_outputs(page)}"
     check_probe_panel(panel)
     screenshot(page, panel, screenshot_dir, "notebook7-01_find_batch-probe-panel.png")
+
+
+def write_notebook(lab_server: Any, name: str, *cells: str) -> str:
+    """A notebook of the test's own in the server's folder; returns its name."""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                                       "language": "python"}
+    nbformat.write(notebook, lab_server.root_dir / name)
+    return name
+
+
+LIVE_NOISE = (
+    """import time
+import torch
+from torch import nn
+import batchwidgets as bw
+
+torch.manual_seed(0)
+model = nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+tracker = bw.NoiseTracker(warmup_updates=2)
+panel = bw.NoisePanel(tracker, min_interval_s=0.2)
+panel""",
+    """w = torch.randn(8, 1)
+with bw.accumulate(optimizer, steps=4, model=model, noise=tracker):
+    for step in range(4 * 150):  # about 10 s: 150 updates of 4 micro-batches
+        x = torch.randn(16, 8)
+        y = x @ w + 0.5 * torch.randn(16, 1)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        time.sleep(0.015)
+panel.refresh()""",
+)
+
+
+def test_the_noise_chart_changes_while_the_training_loop_runs(page: Any, lab_server: Any,
+                                                              screenshot_dir: Path) -> None:
+    notebook = write_notebook(lab_server, "live_noise.ipynb", *LIVE_NOISE)
+    open_notebook(page, lab_server, f"lab/tree/{notebook}", reset="")
+    menu(page, "Run", "runmenu:run-all")
+    chart = page.locator(".jp-Notebook img.batchwidgets-noise-plot")
+    chart.wait_for(timeout=LOAD_TIMEOUT_S * 1000)
+    loop_prompt = page.locator(".jp-Notebook .jp-CodeCell").nth(1).locator(".jp-InputPrompt")
+    wait_until(lambda: loop_prompt.inner_text().strip() == "[*]:", LOAD_TIMEOUT_S,
+               "the training loop to start", lambda: prompts(page))
+    seen = set()  # the pictures the page showed while the loop ran (a new blob URL each)
+    while loop_prompt.inner_text().strip() == "[*]:":
+        seen.add(chart.get_attribute("src"))
+        time.sleep(0.1)
+    wait_for_cells(page, lab_server, notebook)
+    check_widgets_rendered(page)
+    assert len(seen - {None}) >= 3, f"the chart changed {len(seen) - 1} times during the loop"
+    outputs = page.locator(".jp-Notebook .jp-OutputArea-output")
+    assert outputs.count() == 1, "the loop printed or displayed something: no flooding allowed"
+    panel = page.locator(".jp-Notebook .batchwidgets-noise")
+    check_noise_panel(panel)
+    assert "B_simple" in panel.locator(".batchwidgets-noise-status").inner_text()
+    screenshot(page, panel, screenshot_dir, "lab-live-noise-panel.png")
+
+
+LIVE_LOADER = (
+    """import batchwidgets as bw
+from batchwidgets.datasets import SlowDataset
+
+panel = bw.LoaderPanel(SlowDataset(2048, work_ms=2.0), batch_size=32, duration_s=1.0,
+                       max_workers=2)
+panel""",
+)
+
+
+def test_choosing_num_workers_in_the_loader_panel_changes_the_readout(
+        page: Any, lab_server: Any, screenshot_dir: Path) -> None:
+    notebook = write_notebook(lab_server, "live_loader.ipynb", *LIVE_LOADER)
+    open_notebook(page, lab_server, f"lab/tree/{notebook}", reset="")
+    menu(page, "Run", "runmenu:run-all")
+    wait_for_cells(page, lab_server, notebook)
+    check_widgets_rendered(page)
+    panel = page.locator(".jp-Notebook .batchwidgets-loader")
+    status = panel.locator(".batchwidgets-loader-status")
+    wait_until(lambda: status.inner_text().startswith("no workers:"), RUN_TIMEOUT_S,
+               "the first measurement (no workers)", status.inner_text)
+    before = samples_per_s(panel)
+    check_loader_panel(panel)
+
+    panel.locator(".batchwidgets-loader-num-workers select").select_option(label="2")
+    wait_until(lambda: status.inner_text().startswith("2 workers"), RUN_TIMEOUT_S,
+               "the panel to measure 2 workers", status.inner_text)
+    after = samples_per_s(panel)
+    assert after != before, (before, after)
+    assert panel.locator("img.batchwidgets-loader-chart").count() == 1
+    screenshot(page, panel, screenshot_dir, "lab-live-loader-panel.png")
