@@ -12,6 +12,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import io
 import threading
@@ -25,8 +26,7 @@ from torch.utils.data import DataLoader
 
 from .. import _html
 from .._warnings import BatchwidgetsWarning
-from ..engine._loader_checks import usable_cpus
-from ..engine.loader import make_loader, measure_loader, tune_loader
+from ..engine.loader import loader_report, make_loader, measure_loader, tune_loader, usable_cpus
 from ..plots import plot_loader
 from ..results import LoaderReport, LoaderTrial
 from .probe import WIDGET_VIEW
@@ -86,11 +86,6 @@ def _png(report: LoaderReport) -> bytes:
     return buffer.getvalue()
 
 
-def _fastest(trials: tuple[LoaderTrial, ...]) -> int:
-    """Index of the fastest trial that ran (tune_loader's rule for ``best_index``)."""
-    return max(range(len(trials)), key=lambda i: (trials[i].ok, trials[i].samples_per_s))
-
-
 class LoaderPanel(widgets.VBox):
     """Controls named after the DataLoader options; each change re-measures the loader in the
     background (``measure_loader``), shows samples/s, bytes/s to the device and the time to the
@@ -148,7 +143,6 @@ class LoaderPanel(widgets.VBox):
         self.max_workers = usable_cpus() if max_workers is None else max_workers
         self.error: Exception | None = None
         self._report: LoaderReport | None = None  # all panel state: every setting measured
-        self._grid_size: int | None = None  # tune_loader's grid, once it ran
         self._measuring_s = 0.0  # time spent measuring in this panel
         self._cond = threading.Condition()  # guards _pending, _in_flight, _thread, _closed
         self._pending: _Job | None = None  # the latest request, not started yet
@@ -325,7 +319,6 @@ class LoaderPanel(widgets.VBox):
                             on_trial=self._on_trial, should_stop=lambda: self._should_stop(job))
         if job.cancelled:
             return
-        self._grid_size = tuned.grid_size
         self._set_controls(tuned.best.settings)
         self.render(self._with(tuned.best, tuned.warnings))
 
@@ -337,7 +330,7 @@ class LoaderPanel(widgets.VBox):
 
     def _with(self, trial: LoaderTrial, notes: tuple[str, ...] = ()) -> LoaderReport:
         """The panel's report with ``trial`` as the current one (replacing an earlier
-        measurement of the same setting)."""
+        measurement of the same setting); the engine ranks the trials."""
         report = self._report
         trials = list(report.trials) if report is not None else []
         same = [i for i, t in enumerate(trials) if t.settings == trial.settings]
@@ -345,14 +338,11 @@ class LoaderPanel(widgets.VBox):
             trials[same[0]] = trial
         else:
             trials.append(trial)
-        trials_tuple = tuple(trials)
+        new = loader_report(trials, current_index=same[0] if same else -1, source=self.source,
+                            max_workers=self.max_workers, search_time_s=self._measuring_s)
         old_notes = report.warnings if report is not None else ()
-        return LoaderReport(
-            trials=trials_tuple, best_index=_fastest(trials_tuple),
-            current_index=same[0] if same else len(trials) - 1, device=trial.device,
-            grid_size=self._grid_size or len(trials), search_time_s=self._measuring_s,
-            warnings=tuple(dict.fromkeys([*old_notes, *trial.warnings, *notes])),
-            source=self.source)
+        return dataclasses.replace(
+            new, warnings=tuple(dict.fromkeys([*old_notes, *new.warnings, *notes])))
 
     def _set_controls(self, settings: dict[str, Any]) -> None:
         """Show ``settings`` in the controls without measuring them again."""
