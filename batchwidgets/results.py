@@ -496,8 +496,10 @@ class NoiseTrackerReport:
             return (f"on {steps}, splitting the batch into {self.n_micro} parts: one extra "
                     f"forward and backward of the batch per measured step, about "
                     f"{100 / self.every:.3g}% more compute")
-        return (f"from the {self.n_micro} micro-batches of each update: one gradient-norm "
-                f"reduction per parameter per micro-step and one host sync per update")
+        return (f"from the {self.n_micro} micro-batches of each update: by default one "
+                f"gradient-norm reduction per parameter per micro-step (with "
+                f"every_micro_batch=False, one fused reduction per update), and no host sync "
+                f"per update (the tracker reads the device when its report is read)")
 
     @property
     def loss_mean(self) -> float | None:

@@ -197,6 +197,35 @@ def test_gradient_norms_are_per_micro_batch():
     assert acc.report.grad_norms == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_cheap_noise_tracker_adds_no_parameter_hook_and_changes_no_update(scaled):
+    big, _, _ = train_big(OPTIMIZERS["adam"], clip=0.05)
+    model = make_model()
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    # a scaler on float64 weights: its unscale_ and inf checks run, the update is the same
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1000) if scaled else None
+    tracker = bw.NoiseTracker(warmup_updates=1, every_micro_batch=False)
+    with bw.accumulate(optimizer, steps=4, model=model, scaler=scaler, noise=tracker) as acc:
+        assert all(not p._backward_hooks for p in model.parameters())  # issue 5
+        for j in range(16):
+            loss = loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4])
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is not None and acc.is_sync_step:
+                scaler.unscale_(optimizer)
+            acc.clip_grad_norm_(0.05)
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad()
+    assert max_difference(big, model) < 1e-10
+    assert acc.report.grad_norms == ()  # recorded with track_grad_norms=True only
+    assert len(acc.report.losses) == 16
+    assert tracker.report.n_updates == 4
+    assert tracker.report.losses == acc.report.losses
+
+
 def test_everything_is_restored_after_an_error():
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -23,7 +23,14 @@ import torch
 
 from .._warnings import BatchwidgetsWarning
 from ..results import AccumulationReport
-from .noise_tracker import NoiseTracker, grad_sq_norm
+from ._noise_estimate import (
+    DeferredUpdate,
+    first_sq_norm,
+    grad_norms,
+    grad_sq_norm,
+    group_by_device_and_dtype,
+)
+from .noise_tracker import NoiseTracker
 
 REMAINDERS = ("apply", "drop")
 _FLUSH_EVERY = 256  # device scalars kept before one host sync converts them to floats
@@ -37,6 +44,21 @@ _FLUSH_EVERY = 256  # device scalars kept before one host sync converts them to 
 # require_backward_grad_sync flag (what no_sync() sets) is cleared before the forward of every
 # micro-step but the last. torch.Tensor.backward is wrapped to record each micro-batch's loss.
 # Everything is put back when the block ends, however it ends.
+
+# NOTE [ What the noise tracker costs accumulate ]
+# Issue 5: at most 2% per training step. Two things used to cost more: a host sync per update
+# (a .tolist() of the update's norms, which stalls a GPU's queue), and a gradient hook per
+# parameter per micro-step (a Python call and a reduction each). Now each update's numbers are
+# stacked into one small device tensor handed to the tracker, which reads all it holds in one
+# .tolist() when they are needed (NoiseTracker.flush). And without hooks the tracker gets the
+# squared norm of .grad after the first micro-step, which holds that micro-batch's gradient
+# alone, besides |G_big|^2 (NOTE [ The prefix-sum estimator ]): one fused _foreach_norm per
+# update, whatever the number of parameters and micro-steps. That estimate is noisier (2-10x the
+# updates for one error bar), too noisy for a short run, so it is opt-in:
+# NoiseTracker(every_micro_batch=False). By default, and with track_grad_norms=True (the
+# report's per-micro-batch norms) and under DDP (whose micro-steps see only their rank's sums;
+# with steps=1, none at all), the hooks take every micro-batch's norm, one reduction per
+# parameter per micro-step, and the tracker uses all k of them.
 
 
 def _has_batchnorm(model: torch.nn.Module | None) -> bool:
@@ -58,10 +80,13 @@ class _Scalars:
         self.values: list[float] = []
         self._pending: list[torch.Tensor] = []
 
-    def append(self, value: torch.Tensor) -> None:
-        self._pending.append(value.detach().float().reshape(()))
+    def append(self, value: torch.Tensor) -> torch.Tensor:
+        """Keep ``value`` as a float32 0-dim tensor, and return that."""
+        value = value.detach().float().reshape(())
+        self._pending.append(value)
         if len(self._pending) >= _FLUSH_EVERY:
             self.flush()
+        return value
 
     def flush(self) -> tuple[float, ...]:
         if self._pending:
@@ -81,7 +106,10 @@ class Accumulator:
         self.optimizer, self.steps, self.model = optimizer, steps, model
         self.scaler, self.scheduler, self.remainder = scaler, scheduler, remainder
         self.noise = noise
-        self.track_grad_norms = track_grad_norms or noise is not None
+        self.track_grad_norms = track_grad_norms
+        # per-micro-batch norms from hooks; see NOTE [ What the noise tracker costs accumulate ]
+        self._hooked = track_grad_norms or (noise is not None and (
+            noise.every_micro_batch or self._is_ddp()))
         self.batch_size, self.planned_micro_batch_size = batch_size, micro_batch_size
         self._pending = 0  # micro-steps since the last real step
         self._micro_steps = self._real_steps = self._skipped = 0
@@ -89,12 +117,16 @@ class Accumulator:
         self._scheduler_due = self._scheduler_swallowed = 0
         self._remainder_done, self._remainder_count = "none", 0
         self._micro_batch_size: int | None = None
-        self._losses, self._sq_norms = _Scalars(), _Scalars()
+        self._losses, self._grad_norms = _Scalars(), _Scalars()
         self._norms_current: list[torch.Tensor] = []  # this micro-batch's, per parameter
-        # for the noise tracker, per update: micro-batch squares, losses, |G_big|^2 if clipped
-        self._group_sq: list[torch.Tensor] = []
+        # for the noise tracker, this update's: losses, micro-batch norms (hooks) or the
+        # per-parameter norms of the first micro-batch's gradient (no hooks), |G_big|^2 if
+        # clipping took it
         self._group_losses: list[torch.Tensor] = []
+        self._group_norms: list[torch.Tensor] = []
+        self._first_norms: list[torch.Tensor] = []
         self._big_sq: torch.Tensor | None = None
+        self._param_groups: list[list[torch.Tensor]] = []  # by device and dtype, on entering
         self._scaled_loss_id: int | None = None
         self._patches: list[tuple[Any, str, bool, Any]] = []
         self._hooks: list[Any] = []
@@ -116,7 +148,8 @@ class Accumulator:
             return None
         self._average(self._pending + 1)
         if self.noise is not None:  # before clipping changes the accumulated gradient
-            self._big_sq = grad_sq_norm(self._params(), self.scaler, self.optimizer)
+            self._big_sq = grad_sq_norm(self._params(), self.scaler, self.optimizer,
+                                        self._param_groups)
         params = self._params() if parameters is None else parameters
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
@@ -131,7 +164,7 @@ class Accumulator:
             micro_batch_size=self._micro_batch_size or self.planned_micro_batch_size,
             world_size=world, target_batch_size=self.batch_size,
             skips_allreduce=self._is_ddp() and self.steps > 1,
-            losses=self._losses.flush(), grad_norms=tuple(v**0.5 for v in self._sq_norms.flush()))
+            losses=self._losses.flush(), grad_norms=self._grad_norms.flush())
 
     # ---- the intercepted calls ------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -152,6 +185,10 @@ class Accumulator:
         self._pending += 1
         self._close_micro_batch()
         if self._pending < self.steps:
+            if self.noise is not None and not self._hooked and self._pending == 1:
+                # .grad holds the first micro-batch's gradient: NOTE [ The prefix-sum estimator ]
+                with torch.no_grad():
+                    self._first_norms = grad_norms(self._param_groups)
             self._set_ddp_sync(self._pending == self.steps - 1)
             return None
         return self._real_step(real)
@@ -173,36 +210,38 @@ class Accumulator:
         return result
 
     # ---- the noise tracker --------------------------------------------------------------------
-    def _flush_group_losses(self, losses: list[float]) -> None:
-        for loss in losses:
-            self.noise.observe_loss(loss)
-        self._group_losses.clear()
-
     def _feed_noise_tracker(self) -> None:
-        """One host sync per update: the group's micro squares, |G_big|^2 and losses."""
+        """Hand the tracker this update's losses and squared norms as one device tensor: no
+        host sync (see NOTE [ What the noise tracker costs accumulate ])."""
         big = (self._big_sq if self._big_sq is not None
-               else grad_sq_norm(self._params(), self.scaler, self.optimizer))
-        squares, losses = self._group_sq, self._group_losses
-        self._group_sq, self._big_sq = [], None
-        tensors = [*squares, *losses] + ([big] if big is not None else [])
-        if not tensors:
+               else grad_sq_norm(self._params(), self.scaler, self.optimizer, self._param_groups))
+        losses, norms, first = self._group_losses, self._group_norms, self._first_norms
+        self._group_losses, self._group_norms, self._first_norms = [], [], []
+        self._big_sq = None
+        if self._hooked:
+            # under DDP the micro norms are each rank's own, and the big gradient is averaged
+            # over the ranks too, so B_big is k times the world size times b
+            world = torch.distributed.get_world_size() if self._is_ddp() else 1
+            small, kind, n_micro = norms, "norms", len(norms) * world
+        else:  # g_1 alone, unless the update had one micro-step (a remainder): then it is big
+            square = first_sq_norm(first, self.scaler) if self._pending > 1 else None
+            small, kind, n_micro = [square] if square is not None else [], "squares", self._pending
+        if big is None or (self._hooked and not small):  # no gradients: the losses only
+            small, kind = [], None
+        scalars = [*losses, *small] + ([big] if kind is not None else [])
+        if not scalars:
             return
-        device = tensors[-1].device
-        values = torch.stack([t.detach().float().reshape(()).to(device)
-                              for t in tensors]).tolist()
-        small, loss_values = values[:len(squares)], values[len(squares):len(squares) + len(losses)]
-        self._flush_group_losses(loss_values)
-        if big is None or not small:
-            return
-        world = (torch.distributed.get_world_size() if self._is_ddp() else 1)
-        # under DDP the micro norms are each rank's own; the big gradient is averaged over ranks
-        self.noise.update(small_sq_norms=small, big_sq_norm=values[-1],
-                          micro_batch_size=self._micro_batch_size, n_micro=len(small) * world)
+        device = scalars[-1].device
+        with torch.no_grad():
+            values = torch.stack([t if t.device == device else t.to(device) for t in scalars])
+        self.noise._defer(values, DeferredUpdate(
+            n_values=len(scalars), n_losses=len(losses), small=kind,
+            micro_batch_size=self._micro_batch_size, n_micro=n_micro))
 
     def _record_loss(self, loss: torch.Tensor) -> None:
-        self._losses.append(loss)
+        value = self._losses.append(loss)
         if self.noise is not None:
-            self._group_losses.append(loss.detach())
+            self._group_losses.append(value)
 
     # ---- the intercepted calls, continued -----------------------------------------------------
     def _optimizer_step(self, original: Callable) -> Callable:
@@ -277,10 +316,10 @@ class Accumulator:
         return backward
 
     def _grad_hook(self, grad: torch.Tensor) -> None:
-        # one reduction per parameter here, squared and summed in one go at the micro-step's end:
-        # the hook runs once per parameter per micro-step, so every op in it counts
+        # one reduction per parameter here, combined in one go at the micro-step's end: the
+        # hook runs once per parameter per micro-step, so every op in it counts
         wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
-        self._norms_current.append(torch.linalg.vector_norm(grad.detach(), dtype=wide))
+        self._norms_current.append(torch.linalg.vector_norm(grad, dtype=wide))
 
     def _close_micro_batch(self) -> None:
         if not self._norms_current:
@@ -288,13 +327,14 @@ class Accumulator:
         norms, self._norms_current = self._norms_current, []
         if any(n.device != norms[0].device for n in norms):  # a model split across devices
             norms = [n.to(norms[0].device) for n in norms]
-        square = torch.stack(norms).float().square().sum()
-        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
-        if isinstance(scale, torch.Tensor):
-            square = square / scale.to(square.device).float().pow(2)
-        self._sq_norms.append(square)
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(torch.stack(norms)).float()
+            scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+            if isinstance(scale, torch.Tensor):
+                norm = norm / scale.to(norm.device).float()
+        norm = self._grad_norms.append(norm)
         if self.noise is not None:
-            self._group_sq.append(square)
+            self._group_norms.append(norm)
 
     def _record_batch_size(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         size = _first_batch_dim(args, kwargs)
@@ -343,7 +383,9 @@ class Accumulator:
             if self.scheduler is not None:
                 self._patch(self.scheduler, "step", self._scheduler_step)
             self._patch(torch.Tensor, "backward", self._tensor_backward)
-            if self.track_grad_norms:
+            self._param_groups = group_by_device_and_dtype(
+                [p for p in self._params() if p.requires_grad])
+            if self._hooked:
                 self._hooks = [p.register_hook(self._grad_hook) for p in self._params()
                                if p.requires_grad]
             if self.model is not None:
@@ -363,8 +405,11 @@ class Accumulator:
         self._remainder_count = self._pending
         if self.remainder == "drop":
             self._remainder_done = "dropped"
-            if self.noise is not None:
-                self._flush_group_losses([float(loss) for loss in self._group_losses])
+            if self.noise is not None and self._group_losses:
+                n_losses = len(self._group_losses)
+                self.noise._defer(torch.stack(self._group_losses), DeferredUpdate(
+                    n_values=n_losses, n_losses=n_losses, small=None, micro_batch_size=None,
+                    n_micro=0))
             self._restore()
             self.optimizer.zero_grad()
             self._pending = 0
@@ -404,6 +449,8 @@ class Accumulator:
                 self._finish_remainder()
         finally:
             self._restore()
+        if self.noise is not None and (exc_type is None or exc_type is KeyboardInterrupt):
+            self.noise.flush()  # the last updates, to the listeners (a live panel) too
 
 
 def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
@@ -436,15 +483,18 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
         Micro-steps left when the block ends: one smaller step averaged over the real count
         (default), or discarded. The report says which happened.
     track_grad_norms : bool
-        Record each micro-batch's gradient norm in the report (one fused reduction per
-        parameter per micro-step, which is why it is off by default; the noise tracker uses it).
+        Record each micro-batch's gradient norm in the report: a hook and a reduction per
+        parameter per micro-step, which is why it is off by default. A noise tracker then uses
+        them all (a tighter estimate; see NOTE [ The prefix-sum estimator ]).
     batch_size, micro_batch_size : int, optional
         Instead of ``steps``: the batch each update should see, and the micro-batch the loop
         feeds (e.g. ``find_batch``'s ``recommended_batch_size``); ``steps`` becomes
         ``ceil(batch_size / micro_batch_size)`` and the report states all three.
     noise : NoiseTracker, optional
-        Follows the losses and the gradient noise scale from each update's micro-batches
-        (turns on ``track_grad_norms``; pass ``model`` so it knows the micro-batch size).
+        Follows the losses and the gradient noise scale from each update's micro-batches, for
+        two fused gradient norms and no host sync per update (pass ``model`` so it knows the
+        micro-batch size); see NOTE [ What the noise tracker costs accumulate ]. Under DDP it
+        uses, and records in ``grad_norms``, each micro-batch's norm.
 
     Returns
     -------
@@ -496,4 +546,3 @@ def _steps_for(steps: int, batch_size: int | None, micro_batch_size: int | None)
                       f"{-(-batch_size // micro_batch_size) * micro_batch_size} samples.",
                       BatchwidgetsWarning, stacklevel=3)
     return -(-batch_size // micro_batch_size)  # ceil
-

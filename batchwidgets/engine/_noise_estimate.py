@@ -1,0 +1,294 @@
+"""The arithmetic behind ``NoiseTracker``: unbiased per-update estimates of |G|^2 and tr(Sigma)
+from squared gradient norms at several batch sizes, their moving averages with error bars, the
+squared gradient norms themselves (fused, or of a split batch), and the loaders that bias them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.func import functional_call
+from torch.utils.data import DataLoader, SequentialSampler
+
+from ._state import RngState
+
+# NOTE [ The two-batch-size estimator ]
+# McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", appendix A.1: for a
+# mini-batch of size B, E|G_B|^2 = |G|^2 + tr(Sigma)/B. With the k micro-batches of one update
+# (B_small = b, each with its own squared gradient norm) and their average (B_big = k*b):
+#   G2 = (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)   unbiased for |G|^2
+#   S  = (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)             unbiased for tr(Sigma)
+# Each update gives one noisy (G2, S) pair. The paper averages G2 and S separately and only then
+# takes the ratio B_simple = S/G2, since the ratio of single noisy estimates is biased and wild.
+# Here the averages are bias-corrected exponential moving averages (as Adam's moments):
+# weighted sums divided by the sum of the weights beta^(t-i). The error bar is the standard
+# error of those weighted means (the weights' sum of squares gives the effective sample count),
+# carried to the ratio with the delta method, the covariance of S and G2 included.
+
+# NOTE [ The prefix-sum estimator ]
+# Seeing each micro-batch gradient g_j takes a hook per parameter per micro-step. Without hooks,
+# accumulate sees only running sums: at the j-th intercepted optimizer.step(), .grad holds
+# A_j = g_1 + ... + g_j (times the GradScaler's scale). A_j / j is the gradient of a batch of
+# j*b samples, so by NOTE [ The two-batch-size estimator ] y_j = |A_j / j|^2 has
+# E y_j = |G|^2 + tr(Sigma) x_j with x_j = 1/(j b), j = 1 .. k-1, and the update's averaged
+# gradient is one more point, at x = 1/(n b) for the n micro-batches it averages (n = k, or k*W
+# after DDP's all-reduce over W ranks). NoiseTracker.update_prefixes takes such points and fits
+# |G|^2 and tr(Sigma) as the intercept and the slope of the ordinary least-squares line. Both are
+# fixed linear combinations sum_j w_j y_j whose weights depend on the x's only (intercept:
+# sum w = 1, sum w x = 0; slope: sum w = 0, sum w x = 1), so their expectations are exactly
+# |G|^2 and tr(Sigma): unbiased although the y's are correlated (A_2 contains A_1). The
+# correlation costs variance only, and the error bars stay right: they come from the spread of
+# the per-update estimates, and different updates use different batches.
+# Which points: nested sums repeat one another. In simulations (Gaussian micro-batch gradients,
+# k = 4 and 8, B_simple from b/4 to 64 b) the first point alone with the last, which is the
+# two-batch-size estimator with one small norm, |g_1|^2, in place of the mean of k, varies less
+# than the line through all k points (which has 1.03-1.9x its variance) and is within 11% of the
+# best linear unbiased fit of all k (generalised least squares with the true covariance). So
+# accumulate reads .grad after the first micro-step only: one extra gradient norm per update.
+# The price, against the k separate norms of the hooks: B_simple's per-update variance is 2x at
+# B_simple >= 16 b, 3x at 4 b, 7-11x at b, and 28-52x when B_simple is b/4 (a batch
+# already far beyond the critical one), at k = 4-8; the same error bar takes that many times the
+# updates. On tests/test_noise_tracker.py's regression (k = 4, B_simple about 0.7 b) it is 29x:
+# 9000 updates at ema=1-1/3000 give what 300 at ema=0.99 give with the hooks.
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def group_by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors in groups of one device and dtype, in first-seen order (as the fused norm of
+    ``torch.nn.utils.clip_grad_norm_`` groups them)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
+
+
+def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The 2-norm of each parameter's ``.grad`` (skipping None), one fused ``_foreach_norm`` per
+    group of ``group_by_device_and_dtype``; all on one device and of one dtype (float32 for
+    half types and for mixed dtypes), ready to stack. No host sync."""
+    norms: list[torch.Tensor] = []
+    device = None
+    for group in groups:
+        grads = [p.grad for p in group if p.grad is not None]
+        if not grads:
+            continue
+        wide = torch.float32 if grads[0].dtype in _HALF else None
+        if hasattr(torch, "_foreach_norm"):  # fused: one kernel for the group on a GPU
+            part = list(torch._foreach_norm(grads, 2, dtype=wide))
+        else:  # an old torch: one reduction per tensor
+            part = [torch.linalg.vector_norm(g, dtype=wide) for g in grads]
+        if device is None:
+            device = part[0].device
+        elif part[0].device != device:  # a model split across devices
+            part = [n.to(device) for n in part]
+        norms.append(part)
+    if len(norms) > 1 and len({part[0].dtype for part in norms}) > 1:
+        norms = [[n.float() for n in part] for part in norms]
+    return [n for part in norms for n in part]
+
+
+def unscale_divisor(scaler: Any, optimizer: torch.optim.Optimizer,
+                    device: torch.device) -> torch.Tensor | None:
+    """The GradScaler's scale squared while ``optimizer``'s gradients are scaled, else None."""
+    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    # GradScaler keeps a stage per optimizer; after unscale_(optimizer) the grads are unscaled
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+    if isinstance(scale, torch.Tensor) and getattr(state.get("stage"), "name", "") != "UNSCALED":
+        return scale.to(device).float().square()
+    return None
+
+
+def sum_of_squares(norms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The squared norm of a whole gradient from its per-parameter norms (``grad_norms``):
+    float32, 0-dim, on their device; two small ops, no host sync."""
+    stacked = torch.stack(list(norms)).float()
+    return torch.dot(stacked, stacked)
+
+
+def grad_sq_norm(params: Sequence[torch.Tensor], scaler: Any, optimizer: torch.optim.Optimizer,
+                 groups: Sequence[Sequence[torch.Tensor]] | None = None) -> torch.Tensor | None:
+    """|G_big|^2: the squared norm of the (averaged) gradient, unscaled, float32, left on the
+    device (no host sync). ``groups``: ``params`` already grouped, to save the grouping."""
+    with torch.no_grad():
+        norms = grad_norms(group_by_device_and_dtype(params) if groups is None else groups)
+        if not norms:
+            return None
+        total = sum_of_squares(norms)
+        divisor = unscale_divisor(scaler, optimizer, total.device)
+    return total if divisor is None else total / divisor
+
+
+def first_sq_norm(norms: Sequence[torch.Tensor], scaler: Any) -> torch.Tensor | None:
+    """|g_1|^2, unscaled, from the per-parameter norms taken after the first micro-step (see
+    NOTE [ The prefix-sum estimator ]); None without gradients."""
+    if not norms:
+        return None
+    with torch.no_grad():
+        total = sum_of_squares(norms)
+        # taken scaled, even if the loop unscales the last micro-step's gradient; the scale has
+        # not changed since, as the scaler updates on real steps only
+        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        if isinstance(scale, torch.Tensor):
+            total = total / scale.to(total.device).float().square()
+    return total
+
+
+class WeightedMoments:
+    """Exponentially weighted means of x, y, x^2, y^2 and x*y, with bias correction."""
+
+    def __init__(self, beta: float) -> None:
+        self.beta = beta
+        self.weight = self.weight_sq = 0.0
+        self.sums = [0.0] * 5  # x, y, xx, yy, xy
+
+    def add(self, x: float, y: float) -> None:
+        b = self.beta
+        self.weight = b * self.weight + 1.0
+        self.weight_sq = b * b * self.weight_sq + 1.0
+        for i, value in enumerate((x, y, x * x, y * y, x * y)):
+            self.sums[i] = b * self.sums[i] + value
+
+    def means(self) -> tuple[float, ...]:
+        return tuple(s / self.weight for s in self.sums)
+
+    def standard_errors(self) -> tuple[float, float, float]:
+        """Standard errors of the weighted means of x and y, and their covariance."""
+        mx, my, mxx, myy, mxy = self.means()
+        n_eff = self.weight**2 / self.weight_sq  # Kish's effective sample size
+        if n_eff <= 1:
+            return math.inf, math.inf, 0.0
+        spread = n_eff / (n_eff - 1)  # unbiased variance of the individual estimates
+        var_x = max(mxx - mx * mx, 0.0) * spread
+        var_y = max(myy - my * my, 0.0) * spread
+        return math.sqrt(var_x / n_eff), math.sqrt(var_y / n_eff), (mxy - mx * my) * spread / n_eff
+
+
+def estimate(small_sq_norms: Sequence[float], big_sq_norm: float, micro_batch_size: int,
+             n_micro: int) -> tuple[float, float]:
+    """One update's (|G|^2, tr Sigma) estimate; see NOTE [ The two-batch-size estimator ]."""
+    b_small, b_big = micro_batch_size, micro_batch_size * n_micro
+    small = sum(small_sq_norms) / len(small_sq_norms)
+    grad_norm_sq = (b_big * big_sq_norm - b_small * small) / (b_big - b_small)
+    trace_cov = (small - big_sq_norm) / (1 / b_small - 1 / b_big)
+    return grad_norm_sq, trace_cov
+
+
+def estimate_prefixes(prefix_sq_norms: Sequence[float], big_sq_norm: float,
+                      micro_batch_size: int, n_micro: int) -> tuple[float, float]:
+    """One update's (|G|^2, tr Sigma) from |A_j / j|^2, j = 1..m, and the squared norm of the
+    mean of all ``n_micro`` micro-batches: the least-squares line in x = 1/B; see
+    NOTE [ The prefix-sum estimator ]."""
+    xs = [1 / (j * micro_batch_size) for j in range(1, len(prefix_sq_norms) + 1)]
+    xs.append(1 / (n_micro * micro_batch_size))
+    ys = [*prefix_sq_norms, big_sq_norm]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread_x = sum((x - mean_x) ** 2 for x in xs)
+    trace_cov = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread_x
+    return mean_y - trace_cov * mean_x, trace_cov
+
+
+class DeferredUpdate(NamedTuple):
+    """What one update's values, left on the device by accumulate, hold: ``n_losses`` losses,
+    then the small batches' norms (``small``) and |G_big|^2 last, for the two-batch-size
+    estimator with ``micro_batch_size`` and ``n_micro``."""
+
+    n_values: int
+    n_losses: int
+    small: str | None  # "norms" (square them) or "squares"; None: the losses only
+    micro_batch_size: int | None
+    n_micro: int
+
+
+def uneven_loader_warning(loader: Any) -> str:
+    """Why a DataLoader whose last batch is smaller biases the tracker's estimate, or ''."""
+    if not isinstance(loader, DataLoader) or loader.drop_last or not loader.batch_size:
+        return ""
+    try:
+        size = len(loader.dataset)
+    except TypeError:  # an iterable dataset without a length
+        return ""
+    last = size % loader.batch_size
+    if not last:
+        return ""
+    return (f"the DataLoader's last batch of each epoch has {last} examples, not "
+            f"batch_size={loader.batch_size} ({size} examples): the two-batch-size estimate "
+            f"assumes equal micro-batches, so the updates that include it are off. Pass "
+            f"drop_last=True to the DataLoader")
+
+
+def unshuffled_loader_warning(loader: Any) -> str:
+    """Why a DataLoader that reads its dataset in order biases noise measurements, or ''."""
+    if not isinstance(loader, DataLoader):
+        return ""
+    batches = loader.batch_sampler  # a custom batch sampler replaces loader.sampler
+    sampler = loader.sampler if batches is None else getattr(batches, "sampler", None)
+    if not isinstance(sampler, SequentialSampler):
+        return ""
+    return (f"the DataLoader does not shuffle: it reads its {len(sampler)} examples in order "
+            f"(SequentialSampler, batch_size={loader.batch_size}), so consecutive batches hold "
+            f"neighbouring examples, which are often alike (sorted by class, time or source); "
+            f"the batches are then not random samples, and the per-batch loss noise and "
+            f"B_simple, which assume random batches, are biased. Pass shuffle=True to the "
+            f"DataLoader")
+
+
+def _sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([torch.linalg.vector_norm(
+        g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None,
+    ).double().square() for g in grads]).sum()
+
+
+def split_sq_norms(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+                   inputs: torch.Tensor, targets: Any, parts: int) -> tuple[list[float], float]:
+    """Squared gradient norms of ``parts`` equal parts of a batch and of their mean, from
+    ``torch.autograd.grad`` on detached aliases of the weights: no ``.grad``, parameter hook,
+    buffer (BatchNorm statistics) or random generator of the user's changes."""
+    size = inputs.shape[0] // parts
+    weights = {name: p.detach().requires_grad_(True) for name, p in model.named_parameters()
+               if p.requires_grad}
+    buffers = [b.detach().clone() for b in model.buffers()]
+    rng = RngState()
+    try:
+        total, squares = None, []
+        with torch.enable_grad():
+            for i in range(parts):
+                part = slice(i * size, (i + 1) * size)
+                part_targets = targets[part] if isinstance(targets, torch.Tensor) else targets
+                output = functional_call(model, weights, (inputs[part],))
+                grads = torch.autograd.grad(loss_fn(output, part_targets),
+                                            list(weights.values()), allow_unused=True)
+                grads = [torch.zeros_like(w) if g is None else g
+                         for g, w in zip(grads, weights.values())]
+                squares.append(_sq_norm(grads))
+                total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        big = _sq_norm([t / parts for t in total])
+        values = torch.stack([*squares, big]).tolist()  # one host sync
+    finally:
+        rng.restore()
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers):
+                buffer.copy_(saved)
+    return values[:-1], values[-1]
+
+
+def check_measure(model: Any, loss_fn: Any, batch: Any, parts: Any) -> tuple[Any, Any]:
+    """NoiseTracker.measure's arguments checked: its (inputs, targets)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn should be a callable loss_fn(output, target) -> scalar, but "
+                        f"got loss_fn={loss_fn!r}; e.g. torch.nn.functional.cross_entropy.")
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 2:
+        raise ValueError(f"parts should be an int >= 2, but got parts={parts!r}; e.g. parts=2.")
+    if (not isinstance(batch, (tuple, list)) or len(batch) != 2
+            or not isinstance(batch[0], torch.Tensor)):
+        raise TypeError(f"batch should be an (inputs, targets) pair with a tensor of inputs, "
+                        f"but got batch of type {type(batch).__name__}; e.g. "
+                        f"tracker.measure(model, loss_fn, (x, y)).")
+    if batch[0].dim() == 0 or batch[0].shape[0] < parts:
+        raise ValueError(f"the batch should hold at least parts={parts} examples, but its inputs "
+                         f"have shape {tuple(batch[0].shape)}; use fewer parts.")
+    return batch[0], batch[1]
