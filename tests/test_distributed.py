@@ -31,6 +31,7 @@ WORKER = textwrap.dedent("""
                                          world_size=2)
     try:
         together = probe()
+        torch.distributed.barrier()  # both done before gloo is torn down (else it may abort)
     finally:
         torch.distributed.destroy_process_group()
     with open(out, "w") as f:

@@ -59,6 +59,7 @@ WORKER = textwrap.dedent("""
 
     try:
         result = {{"accumulated": run({STEPS}, {UPDATES}), "single": run(1, {SINGLE_UPDATES})}}
+        torch.distributed.barrier()  # both done before gloo is torn down (else it may abort)
     finally:
         torch.distributed.destroy_process_group()
     with open(out, "w") as f:
