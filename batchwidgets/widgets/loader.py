@@ -29,7 +29,7 @@ from .._warnings import BatchwidgetsWarning
 from ..engine.loader import loader_report, make_loader, measure_loader, tune_loader, usable_cpus
 from ..plots import plot_loader
 from ..results import LoaderReport, LoaderTrial
-from .probe import WIDGET_VIEW
+from .probe import panel_bundle
 
 PLOT_DPI = 80
 PREFETCH_FACTORS = (1, 2, 4, 8)  # the choices offered besides DataLoader's default (None: 2)
@@ -396,8 +396,7 @@ class LoaderPanel(widgets.VBox):
             text = f"LoaderPanel({self.status.value})"
         else:
             static, text = self._report._repr_html_(), self._report.summary()
-        return {"text/plain": text, "text/html": static,
-                WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": self.model_id}}
+        return panel_bundle(self, text, static)
 
     def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
         display(self._repr_mimebundle_(), raw=True)

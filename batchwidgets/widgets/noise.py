@@ -27,7 +27,7 @@ from .. import _html
 from ..engine.noise_tracker import NoiseTracker
 from ..plots import plot_noise_panel
 from ..results import LOSS_WINDOW, NoiseReport, NoiseTrackerReport
-from .probe import PLOT_DPI, WIDGET_VIEW
+from .probe import PLOT_DPI, panel_bundle
 
 # After a redraw that took t seconds, the next waits max(min_interval_s, DRAW_SHARE * t): drawing
 # then takes at most 1 / (1 + DRAW_SHARE) of the training loop's time however slow it is.
@@ -160,8 +160,7 @@ class NoisePanel(widgets.VBox):
         png = base64.b64encode(bytes(self.plot.value)).decode("ascii")
         static = (f'<div>{report.summary_table()}<img alt="batchwidgets plot" '
                   f'src="data:image/png;base64,{png}"/></div>')
-        return {"text/plain": f"NoisePanel({report.summary()})", "text/html": static,
-                WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": self.model_id}}
+        return panel_bundle(self, f"NoisePanel({report.summary()})", static)
 
     def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
         handle = display(self._repr_mimebundle_(), raw=True, display_id=True)

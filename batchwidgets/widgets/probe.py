@@ -32,6 +32,13 @@ EXPECTED_ATTEMPTS = 12  # length of the progress bar; the probe usually needs fe
 PLOT_DPI = 80
 
 
+def panel_bundle(panel: widgets.DOMWidget, text: str, static_html: str) -> dict[str, Any]:
+    """A panel's display data: the live widget where widgets run, and its static report (HTML
+    with an inline PNG) for nbviewer, GitHub and saved notebooks, which cannot run them."""
+    return {"text/plain": text, "text/html": static_html,
+            WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": panel.model_id}}
+
+
 def _png(report: BatchSizeReport) -> bytes:
     buffer = io.BytesIO()
     plot_probe(report).savefig(buffer, format="png", dpi=PLOT_DPI)
@@ -227,8 +234,7 @@ class ProbePanel(widgets.VBox):
             text = f"ProbePanel({self.status.value})"
         else:
             static, text = self.report._repr_html_(), self.report.summary()
-        return {"text/plain": text, "text/html": static,
-                WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": self.model_id}}
+        return panel_bundle(self, text, static)
 
     def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
         display(self._repr_mimebundle_(), raw=True)
