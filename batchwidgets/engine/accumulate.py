@@ -220,9 +220,17 @@ class Accumulator:
         self._big_sq = None
         if self._hooked:
             # under DDP the micro norms are each rank's own, and the big gradient is averaged
-            # over the ranks too, so B_big is k times the world size times b
+            # over the ranks too, so B_big is k times the world size times b. Every rank gets
+            # every rank's micro norms (one all_gather of k scalars per update, no host sync):
+            # all report the same estimate, pooled over world*k micro-batches
             world = torch.distributed.get_world_size() if self._is_ddp() else 1
-            small, kind, n_micro = norms, "norms", len(norms) * world
+            if world > 1 and norms:
+                with torch.no_grad():
+                    local = torch.stack(norms)
+                    gathered = [torch.empty_like(local) for _ in range(world)]
+                    torch.distributed.all_gather(gathered, local)
+                norms = list(torch.cat(gathered).unbind())
+            small, kind, n_micro = norms, "norms", len(norms)
         else:  # g_1 alone, unless the update had one micro-step (a remainder): then it is big
             square = first_sq_norm(first, self.scaler) if self._pending > 1 else None
             small, kind, n_micro = [square] if square is not None else [], "squares", self._pending
