@@ -438,6 +438,11 @@ class NoiseTrackerReport:
     measured_by: str = "micro-batches"  # or "split batches": NoiseTracker.measure
     every: int = 1  # NoiseTracker.measure measured every ``every``-th call
     warnings: tuple[str, ...] = ()  # what makes these numbers less exact (e.g. no shuffling)
+    # per-example losses given to observe_loss (reduction='none'): how many, their mean and
+    # standard deviation (n - 1); a batch of B such examples has a loss std of about std/sqrt(B)
+    n_examples: int = 0
+    example_loss_mean: float | None = None
+    example_loss_std: float | None = None
 
     @property
     def n_losses_seen(self) -> int:
@@ -563,6 +568,10 @@ class NoiseTrackerReport:
                                                 f"{_html.format_number(self.examples_over_min)}"),
             (f"loss (last {LOSS_WINDOW}): mean / std",
              f"{_html.format_number(self.loss_mean)} / {_html.format_number(self.loss_std)}"),
+            ("per-example loss: mean / std (reduction='none')",
+             f"{_html.format_number(self.example_loss_mean)} / "
+             f"{_html.format_number(self.example_loss_std)} over {self.n_examples} examples"
+             if self.n_examples else "-"),
             ("measured", self.measurement),
             ("advice", self.advice),
         ]

@@ -655,3 +655,20 @@ def test_every_micro_batch_is_checked_and_chooses_the_estimator():
         # the per-micro-batch norms come from hooks: in the report only when they ran
         assert len(acc.report.grad_norms) == (3 * STEPS if every_micro_batch else 0)
     assert reports[True].history != reports[False].history
+
+
+def test_per_example_losses_give_the_batch_loss_and_the_spread_of_every_example():
+    # reduction='none': the oracle is the mean and std (n - 1) of all examples seen, from torch
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.rand(n, generator=generator, dtype=torch.float64) * 4 for n in (8, 8, 5, 1)]
+    tracker = bw.NoiseTracker()
+    for losses in batches:
+        tracker.observe_loss(losses if losses.numel() > 1 else losses.sum())
+    report = tracker.report
+    assert report.losses == pytest.approx([b.mean().item() for b in batches], rel=1e-12)
+    seen = torch.cat(batches[:3])
+    assert report.n_examples == 21
+    assert report.example_loss_mean == pytest.approx(seen.mean().item(), rel=1e-12)
+    assert report.example_loss_std == pytest.approx(seen.std().item(), rel=1e-12)
+    assert "over 21 examples" in report._repr_html_()
+    assert bw.NoiseTracker().report.example_loss_std is None

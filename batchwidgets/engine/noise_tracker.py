@@ -139,6 +139,7 @@ class NoiseTracker:
         self._sizes: Counter[tuple[int | None, int]] = Counter()  # (micro-batch, n_micro) seen
         self._measured_by = "micro-batches"
         self._listeners: list[Callable[[NoiseTracker], None]] = []
+        self._examples: tuple[int, float, float] = (0, 0.0, 0.0)  # per-example losses: n, mean, M2
         # updates accumulate left on the device, oldest first; see flush()
         self._deferred: list[tuple[torch.Tensor, DeferredUpdate]] = []
         self._last_flush_s = clock()
@@ -170,11 +171,28 @@ class NoiseTracker:
                               f"was removed; training goes on", BatchwidgetsWarning, stacklevel=2)
 
     def observe_loss(self, loss: Any) -> None:
-        """Record one batch's loss (a float or a 0-dim tensor, read with ``float``)."""
-        value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        """Record one batch's loss: a float or a 0-dim tensor, or the per-example losses of
+        ``reduction='none'`` (a tensor with one value per example), whose mean is the batch's
+        loss and whose spread the report keeps (``example_loss_std``)."""
+        if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() > 1:
+            values = loss.detach().flatten().double()
+            mean = values.mean()
+            value, m2 = torch.stack([mean, (values - mean).square().sum()]).tolist()
+            with self._lock:
+                self._add_examples(values.numel(), value, m2)
+        else:
+            value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         with self._lock:
             self.flush()  # the deferred updates came first
             self._add_loss(value)
+
+    def _add_examples(self, n: int, mean: float, m2: float) -> None:
+        """Merge a batch's per-example count, mean and sum of squared deviations (Chan et al.
+        1979, the pairwise form of Welford's update: no cancellation over long runs)."""
+        n_a, mean_a, m2_a = self._examples
+        total = n_a + n
+        delta = mean - mean_a
+        self._examples = (total, mean_a + delta * n / total, m2_a + m2 + delta**2 * n_a * n / total)
 
     def update(self, *, small_sq_norms: Sequence[float], big_sq_norm: float,
                micro_batch_size: int | None, n_micro: int) -> None:
@@ -350,4 +368,7 @@ class NoiseTracker:
             effective_batch_size=None if b is None or n_micro is None else b * n_micro,
             n_micro=n_micro, ema=self.ema, history_errors=tuple(self._history_errors),
             n_losses=self._n_losses, measured_by=self._measured_by, every=self.every,
-            warnings=self._warnings)
+            warnings=self._warnings, n_examples=self._examples[0],
+            example_loss_mean=self._examples[1] if self._examples[0] else None,
+            example_loss_std=(math.sqrt(self._examples[2] / (self._examples[0] - 1))
+                              if self._examples[0] > 1 else None))
