@@ -129,12 +129,12 @@ def time_loader(loader: DataLoader, device: torch.device, duration_s: float,
         cancelled=cancelled, warnings=tuple(notes))
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     """``'ValueError: boom'``: DataLoader re-raises a worker's error with the worker's traceback
     in its message, whose last line is the original error."""
-    lines = [line for line in str(error).splitlines() if line.strip()]
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if "Original Traceback" in str(error) and lines:
-        return f"{lines[-1].strip()} (in a DataLoader worker)"
+        return f"{lines[-1]} (in a DataLoader worker)"
     return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
@@ -144,4 +144,4 @@ def failed_trial(loader: DataLoader, device: torch.device, error: BaseException)
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers, batch_size=loader.batch_size,
         samples_per_s=0.0, batches_per_s=0.0, bytes_per_s=0.0, first_batch_s=0.0, n_batches=0,
-        n_samples=0, duration_s=0.0, device=str(device), error=_one_line(error))
+        n_samples=0, duration_s=0.0, device=str(device), error=one_line(error))

@@ -21,15 +21,15 @@ import warnings
 from typing import Any
 
 import ipywidgets as widgets
-from IPython.display import display
 from torch.utils.data import DataLoader
 
 from .. import _html
 from .._warnings import BatchwidgetsWarning
+from ..engine._loader_timing import one_line
 from ..engine.loader import loader_report, make_loader, measure_loader, tune_loader, usable_cpus
 from ..plots import plot_loader
 from ..results import LoaderReport, LoaderTrial
-from .probe import panel_bundle
+from .probe import ShowsReport
 
 PLOT_DPI = 80
 PREFETCH_FACTORS = (1, 2, 4, 8)  # the choices offered besides DataLoader's default (None: 2)
@@ -46,15 +46,6 @@ class _Job:
     def same_as(self, other: _Job | None) -> bool:
         return (other is not None and not other.cancelled and other.kind == self.kind
                 and other.settings == self.settings)
-
-
-def _one_line(error: BaseException) -> str:
-    """``Type: message`` in one line. DataLoader re-raises a worker's error with the worker's
-    traceback in its message, whose last line is the original ``Type: message``."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if "Original Traceback" in str(error) and lines:
-        return f"{lines[-1]} (in a DataLoader worker)"
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def _rate(trial: LoaderTrial) -> str:
@@ -86,7 +77,7 @@ def _png(report: LoaderReport) -> bytes:
     return buffer.getvalue()
 
 
-class LoaderPanel(widgets.VBox):
+class LoaderPanel(ShowsReport, widgets.VBox):
     """Controls named after the DataLoader options; each change re-measures the loader in the
     background (``measure_loader``), shows samples/s, bytes/s to the device and the time to the
     first batch, and adds the setting to a chart. "Auto-tune" runs ``tune_loader`` and sets the
@@ -300,7 +291,7 @@ class LoaderPanel(widgets.VBox):
         except Exception as error:  # shown in the panel; the kernel and the panel live on
             error.__traceback__ = None  # its frames would keep the loader alive
             self.error = error
-            self.status.value = _one_line(error)
+            self.status.value = one_line(error)
             self.readout.value = _readout(None)  # no numbers for the setting shown
         finally:
             self._measuring_s += time.perf_counter() - started
@@ -387,16 +378,3 @@ class LoaderPanel(widgets.VBox):
             self._closed, self._pending = True, None
             self._cond.wait_for(lambda: self._thread is None, CLOSE_TIMEOUT_S)
         super().close()
-
-    # -- display: a live panel where widgets run, the static report everywhere else -----------
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        if self._report is None:
-            static = f"<p>batchwidgets: {html.escape(self.status.value)}</p>"
-            text = f"LoaderPanel({self.status.value})"
-        else:
-            static, text = self._report._repr_html_(), self._report.summary()
-        return panel_bundle(self, text, static)
-
-    def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
-        display(self._repr_mimebundle_(), raw=True)

@@ -39,6 +39,24 @@ def panel_bundle(panel: widgets.DOMWidget, text: str, static_html: str) -> dict[
             WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": panel.model_id}}
 
 
+class ShowsReport:
+    """Display of a panel whose state is its last ``report`` (ProbePanel, LoaderPanel): the
+    live widget, with the report's HTML (or the status line before there is one) for the
+    places that cannot run widgets."""
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        report = self.report
+        if report is None:
+            static = f"<p>batchwidgets: {html.escape(self.status.value)}</p>"
+            text = f"{type(self).__name__}({self.status.value})"
+        else:
+            static, text = report._repr_html_(), report.summary()
+        return panel_bundle(self, text, static)
+
+    def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
+        display(self._repr_mimebundle_(), raw=True)
+
+
 def _png(report: BatchSizeReport) -> bytes:
     buffer = io.BytesIO()
     plot_probe(report).savefig(buffer, format="png", dpi=PLOT_DPI)
@@ -63,7 +81,7 @@ def _summary_table(report: BatchSizeReport) -> str:
     ], caption="find_batch")
 
 
-class ProbePanel(widgets.VBox):
+class ProbePanel(ShowsReport, widgets.VBox):
     """``find_batch`` with live progress, then memory and throughput plots, a summary, a
     headroom slider (recomputes the recommendation without probing again) and a line of code.
 
@@ -225,16 +243,3 @@ class ProbePanel(widgets.VBox):
         report = self.report
         if report is not None and report.max_batch_size and change["new"] != report.headroom:
             self.render(report.with_headroom(change["new"]))
-
-    # -- display: a live panel where widgets run, the static report everywhere else ---------
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        if self.report is None:
-            static = f"<p>batchwidgets: {html.escape(self.status.value)}</p>"
-            text = f"ProbePanel({self.status.value})"
-        else:
-            static, text = self.report._repr_html_(), self.report.summary()
-        return panel_bundle(self, text, static)
-
-    def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
-        display(self._repr_mimebundle_(), raw=True)
