@@ -90,14 +90,20 @@ def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     return [n for part in norms for n in part]
 
 
+def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor | None:
+    """The GradScaler's current scale (float32, on ``device``), None without one in use."""
+    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    return scale.to(device).float() if isinstance(scale, torch.Tensor) else None
+
+
 def unscale_divisor(scaler: Any, optimizer: torch.optim.Optimizer,
                     device: torch.device) -> torch.Tensor | None:
     """The GradScaler's scale squared while ``optimizer``'s gradients are scaled, else None."""
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    scale = loss_scale(scaler, device)
     # GradScaler keeps a stage per optimizer; after unscale_(optimizer) the grads are unscaled
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
-    if isinstance(scale, torch.Tensor) and getattr(state.get("stage"), "name", "") != "UNSCALED":
-        return scale.to(device).float().square()
+    if scale is not None and getattr(state.get("stage"), "name", "") != "UNSCALED":
+        return scale.square()
     return None
 
 
@@ -130,9 +136,9 @@ def first_sq_norm(norms: Sequence[torch.Tensor], scaler: Any) -> torch.Tensor | 
         total = sum_of_squares(norms)
         # taken scaled, even if the loop unscales the last micro-step's gradient; the scale has
         # not changed since, as the scaler updates on real steps only
-        scale = getattr(scaler, "_scale", None) if scaler is not None else None
-        if isinstance(scale, torch.Tensor):
-            total = total / scale.to(total.device).float().square()
+        scale = loss_scale(scaler, total.device)
+        if scale is not None:
+            total = total / scale.square()
     return total
 
 

@@ -29,6 +29,7 @@ from ._noise_estimate import (
     grad_norms,
     grad_sq_norm,
     group_by_device_and_dtype,
+    loss_scale,
 )
 from .noise_tracker import NoiseTracker
 
@@ -337,9 +338,9 @@ class Accumulator:
             norms = [n.to(norms[0].device) for n in norms]
         with torch.no_grad():
             norm = torch.linalg.vector_norm(torch.stack(norms)).float()
-            scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
-            if isinstance(scale, torch.Tensor):
-                norm = norm / scale.to(norm.device).float()
+            scale = loss_scale(self.scaler, norm.device)
+            if scale is not None:
+                norm = norm / scale
         norm = self._grad_norms.append(norm)
         if self.noise is not None:
             self._group_norms.append(norm)
