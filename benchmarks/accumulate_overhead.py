@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _machine import device_name
 from torch import nn
 
 import batchwidgets as bw
@@ -101,8 +101,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = [measure("demo CNN", small_cnn, device, 32, 4, 16, args.rounds),
             measure("MLP 3072-512-10", mlp, device, 64, 4, 32, args.rounds)]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    name = device_name(device)
     lines = [
         "# accumulate overhead vs hand-written accumulation",
         "",

@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -47,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _machine import commit, device_name
 from torch import nn
 from torch.nn import functional as F
 
@@ -243,29 +243,13 @@ def _restart_with_steady_malloc() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
 
 
-def _commit() -> str:
-    """The checkout's commit (``+`` if tracked files differ from it)."""
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty=+"], check=True,
-                              cwd=Path(__file__).parent, capture_output=True,
-                              text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-
-
 def markdown(rows: list[dict], device: torch.device, rounds: int, repeat: int) -> str:
     cuda = device.type == "cuda"
     lines = [
         "# NoiseTracker overhead per training step",
         "",
-        f"{datetime.date.today()}, device: {_device_name(device)}, torch {torch.__version__}, "
-        f"batchwidgets {bw.__version__} (commit {_commit()}), AdamW, "
+        f"{datetime.date.today()}, device: {device_name(device)}, torch {torch.__version__}, "
+        f"batchwidgets {bw.__version__} (commit {commit()}), AdamW, "
         f"{'wall time between synchronisations' if cuda else 'process CPU time'}, median of "
         f"{rounds} rounds, each loop's time in a round the fastest of {repeat} passes, the "
         f"six loops in an order rotated every pass. Target: (b) at most {TARGET:.0%} over (a)."
@@ -343,8 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"noise_overhead_{device.type}"
     stem.with_suffix(".md").write_text(text)
-    document = {"device": _device_name(device), "torch": torch.__version__,
-                "batchwidgets": bw.__version__, "commit": _commit(),
+    document = {"device": device_name(device), "torch": torch.__version__,
+                "batchwidgets": bw.__version__, "commit": commit(),
                 "date": datetime.date.today().isoformat(), "rounds": args.rounds,
                 "repeat": args.repeat, "rows": rows}
     stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")

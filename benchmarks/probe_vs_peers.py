@@ -23,7 +23,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 import warnings
@@ -33,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from _machine import commit
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -572,16 +572,6 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def _commit() -> str:
-    """The checkout's commit (``+`` if tracked files differ from it): the engine changes often."""
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty=+"], check=True,
-                              cwd=Path(__file__).parent, capture_output=True,
-                              text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _gpu_lines(workloads: tuple[Workload, ...]) -> list[str]:
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     budget = workloads[0].budget_bytes
@@ -592,7 +582,7 @@ def _gpu_lines(workloads: tuple[Workload, ...]) -> list[str]:
         f"{torch.version.cuda}; host {os.cpu_count()}-core CPU ({_cpu_name()})",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, lightning "
         f"{lightning.__version__}, accelerate {accelerate.__version__}, batchwidgets "
-        f"{batchwidgets.__version__} (commit {_commit()})",
+        f"{batchwidgets.__version__} (commit {commit()})",
         f"- budget: {workloads[0].budget} for every tool and model, the whole process capped by "
         f"torch.cuda.set_per_process_memory_fraction({budget / total:.4f}); real CUDA "
         f"out-of-memory errors; float32 (TF32 as torch's defaults)",
@@ -615,7 +605,7 @@ def header(outcomes: list[Outcome], workloads: tuple[Workload, ...] = WORKLOADS,
         f"{torch.get_num_threads()}",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, lightning "
         f"{lightning.__version__}, accelerate {accelerate.__version__}, batchwidgets "
-        f"{batchwidgets.__version__} (commit {_commit()})",
+        f"{batchwidgets.__version__} (commit {commit()})",
         f"- budgets (live tensor bytes of a step, weights/grads/Adam state included): {budgets}",
     ]
     return [
