@@ -46,3 +46,15 @@ extra = {"modules": names, "max_batch_size": report.max_batch_size}
     assert outcome["extra"]["max_batch_size"] == 4
     assert [m for m in outcome["loaded"] if m in NOTEBOOK_STACK] == []
     assert "torch" in outcome["loaded"]  # the check did import the engine
+
+
+def test_the_results_package_imports_nothing_from_the_engine():
+    outcome = loaded_after("""
+import importlib, pkgutil
+import batchwidgets.results as results
+for info in pkgutil.iter_modules(results.__path__):
+    importlib.import_module("batchwidgets.results." + info.name)
+extra = sorted(m for m in sys.modules if m.startswith("batchwidgets.engine"))
+""")
+    assert outcome["extra"] == []
+    assert outcome["loaded"] == []

@@ -1,0 +1,33 @@
+"""Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
+
+One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``), ``accumulate``,
+``noise`` (with the theory in ``_noise_theory``) and ``loader``; every name is re-exported here.
+
+Usage:
+    >>> from batchwidgets.results import Attempt, BatchSizeReport
+    >>> r = BatchSizeReport(max_batch_size=96, first_oom_batch_size=97,
+    ...                     attempts=(Attempt(96, True, 2**20, 0.1),
+    ...                               Attempt(97, False, None, None)),
+    ...                     device="cpu", budget_bytes=2**20)
+    >>> r.recommended_batch_size
+    86
+"""
+
+from ._noise_theory import (
+    batch_variance,
+    examples_over_min,
+    lr_scale,
+    noise_advice,
+    steps_over_min,
+)
+from .accumulate import AccumulationReport
+from .loader import DataStallReport, LoaderReport, LoaderTrial
+from .noise import LOSS_WINDOW, LayerNoise, NoiseReport, NoiseTrackerReport
+from .probe import FASTER_BY, Attempt, BatchSizeReport, MemoryModel, attempts_table
+
+__all__ = [
+    "FASTER_BY", "LOSS_WINDOW", "AccumulationReport", "Attempt", "BatchSizeReport",
+    "DataStallReport", "LayerNoise", "LoaderReport", "LoaderTrial", "MemoryModel",
+    "NoiseReport", "NoiseTrackerReport", "attempts_table", "batch_variance",
+    "examples_over_min", "lr_scale", "noise_advice", "steps_over_min",
+]

@@ -1,0 +1,197 @@
+"""The input-pipeline reports: ``LoaderTrial``, ``LoaderReport``, ``DataStallReport``."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+
+from .. import _html
+
+
+@dataclass(frozen=True)
+class LoaderTrial:
+    """One DataLoader setting, measured by ``measure_loader``: steady-state throughput over a
+    bounded time, with the warm-up (worker start to the first batch) reported apart."""
+
+    num_workers: int
+    pin_memory: bool
+    prefetch_factor: int | None  # None when num_workers == 0
+    persistent_workers: bool
+    batch_size: int | None  # None: the loader's own batch_sampler (or no batching) decides
+    samples_per_s: float  # steady state, warm-up excluded; 0.0 when it failed
+    batches_per_s: float
+    bytes_per_s: float  # bytes of the batches' tensors (copied to the device when one is given)
+    first_batch_s: float  # warm-up: from creating the iterator (worker start) to the first batch
+    n_batches: int  # batches timed after the warm-up
+    n_samples: int
+    duration_s: float  # time spent timing, warm-up excluded
+    device: str  # where batches were copied ("cpu": no copy)
+    error: str = ""  # one line when this setting failed (a worker raised, pickling...)
+    n_epoch_ends: int = 0  # times the loader ran out inside the timed window and was restarted
+    cancelled: bool = False  # should_stop ended the timing before duration_s
+    warnings: tuple[str, ...] = ()  # what measure_loader warned about for this setting
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def settings(self) -> dict[str, object]:
+        """The DataLoader keyword arguments of this setting (``batch_size`` only when known)."""
+        settings: dict[str, object] = {
+            "num_workers": self.num_workers, "pin_memory": self.pin_memory,
+            "prefetch_factor": self.prefetch_factor,
+            "persistent_workers": self.persistent_workers}
+        if self.batch_size is not None:
+            settings["batch_size"] = self.batch_size
+        return settings
+
+    @property
+    def bytes_per_batch(self) -> float:
+        return self.bytes_per_s / self.batches_per_s if self.batches_per_s else 0.0
+
+    @property
+    def label(self) -> str:
+        """Short name of the setting, e.g. ``'4 workers, pinned, prefetch 4, persistent'``."""
+        parts = ["no workers" if self.num_workers == 0 else
+                 f"{self.num_workers} worker{'s' if self.num_workers > 1 else ''}"]
+        if self.pin_memory:
+            parts.append("pinned")
+        if self.num_workers:
+            parts.append(f"prefetch {self.prefetch_factor}")
+        if self.persistent_workers:
+            parts.append("persistent")
+        return ", ".join(parts)
+
+    def summary(self) -> str:
+        if not self.ok:
+            return f"{self.label}: failed: {self.error}"
+        return (f"{self.label}: {_html.format_number(self.samples_per_s)} samples/s, first batch "
+                f"after {self.first_batch_s:.3f} s{' (cancelled)' if self.cancelled else ''}")
+
+
+@dataclass(frozen=True)
+class DataStallReport:
+    """What ``data_stall`` found: how much of a training step waits on the input pipeline."""
+
+    stall_fraction: float  # share of the step's time spent waiting on data, in [0, 1]
+    step_time_s: float  # per step with the real loader
+    replay_step_time_s: float  # per step with one batch replayed from the device
+    data_wait_s: float  # per step: step_time_s - replay_step_time_s, at least 0
+    n_steps: int  # steps timed with each
+    device: str
+
+    def summary(self) -> str:
+        return (f"{self.stall_fraction:.0%} of each step waits on data "
+                f"({self.data_wait_s * 1e3:.3g} ms of {self.step_time_s * 1e3:.3g} ms, "
+                f"{self.n_steps} steps on {self.device})")
+
+    def _rows(self) -> list[tuple[str, object]]:
+        return [("data stall", f"{self.stall_fraction:.1%} of the step time"),
+                ("step with the loader", f"{_html.format_number(self.step_time_s * 1e3)} ms"),
+                ("step on a replayed batch",
+                 f"{_html.format_number(self.replay_step_time_s * 1e3)} ms"),
+                ("waiting on data per step", f"{_html.format_number(self.data_wait_s * 1e3)} ms"),
+                ("steps timed", f"{self.n_steps} of each on {self.device}")]
+
+    def _repr_html_(self) -> str:
+        return f"<div>{_html.table(self._rows(), caption='batchwidgets: data_stall')}</div>"
+
+
+@dataclass(frozen=True)
+class LoaderReport:
+    """What ``tune_loader`` (or a ``LoaderPanel``) measured: every DataLoader setting tried, the
+    fastest, and the one this report is about (``current``: the best, or the panel's latest)."""
+
+    trials: tuple[LoaderTrial, ...]  # in the order measured
+    best_index: int  # fastest trial that ran
+    current_index: int
+    device: str
+    grid_size: int  # settings in the full grid, of which the search measured len(trials)
+    search_time_s: float
+    warnings: tuple[str, ...] = ()
+    stall: DataStallReport | None = None  # with tune_loader(step=...): for the best setting
+    source: object = dataclasses.field(default=None, compare=False, repr=False)  # for make_loader
+
+    @property
+    def best(self) -> LoaderTrial:
+        return self.trials[self.best_index]
+
+    @property
+    def current(self) -> LoaderTrial:
+        return self.trials[self.current_index]
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.current.samples_per_s
+
+    @property
+    def baseline(self) -> LoaderTrial | None:
+        """The first trial with no workers that ran (what ``speedup`` compares against)."""
+        return next((t for t in self.trials if t.num_workers == 0 and t.ok), None)
+
+    @property
+    def speedup(self) -> float | None:
+        """samples/s of the best setting over that with no workers; None without that trial."""
+        base = self.baseline
+        if base is None or not base.samples_per_s:
+            return None
+        return self.best.samples_per_s / base.samples_per_s
+
+    def make_loader(self, **overrides: object) -> object:
+        """A ``torch.utils.data.DataLoader`` over the same data with the best settings found;
+        ``overrides`` (e.g. ``num_workers=2``) replace single settings."""
+        if self.source is None:
+            raise ValueError("source should be the loader or dataset measured, but got "
+                             "source=None (a report rebuilt without it); call batchwidgets."
+                             "engine.loader.make_loader(data, **report.best.settings).")
+        engine = importlib.import_module("batchwidgets.engine.loader")  # results.py has no torch
+        return engine.make_loader(self.source, **{**self.best.settings, **overrides})
+
+    def summary(self) -> str:
+        best = self.best
+        faster = (f", {self.speedup:.2g}x no workers" if self.speedup and best.num_workers
+                  else "")
+        return (f"best: {best.label} at {_html.format_number(best.samples_per_s)} samples/s"
+                f"{faster} ({len(self.trials)} of {self.grid_size} settings tried in "
+                f"{self.search_time_s:.1f} s on {self.device})")
+
+    def _summary_rows(self) -> list[tuple[str, object]]:
+        best = self.best
+        rows: list[tuple[str, object]] = [
+            ("device", self.device),
+            ("best setting", ", ".join(f"{k}={v!r}" for k, v in best.settings.items())),
+            ("samples/s (best)", _html.format_number(best.samples_per_s)),
+            ("speedup over no workers", "-" if self.speedup is None
+             else f"{self.speedup:.2f}x"),
+            ("time to first batch (best)", f"{best.first_batch_s:.3f} s"),
+            ("settings tried", f"{len(self.trials)} of {self.grid_size} in the full grid, "
+                               f"{self.search_time_s:.1f} s"),
+        ]
+        if self.current_index != self.best_index:
+            current = f"{self.current.label}: {_html.format_number(self.samples_per_s)} samples/s"
+            rows.insert(1, ("current setting", current))
+        if self.stall is not None:
+            rows.append(("data stall (best setting)", self.stall.summary()))
+        rows += [("warning", text) for text in self.warnings]
+        return rows
+
+    def _trial_rows(self) -> list[tuple[object, ...]]:
+        rows = []
+        for i, t in enumerate(self.trials):
+            mark = "best" if i == self.best_index else ("current" if i == self.current_index
+                                                        else "")
+            rows.append((i + 1, mark, t.num_workers, t.pin_memory, t.prefetch_factor or "-",
+                         t.persistent_workers, _html.format_number(t.samples_per_s, 4),
+                         _html.format_number(t.batches_per_s), _html.format_bytes(t.bytes_per_s),
+                         f"{t.first_batch_s:.3f}", t.error or ("cancelled" if t.cancelled else "")))
+        return rows
+
+    def _repr_html_(self) -> str:
+        summary = _html.table(self._summary_rows(), caption="batchwidgets: tune_loader")
+        trials = _html.table(self._trial_rows(), caption="settings, in the order measured",
+                             header=("#", "", "num_workers", "pin_memory", "prefetch_factor",
+                                     "persistent_workers", "samples/s", "batches/s",
+                                     "bytes/s", "first batch s", "error"))
+        return f"<div>{summary}{trials}{_html.inline_plot(self)}</div>"

@@ -1,0 +1,307 @@
+"""The noise reports: ``NoiseReport`` (``measure_noise``) and ``NoiseTrackerReport``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import _html
+from ._noise_theory import (
+    _ratio,
+    batch_variance,
+    examples_over_min,
+    noise_advice,
+    steps_over_min,
+)
+
+
+@dataclass(frozen=True)
+class LayerNoise:
+    """One parameter's share of the gradient noise: the totals are the sums over all layers."""
+
+    name: str  # as in model.named_parameters()
+    trace_cov: float  # tr of this block's per-example gradient covariance (population, /N)
+    grad_norm_sq: float  # |G|^2 of this block of the mean gradient
+
+    @property
+    def b_simple(self) -> float:
+        return _ratio(self.trace_cov, self.grad_norm_sq)
+
+
+
+
+@dataclass(frozen=True)
+class NoiseReport:
+    """What ``measure_noise`` found: gradient and loss noise over ``n_examples`` examples.
+
+    ``grad_variance[B]`` is the variance (trace) of the mini-batch mean gradient at batch size B,
+    for sampling with replacement if ``replacement`` else without (as a shuffling DataLoader
+    does); both variants are there as ``grad_variance_with_replacement`` and
+    ``grad_variance_without_replacement`` (the latter only for B <= n_examples).
+    """
+
+    trace_cov: float  # (1/N) sum_i |g_i - G|^2, population-normalised
+    grad_norm_sq: float  # |G|^2, G = mean per-example gradient
+    loss_mean: float  # mean per-example loss
+    loss_variance: float  # (1/N) sum_i (l_i - mean)^2, population-normalised
+    n_examples: int  # N, the examples measured
+    n_available: int | None  # examples in the data (None: an iterable dataset not read to the end)
+    sampled: bool  # True when N < the data's size (an evenly spaced, deterministic sample)
+    batch_sizes: tuple[int, ...]
+    replacement: bool = False  # which variant grad_variance and loss_variance_per_batch give
+    method: str = "vmap"  # vmap | loop: how per-example gradients were computed
+    layers: tuple[LayerNoise, ...] = ()
+    eval_batchnorm: bool = False  # BatchNorm layers in train mode were measured in eval mode
+    batch_size: int | None = None  # the DataLoader's batch size, when data was one
+    warnings: tuple[str, ...] = ()  # what makes these numbers less exact (e.g. no shuffling)
+
+    @property
+    def b_simple(self) -> float:
+        return _ratio(self.trace_cov, self.grad_norm_sq)
+
+    @property
+    def advice(self) -> str:
+        """The critical batch size, the steps-versus-examples trade-off at the loader's batch
+        size (else at each of ``batch_sizes``), and the learning rate for another batch size."""
+        if not math.isfinite(self.b_simple) or self.b_simple <= 0:
+            return (f"critical batch size: B_simple = {self.b_simple} is not finite (the mean "
+                    f"gradient vanishes here: a converged model, or too few examples).")
+        text = noise_advice(self.b_simple, None, "examples", self.batch_sizes, self.batch_size)
+        return " ".join([text, *(f"Warning: {w}." for w in self.warnings)])
+
+    def _per_batch(self, variance: float, replacement: bool) -> dict[int, float]:
+        return {b: batch_variance(variance, self.n_examples, b, replacement)
+                for b in self.batch_sizes if replacement or b <= self.n_examples}
+
+    @property
+    def grad_variance_with_replacement(self) -> dict[int, float]:
+        return self._per_batch(self.trace_cov, True)
+
+    @property
+    def grad_variance_without_replacement(self) -> dict[int, float]:
+        return self._per_batch(self.trace_cov, False)
+
+    @property
+    def grad_variance(self) -> dict[int, float]:
+        return self._per_batch(self.trace_cov, self.replacement)
+
+    @property
+    def loss_variance_per_batch(self) -> dict[int, float]:
+        """Variance of the mini-batch mean loss at each batch size (same sampling as above)."""
+        return self._per_batch(self.loss_variance, self.replacement)
+
+    def summary(self) -> str:
+        return (f"B_simple {_html.format_number(self.b_simple)} from {self.n_examples} examples "
+                f"(tr cov {_html.format_number(self.trace_cov)}, "
+                f"|G|^2 {_html.format_number(self.grad_norm_sq)})")
+
+    def _repr_html_(self) -> str:
+        sampling = "with replacement" if self.replacement else "without replacement"
+        rows = [
+            ("B_simple = tr(cov) / |G|^2", _html.format_number(self.b_simple)),
+            ("tr(cov) per example", _html.format_number(self.trace_cov)),
+            ("|G|^2", _html.format_number(self.grad_norm_sq)),
+            ("loss mean / variance", f"{_html.format_number(self.loss_mean)} / "
+                                     f"{_html.format_number(self.loss_variance)}"),
+            ("examples measured", f"{self.n_examples} of {self.n_available or '?'}"
+                                  f"{' (sample)' if self.sampled else ''}"),
+            ("per-example gradients", self.method),
+            ("BatchNorm", "measured in eval mode" if self.eval_batchnorm else "-"),
+            ("advice", self.advice),
+        ]
+        summary = _html.table(rows, caption="batchwidgets: measure_noise")
+        with_r = self.grad_variance_with_replacement
+        without_r = self.grad_variance_without_replacement
+        losses = self.loss_variance_per_batch
+        finite = math.isfinite(self.b_simple) and self.b_simple > 0
+        batches = _html.table(
+            [(b, _html.format_number(with_r.get(b)), _html.format_number(without_r.get(b)),
+              _html.format_number(losses.get(b)),
+              _html.format_number(steps_over_min(self.b_simple, b) if finite else None),
+              _html.format_number(examples_over_min(self.b_simple, b) if finite else None))
+             for b in self.batch_sizes],
+            header=("batch size", "grad variance (with repl.)", "grad variance (without)",
+                    f"loss variance ({sampling})", "steps / S_min", "examples / E_min"),
+            caption="mini-batch gradient and loss variance; steps and examples to a given "
+                    "loss, over their minimum")
+        layers = _html.table(
+            [(layer.name, _html.format_number(layer.trace_cov),
+              _html.format_number(layer.grad_norm_sq), _html.format_number(layer.b_simple))
+             for layer in self.layers],
+            header=("parameter", "tr(cov)", "|G|^2", "B_simple"), caption="per layer")
+        return f"<div>{summary}{batches}{layers}{_html.inline_plot(self)}</div>"
+
+
+LOSS_WINDOW = 100  # losses behind NoiseTrackerReport's rolling mean and std
+
+
+@dataclass(frozen=True)
+class NoiseTrackerReport:
+    """What ``NoiseTracker`` saw: per-batch losses and the online gradient noise scale.
+
+    ``grad_norm_sq`` and ``trace_cov`` are the moving averages of the two-batch-size estimates
+    (McCandlish et al. 2018, appendix A.1), in units of samples, or of micro-batches when the
+    micro-batch size is unknown. ``b_simple`` is their ratio, None unless ``measurable``.
+    """
+
+    history: tuple[tuple[int, float | None, float, float], ...]  # (update, B_simple, |G|^2, trS)
+    losses: tuple[float, ...]  # per batch, oldest first (bounded)
+    b_simple: float | None  # trace_cov / grad_norm_sq; None while not measurable
+    b_simple_error: float | None  # one standard error (delta method)
+    grad_norm_sq: float | None  # moving average of the |G|^2 estimates (can dip below 0)
+    trace_cov: float | None  # moving average of the tr(Sigma) estimates
+    measurable: bool
+    reason: str  # why b_simple is None; '' when measurable
+    n_updates: int  # updates that gave an estimate
+    micro_batch_size: int | None  # None: unknown, sizes are counted in micro-batches
+    effective_batch_size: int | None  # samples per update
+    grad_norm_sq_error: float | None = None  # standard errors of the moving averages
+    trace_cov_error: float | None = None
+    n_micro: int | None = None  # micro-batches averaged per update
+    ema: float = 0.9
+    history_errors: tuple[float | None, ...] = ()  # B_simple's standard error at each history entry
+    n_losses: int | None = None  # losses seen in all (``losses`` keeps the latest); None: len
+    measured_by: str = "micro-batches"  # or "split batches": NoiseTracker.measure
+    every: int = 1  # NoiseTracker.measure measured every ``every``-th call
+    warnings: tuple[str, ...] = ()  # what makes these numbers less exact (e.g. no shuffling)
+    # per-example losses given to observe_loss (reduction='none'): how many, their mean and
+    # standard deviation (n - 1); a batch of B such examples has a loss std of about std/sqrt(B)
+    n_examples: int = 0
+    example_loss_mean: float | None = None
+    example_loss_std: float | None = None
+
+    @property
+    def n_losses_seen(self) -> int:
+        """Losses recorded in all, the ones no longer kept included."""
+        return self.n_losses if self.n_losses is not None else len(self.losses)
+
+    @property
+    def current_batch_size(self) -> int | None:
+        """The batch of one update, in ``unit`` (micro-batches when their size is unknown)."""
+        return self.effective_batch_size or self.n_micro
+
+    @property
+    def steps_over_min(self) -> float | None:
+        """S / S_min at the current batch (see NOTE [ The steps-versus-examples trade-off ])."""
+        if not self.measurable or not self.current_batch_size:
+            return None
+        return steps_over_min(self.b_simple, self.current_batch_size)
+
+    @property
+    def examples_over_min(self) -> float | None:
+        """E / E_min at the current batch."""
+        if not self.measurable or not self.current_batch_size:
+            return None
+        return examples_over_min(self.b_simple, self.current_batch_size)
+
+    @property
+    def loss_window(self) -> int:
+        """The default window of ``rolling_loss``: a tenth of the losses kept, in [2, 100]."""
+        return min(max(len(self.losses) // 10, 2), LOSS_WINDOW)
+
+    def rolling_loss(self, window: int | None = None) -> tuple[tuple[float, ...],
+                                                                tuple[float, ...]]:
+        """Trailing mean and standard deviation (n - 1; 0 for a single loss) of ``losses`` over
+        ``window`` batches (default ``loss_window``), one pair per loss."""
+        n = len(self.losses)
+        window = window or self.loss_window
+        shift = self.losses[0] if n else 0.0  # shifted sums keep small spreads exact
+        sums, squares, means, stds = [0.0], [0.0], [], []
+        for i, loss in enumerate(self.losses):
+            sums.append(sums[-1] + loss - shift)
+            squares.append(squares[-1] + (loss - shift) ** 2)
+            count = min(i + 1, window)
+            total, total_sq = sums[-1] - sums[-1 - count], squares[-1] - squares[-1 - count]
+            means.append(shift + total / count)
+            variance = (total_sq - total * total / count) / (count - 1) if count > 1 else 0.0
+            stds.append(math.sqrt(max(variance, 0.0)))
+        return tuple(means), tuple(stds)
+
+    @property
+    def measurement(self) -> str:
+        """How the noise scale was measured, and what that costs."""
+        if self.n_micro is None:
+            return "not measured yet"
+        if self.measured_by == "split batches":
+            steps = "every step" if self.every == 1 else f"1 step in {self.every}"
+            return (f"on {steps}, splitting the batch into {self.n_micro} parts: one extra "
+                    f"forward and backward of the batch per measured step, about "
+                    f"{100 / self.every:.3g}% more compute")
+        return (f"from the {self.n_micro} micro-batches of each update: by default one "
+                f"gradient-norm reduction per parameter per micro-step (with "
+                f"every_micro_batch=False, one fused reduction per update), and no host sync "
+                f"per update (the tracker reads the device when its report is read)")
+
+    @property
+    def loss_mean(self) -> float | None:
+        """Mean of the last ``LOSS_WINDOW`` losses."""
+        window = self.losses[-LOSS_WINDOW:]
+        return sum(window) / len(window) if window else None
+
+    @property
+    def loss_std(self) -> float | None:
+        """Standard deviation (n - 1) of the last ``LOSS_WINDOW`` losses."""
+        window = self.losses[-LOSS_WINDOW:]
+        if len(window) < 2:
+            return None
+        mean = sum(window) / len(window)
+        return math.sqrt(sum((x - mean) ** 2 for x in window) / (len(window) - 1))
+
+    @property
+    def unit(self) -> str:
+        return "samples" if self.micro_batch_size is not None else "micro-batches"
+
+    @property
+    def advice(self) -> str:
+        """The critical batch size, the steps-versus-examples trade-off at the current batch,
+        the learning rate for another batch size, how it was measured and any warnings."""
+        if self.measurable:
+            text = noise_advice(self.b_simple, self.b_simple_error, self.unit, (),
+                                self.current_batch_size)
+            if self.micro_batch_size is None:
+                text += " (The micro-batch size is unknown: pass model= to accumulate.)"
+        else:
+            text = (f"critical batch size: {self.reason}. Learning rate: scale it linearly "
+                    f"with the batch size up to about B_simple, with a warm-up over the first "
+                    f"few epochs (Goyal et al. 2017).")
+        if self.measured_by == "split batches":
+            text += f" Measured {self.measurement}."
+        return " ".join([text, *(f"Warning: {w}." for w in self.warnings)])
+
+    def summary(self) -> str:
+        if not self.measurable:
+            return f"B_simple: {self.reason} ({self.n_updates} updates, {len(self.losses)} losses)"
+        return (f"B_simple {_html.format_number(self.b_simple)} ± "
+                f"{_html.format_number(self.b_simple_error, 2)} {self.unit} "
+                f"after {self.n_updates} updates")
+
+    def summary_table(self) -> str:
+        """The report's HTML table without the picture (the live panel draws its own)."""
+        def plus_minus(value: float | None, error: float | None) -> str:
+            if value is None:
+                return "-"
+            return f"{_html.format_number(value)} ± {_html.format_number(error, 2)}"
+
+        rows = [
+            (f"B_simple ({self.unit})", plus_minus(self.b_simple, self.b_simple_error)
+             if self.measurable else self.reason),
+            ("|G|^2 (moving average)", plus_minus(self.grad_norm_sq, self.grad_norm_sq_error)),
+            ("tr(Sigma) (moving average)", plus_minus(self.trace_cov, self.trace_cov_error)),
+            ("updates measured", self.n_updates),
+            ("micro-batch size", self.micro_batch_size or "unknown"),
+            ("effective batch size", self.effective_batch_size or "-"),
+            ("steps / S_min, examples / E_min", f"{_html.format_number(self.steps_over_min)}, "
+                                                f"{_html.format_number(self.examples_over_min)}"),
+            (f"loss (last {LOSS_WINDOW}): mean / std",
+             f"{_html.format_number(self.loss_mean)} / {_html.format_number(self.loss_std)}"),
+            ("per-example loss: mean / std (reduction='none')",
+             f"{_html.format_number(self.example_loss_mean)} / "
+             f"{_html.format_number(self.example_loss_std)} over {self.n_examples} examples"
+             if self.n_examples else "-"),
+            ("measured", self.measurement),
+            ("advice", self.advice),
+        ]
+        return _html.table(rows, caption="batchwidgets: NoiseTracker")
+
+    def _repr_html_(self) -> str:
+        return f"<div>{self.summary_table()}{_html.inline_plot(self)}</div>"

@@ -1,0 +1,164 @@
+"""The probe's reports: each size tried (``Attempt``) and ``BatchSizeReport``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .. import _html
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One trial of the probe: did ``batch_size`` train, and what did it cost."""
+
+    batch_size: int
+    fits: bool
+    peak_memory_bytes: int | None  # tensor bytes at the peak of the step (None if unmeasured)
+    step_time_s: float | None  # one steady-state step (the last of the trial); None on OOM
+    peak_reserved_bytes: int | None = None  # CUDA caching allocator's peak; None elsewhere
+    activation_peak_bytes: int | None = None  # forward+backward peak, what the model is fitted on
+    error: str = ""  # first line of the out-of-memory message when it did not fit
+
+    @property
+    def samples_per_s(self) -> float | None:
+        if not self.fits or not self.step_time_s:
+            return None
+        return self.batch_size / self.step_time_s
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak memory as ``fixed_bytes + per_sample_bytes * batch_size``, fitted on measured steps."""
+
+    fixed_bytes: float
+    per_sample_bytes: float
+
+    def predict_bytes(self, batch_size: int) -> float:
+        return self.fixed_bytes + self.per_sample_bytes * batch_size
+
+    def largest_batch_size(self, limit_bytes: float, multiple_of: int = 1) -> int | None:
+        """Largest multiple of ``multiple_of`` predicted to fit in ``limit_bytes``, or None."""
+        if self.per_sample_bytes <= 0:
+            return None
+        size = int((limit_bytes - self.fixed_bytes) // self.per_sample_bytes)
+        return max(0, size // multiple_of * multiple_of)
+
+
+def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
+    """The probe's attempts as an escaped HTML table (the report's and the live panel's)."""
+    rows = [(a.batch_size, "yes" if a.fits else "OOM", _html.format_bytes(a.peak_memory_bytes),
+             _html.format_number(a.step_time_s), _html.format_number(a.samples_per_s, 4))
+            for a in attempts]
+    return _html.table(rows, caption="attempts, in order",
+                       header=("batch size", "fits", "peak memory", "step s", "samples/s"))
+
+
+# A smaller size must beat the largest one by this much (samples/s) to be preferred: fewer
+# trials than a throughput curve needs, so small timing noise must not flip the recommendation.
+FASTER_BY = 1.10
+
+
+@dataclass(frozen=True)
+class BatchSizeReport:
+    """What ``find_batch`` found: the largest batch size that trained, and every attempt."""
+
+    max_batch_size: int  # largest size that ran (0 only inside NoBatchSizeFits)
+    first_oom_batch_size: int | None  # smallest size that ran out of memory, None if none did
+    attempts: tuple[Attempt, ...]
+    device: str
+    budget_bytes: int | None  # the cap the user asked for, None for the whole device
+    limit_bytes: int | None = None  # the memory the search aimed at: budget or device capacity
+    baseline_bytes: int | None = None  # memory held before the first step (weights, state)
+    memory_model: MemoryModel | None = None
+    headroom: float = 0.9  # recommended size is at most headroom * max_batch_size
+    multiple_of: int = 1
+    amp: str | None = None
+    stop_reason: str = "boundary"  # boundary | max_batch_size | ceiling | nothing fits
+
+    @property
+    def n_attempts(self) -> int:
+        return len(self.attempts)
+
+    @property
+    def n_ooms(self) -> int:
+        return sum(not a.fits for a in self.attempts)
+
+    @property
+    def _headroom_batch_size(self) -> int:
+        m = self.multiple_of
+        return max(min(m, self.max_batch_size), int(self.headroom * self.max_batch_size) // m * m)
+
+    @property
+    def _faster_smaller_attempt(self) -> Attempt | None:
+        if self.device.startswith("cpu"):
+            return None  # CPU step times include the probe's op-by-op memory tracking
+        ran = [a for a in self.attempts if a.fits and a.samples_per_s]
+        if not ran:
+            return None
+        fastest = max(ran, key=lambda a: a.samples_per_s)
+        largest = max(ran, key=lambda a: a.batch_size)
+        if (fastest.batch_size < self._headroom_batch_size
+                and fastest.samples_per_s >= FASTER_BY * largest.samples_per_s):
+            return fastest
+        return None
+
+    @property
+    def recommended_batch_size(self) -> int:
+        faster = self._faster_smaller_attempt
+        return faster.batch_size if faster else self._headroom_batch_size
+
+    @property
+    def recommendation_rule(self) -> str:
+        if self._faster_smaller_attempt:
+            return (f"the fastest size measured: it ran at least {FASTER_BY - 1:.0%} more "
+                    f"samples/s than the largest, so larger batches buy no throughput here")
+        return (f"headroom {self.headroom:g} x max_batch_size, rounded down to a multiple of "
+                f"{self.multiple_of}"
+                + ("" if not self.device.startswith("cpu") else
+                   " (on the CPU, step times include the probe's memory tracking, so they do "
+                   "not rank throughput)"))
+
+    @property
+    def headroom_bytes(self) -> float | None:
+        """Memory left under the limit at the recommended size, by the fitted model."""
+        if self.memory_model is None or self.limit_bytes is None:
+            return None
+        return self.limit_bytes - self.memory_model.predict_bytes(self.recommended_batch_size)
+
+    def with_headroom(self, headroom: float) -> BatchSizeReport:
+        """The same measurements with another headroom (no re-probing)."""
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom should be in (0, 1], but got headroom={headroom!r}; "
+                             f"use e.g. 0.9 to keep 10% of the memory free.")
+        return dataclasses.replace(self, headroom=headroom)
+
+    def summary(self) -> str:
+        # one short line: the panel shows it beside its progress bar
+        return (f"max_batch_size={self.max_batch_size}, "
+                f"recommended_batch_size={self.recommended_batch_size} ({self.device}, "
+                f"{self.n_attempts} tries, {self.n_ooms} OOM)")
+
+    def _summary_rows(self) -> list[tuple[str, object]]:
+        model = self.memory_model
+        return [
+            ("device", self.device),
+            ("budget", _html.format_bytes(self.budget_bytes) if self.budget_bytes
+             else "whole device"),
+            ("max_batch_size", self.max_batch_size),
+            ("first_oom_batch_size", self.first_oom_batch_size),
+            ("recommended_batch_size", self.recommended_batch_size),
+            ("rule", self.recommendation_rule),
+            ("headroom at recommended", _html.format_bytes(self.headroom_bytes)),
+            ("memory model", "-" if model is None else
+             f"{_html.format_bytes(model.fixed_bytes)} + "
+             f"{_html.format_bytes(model.per_sample_bytes)} per sample"),
+            ("amp", self.amp or "off"),
+            ("attempts",
+             f"{self.n_attempts} ({self.n_ooms} out of memory); stop: {self.stop_reason}"),
+        ]
+
+    def _repr_html_(self) -> str:
+        summary = _html.table(self._summary_rows(), caption="batchwidgets: find_batch")
+        attempts = attempts_table(self.attempts)
+        return f"<div>{summary}{attempts}{_html.inline_plot(self)}</div>"
