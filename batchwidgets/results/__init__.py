@@ -23,11 +23,35 @@ from ._noise_theory import (
 from .accumulate import AccumulationReport
 from .loader import DataStallReport, LoaderReport, LoaderTrial
 from .noise import LOSS_WINDOW, LayerNoise, NoiseReport, NoiseTrackerReport
-from .probe import FASTER_BY, Attempt, BatchSizeReport, MemoryModel, attempts_table
+from .probe import (
+    FASTER_BY,
+    Attempt,
+    BatchSizeReport,
+    MemoryModel,
+    MemorySplit,
+    PeakSegment,
+    attempts_table,
+)
 
 __all__ = [
-    "FASTER_BY", "LOSS_WINDOW", "AccumulationReport", "Attempt", "BatchSizeReport",
-    "DataStallReport", "LayerNoise", "LoaderReport", "LoaderTrial", "MemoryModel",
-    "NoiseReport", "NoiseTrackerReport", "attempts_table", "batch_variance",
-    "examples_over_min", "lr_scale", "noise_advice", "steps_over_min",
+    "FASTER_BY",
+    "LOSS_WINDOW",
+    "AccumulationReport",
+    "Attempt",
+    "BatchSizeReport",
+    "DataStallReport",
+    "LayerNoise",
+    "LoaderReport",
+    "LoaderTrial",
+    "MemoryModel",
+    "MemorySplit",
+    "NoiseReport",
+    "NoiseTrackerReport",
+    "PeakSegment",
+    "attempts_table",
+    "batch_variance",
+    "examples_over_min",
+    "lr_scale",
+    "noise_advice",
+    "steps_over_min",
 ]

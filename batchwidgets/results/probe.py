@@ -19,6 +19,10 @@ class Attempt:
     peak_reserved_bytes: int | None = None  # CUDA caching allocator's peak; None elsewhere
     activation_peak_bytes: int | None = None  # forward+backward peak, what the model is fitted on
     error: str = ""  # first line of the out-of-memory message when it did not fit
+    # what the per-op model predicted before the size ran (None: no model yet); a miss is a
+    # prediction that went the other way, and the search stops trusting the model after two
+    predicted_peak_bytes: int | None = None
+    predicted_fits: bool | None = None
 
     @property
     def samples_per_s(self) -> float | None:
@@ -43,6 +47,60 @@ class MemoryModel:
             return None
         size = int((limit_bytes - self.fixed_bytes) // self.per_sample_bytes)
         return max(0, size // multiple_of * multiple_of)
+
+
+@dataclass(frozen=True)
+class PeakSegment:
+    """From ``batch_size`` on (until the next segment) the step's peak is ``fixed_bytes +
+    per_sample_bytes * B``, held by the op at ``where`` ("backward of encoder.layer.5 (aten.bmm)").
+    The peak is convex in B, so at any size it is the largest of the segments' lines."""
+
+    batch_size: int
+    fixed_bytes: float
+    per_sample_bytes: float
+    where: str
+
+    def predict_bytes(self, batch_size: int) -> float:
+        return self.fixed_bytes + self.per_sample_bytes * batch_size
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    """Where the memory goes at the peak of a step at ``batch_size``: the parts add up to the
+    peak. ``activations_bytes`` are tensors saved for backward, ``temporaries_bytes`` everything
+    else alive at the peak (outputs not saved, gradients in flight, optimizer temporaries);
+    ``by_module`` the activation bytes each module saved, largest first."""
+
+    batch_size: int
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    temporaries_bytes: int
+    by_module: dict[str, int]
+    where: str = ""  # the op at the peak
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
+                + self.activations_bytes + self.temporaries_bytes)
+
+    def rows(self) -> list[tuple[str, str]]:
+        total = self.total_bytes or 1
+        parts = [("parameters", self.parameters_bytes), ("gradients", self.gradients_bytes),
+                 ("optimizer state", self.optimizer_bytes),
+                 ("activations (saved for backward)", self.activations_bytes),
+                 ("temporaries", self.temporaries_bytes)]
+        return [(name, f"{_html.format_bytes(value)} ({value / total:.0%})")
+                for name, value in parts]
+
+    def _repr_html_(self) -> str:
+        modules = _html.table([(name, _html.format_bytes(value)) for name, value in
+                               list(self.by_module.items())[:10]],
+                              caption="activations by module (top 10)",
+                              header=("module", "bytes"))
+        return (_html.table(self.rows(), caption=f"memory at the peak, batch size "
+                                                 f"{self.batch_size}") + modules)
 
 
 def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
@@ -75,6 +133,26 @@ class BatchSizeReport:
     multiple_of: int = 1
     amp: str | None = None
     stop_reason: str = "boundary"  # boundary | max_batch_size | ceiling | nothing fits
+    # The per-op peak model's shape over the sizes tried (empty when the search ran without
+    # one), how the search went, and which sample the batches were built from.
+    peak_segments: tuple[PeakSegment, ...] = ()
+    method: str = ""
+    worst_case: str = ""
+    memory_split: MemorySplit | None = None
+
+    def predict_peak_bytes(self, batch_size: int) -> float | None:
+        """The step's peak at any size, by the per-op model (else the fitted line)."""
+        if self.peak_segments:
+            return max(s.predict_bytes(batch_size) for s in self.peak_segments)
+        return None if self.memory_model is None else self.memory_model.predict_bytes(batch_size)
+
+    @property
+    def peak_location(self) -> str:
+        """Where the peak sits at max_batch_size: "backward of encoder.layer.5 (aten.bmm)"."""
+        if not self.peak_segments:
+            return ""
+        size = self.max_batch_size or 1
+        return max(self.peak_segments, key=lambda s: s.predict_bytes(size)).where
 
     @property
     def n_attempts(self) -> int:
@@ -122,9 +200,10 @@ class BatchSizeReport:
     @property
     def headroom_bytes(self) -> float | None:
         """Memory left under the limit at the recommended size, by the fitted model."""
-        if self.memory_model is None or self.limit_bytes is None:
+        predicted = self.predict_peak_bytes(self.recommended_batch_size)
+        if predicted is None or self.limit_bytes is None:
             return None
-        return self.limit_bytes - self.memory_model.predict_bytes(self.recommended_batch_size)
+        return self.limit_bytes - predicted
 
     def with_headroom(self, headroom: float) -> BatchSizeReport:
         """The same measurements with another headroom (no re-probing)."""
@@ -153,6 +232,9 @@ class BatchSizeReport:
             ("memory model", "-" if model is None else
              f"{_html.format_bytes(model.fixed_bytes)} + "
              f"{_html.format_bytes(model.per_sample_bytes)} per sample"),
+            ("peak at max_batch_size", self.peak_location or "-"),
+            ("search", self.method or "-"),
+            ("batches from", self.worst_case or "-"),
             ("amp", self.amp or "off"),
             ("attempts",
              f"{self.n_attempts} ({self.n_ooms} out of memory); stop: {self.stop_reason}"),
@@ -161,4 +243,5 @@ class BatchSizeReport:
     def _repr_html_(self) -> str:
         summary = _html.table(self._summary_rows(), caption="batchwidgets: find_batch")
         attempts = attempts_table(self.attempts)
-        return f"<div>{summary}{attempts}{_html.inline_plot(self)}</div>"
+        split = self.memory_split._repr_html_() if self.memory_split is not None else ""
+        return f"<div>{summary}{split}{attempts}{_html.inline_plot(self)}</div>"
