@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import batchwidgets as bw
-from batchwidgets.engine import BudgetExceededError, track_tensor_memory
+from batchwidgets.engine import BudgetExceededError
+from batchwidgets.engine._memory import TensorMemoryTracker
 
 KIB = 2**10
 
@@ -52,12 +53,15 @@ def trains_within(budget_bytes: int, model: nn.Module, optimizer: torch.optim.Op
     model_copy, optimizer_copy = copy.deepcopy((model, optimizer))
     for param, param_copy in zip(model.parameters(), model_copy.parameters()):
         param_copy.grad = None if param.grad is None else param.grad.clone()  # deepcopy drops them
-    existing = [*model_copy.parameters(), *model_copy.buffers(),
+    model_copy.train()
+
+    def existing() -> list:  # not kept in a variable: a list would hold freed gradients alive
+        return [*model_copy.parameters(), *model_copy.buffers(),
                 *[p.grad for p in model_copy.parameters() if p.grad is not None],
                 *[dict(state) for state in optimizer_copy.state.values()]]
-    model_copy.train()
+
     try:
-        with track_tensor_memory(budget_bytes, baseline=existing):
+        with TensorMemoryTracker("cpu", budget_bytes, existing()):
             for _ in range(steps):
                 x, y = make_batch(batch_size)
                 nn.functional.cross_entropy(model_copy(x), y).backward()

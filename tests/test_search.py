@@ -109,10 +109,30 @@ def test_with_nothing_to_measure_find_batch_gallops_then_bisects(largest, expect
     assert_reports_only_sizes_it_ran(report)
 
 
-def test_each_size_runs_steps_per_trial_steps_and_an_oom_ends_its_trial():
+def test_a_step_that_leaves_nothing_behind_runs_once_per_size_and_an_oom_ends_its_trial():
     step = ThresholdStep(2)
     bw.find_batch(step, device="cpu", steps_per_trial=3)
-    assert step.calls == [2, 2, 2, 4, 3]
+    assert step.calls == [2, 4, 3]
+
+
+class StatefulStep(ThresholdStep):
+    """A bare step whose optimizer makes its state on the first call (as Adam does): that state
+    is held from then on, so only the first call at the first size leaves memory behind."""
+
+    def __init__(self, largest: int) -> None:
+        super().__init__(largest)
+        self.state: list[torch.Tensor] = []
+
+    def __call__(self, batch_size: int) -> None:
+        super().__call__(batch_size)
+        if not self.state:
+            self.state.append(torch.zeros(1024))
+
+
+def test_a_step_that_leaves_state_behind_runs_again_at_that_size_only():
+    step = StatefulStep(2)
+    bw.find_batch(step, device="cpu", steps_per_trial=3)
+    assert step.calls == [2, 2, 4, 3]
 
 
 def test_search_policy_finds_the_exact_boundary_in_at_most_two_log2_sizes():

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.utils.module_tracker import ModuleTracker
 
 from . import _memory
+from ._trace import OpTrace
 
 CPU_DEFAULT_FRACTION = 0.5  # without a budget, the CPU probe may use half of the available RAM
 
@@ -20,6 +22,61 @@ class Reading:
     peak_bytes: int = 0
     peak_reserved_bytes: int | None = None
     activation_peak_bytes: int | None = None  # forward+backward only; see NOTE [ Two phases ]
+    trace: OpTrace | None = None  # per op; see NOTE [ Every op's live bytes are affine ... ]
+    live_bytes: int | None = None  # live bytes when the trial ended (or failed)
+
+
+class _Where:
+    """Where the step is: "forward of encoder.layer.0", "backward of ...", "optimizer step"."""
+
+    def __init__(self) -> None:
+        self.modules = ModuleTracker()
+        self.optimizer_phase = False
+
+    def __call__(self) -> str:
+        if self.optimizer_phase:
+            return "optimizer step"
+        names = [name for name in self.modules.parents if name != "Global"]
+        deepest = max(names, key=lambda name: name.count("."), default="")
+        # ModuleTracker names modules "RootClass.child.grandchild": drop the root's class name
+        module = deepest.split(".", 1)[1] if "." in deepest else (deepest or "the step")
+        return f"{'backward' if self.modules.is_bw else 'forward'} of {module}"
+
+
+class TracingTracker(_memory.TensorMemoryTracker):
+    """The tensor tracker that also records the step's per-op trace (``self.trace``)."""
+
+    def __init__(self, device: torch.device, budget_bytes: int | None, baseline: list,
+                 where: _Where) -> None:
+        self.trace: OpTrace | None = None
+        super().__init__(device, budget_bytes, baseline)
+        self.trace, self._where = OpTrace(), where
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        before = self.live_bytes
+        super()._count(tensor)
+        if self.trace is not None and self.live_bytes != before:
+            storage = tensor.untyped_storage()
+            self.trace.events.append(("alloc", id(storage), storage.nbytes()))
+
+    def _release(self, key: int):
+        release = super()._release(key)
+
+        def traced(ref) -> None:
+            known = self._storages.get(key)
+            release(ref)
+            if self.trace is not None and known is not None and known[0] is ref:
+                self.trace.events.append(("free", key, 0))
+        return traced
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            trace = self.trace
+            trace.names.append(str(func))
+            trace.live.append(self.live_bytes)
+            trace.where.append(self._where())
 
 
 # NOTE [ Two phases ]
@@ -63,19 +120,35 @@ class TensorMeter:
         reading.activation_peak_bytes = max(reading.activation_peak_bytes or 0, tracker.peak_bytes)
         reading.peak_bytes = max(reading.peak_bytes, tracker.peak_bytes)
         tracker.reset_peak()
+        self._where.optimizer_phase = True
+
+    def start_step(self) -> None:
+        self._where.optimizer_phase = False
+
+    def live_bytes(self) -> int:
+        return self._tracker.live_bytes
 
     @contextmanager
-    def measure(self, tracked: list) -> Iterator[Reading]:
+    def measure(self, tracked: Callable[[], list], trace: bool = True) -> Iterator[Reading]:
+        """``tracked()`` lists the tensors alive before the step (weights, gradients, optimizer
+        state). It is a callable, and its list is dropped at once: a list kept for the block
+        would hold gradients the step frees (``zero_grad(set_to_none=True)``) alive."""
+        del trace  # the CPU tracker records the trace always: it sees every op anyway
         reading = self._reading = Reading()
-        tracker = self._tracker = _memory.TensorMemoryTracker(self.device, self.limit_bytes,
-                                                              tracked)
+        self._where = _Where()
+        tracker = self._tracker = TracingTracker(self.device, self.limit_bytes, tracked(),
+                                                 self._where)
         if self.baseline_bytes is None:
             self.baseline_bytes = tracker.baseline_bytes
         try:
-            with tracker:
+            with self._where.modules, tracker:
                 yield reading
+        except BaseException:
+            tracker.trace.complete = False
+            raise
         finally:
             reading.peak_bytes = max(reading.peak_bytes, tracker.peak_bytes)
+            reading.trace, reading.live_bytes = tracker.trace, tracker.live_bytes
             self._tracker = None
 
 
@@ -93,6 +166,7 @@ class CudaMeter:
         self.limit_bytes = min(budget_bytes, reachable) if budget_bytes else reachable
         self.baseline_bytes: int | None = None
         self._reading = Reading()
+        self._where: _Where | None = None
 
     @contextmanager
     def capped(self) -> Iterator[None]:
@@ -123,19 +197,42 @@ class CudaMeter:
                                             torch.cuda.max_memory_reserved(self.device))
         self._fold_peaks()
         torch.cuda.reset_peak_memory_stats(self.device)
+        if self._where is not None:
+            self._where.optimizer_phase = True
+
+    def start_step(self) -> None:
+        if self._where is not None:
+            self._where.optimizer_phase = False
+
+    def live_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
 
     @contextmanager
-    def measure(self, tracked: list) -> Iterator[Reading]:
-        del tracked  # the allocator sees everything already
+    def measure(self, tracked: Callable[[], list], trace: bool = False) -> Iterator[Reading]:
+        """``tracked()``: as for TensorMeter.measure. ``trace``: also record the per-op trace
+        (slower: a Python call per op), which the probe asks for at the sizes it fits on."""
         reading = self._reading = Reading(peak_reserved_bytes=0)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         if self.baseline_bytes is None:
             self.baseline_bytes = torch.cuda.memory_allocated(self.device)
+        self._where = _Where() if trace else None
+        tracker = TracingTracker(self.device, None, tracked(), self._where) if trace else None
         try:
-            yield reading
+            if tracker is None:
+                yield reading
+            else:
+                with self._where.modules, tracker:
+                    yield reading
+        except BaseException:
+            if tracker is not None:
+                tracker.trace.complete = False
+            raise
         finally:
             self._fold_peaks()
+            reading.live_bytes = torch.cuda.memory_allocated(self.device)
+            if tracker is not None:
+                reading.trace = tracker.trace
 
 
 def make_meter(device: torch.device, budget_bytes: int | None) -> TensorMeter | CudaMeter:

@@ -16,7 +16,16 @@ from collections.abc import Sequence
 from ..results import Attempt, MemoryModel
 
 # NOTE [ Predict, then verify ]
-# Peak memory of a training step is close to max(plateau, fixed + per_sample * batch_size): at
+# With the per-op model (NOTE [ Every op's live bytes are affine in the batch size ] in
+# _trace.py) the search is: two small sizes (start, then twice start), the largest size the model
+# says fits, and the next size to confirm it does not: four sizes and one out-of-memory error when
+# the model is right. Each size that runs refits the model on the two largest sizes traced, so a
+# miss (a size that went the other way than predicted) is followed by a better prediction; after
+# MAX_MISSES misses, or while there is no model (the op sequences of two sizes differ), the search
+# below takes over.
+#
+# Without the per-op model, peak memory of a training step is close to
+# max(plateau, fixed + per_sample * batch_size): at
 # small sizes a constant part (weight gradients, optimizer temporaries) hides the per-sample
 # growth, so a line through two small sizes can be far off. The probe therefore gallops (x2 while
 # memory does not move, x8 once it does) until the three largest sizes that ran agree on one line
@@ -35,6 +44,12 @@ FIT_SPREAD = 8
 SLOPE_AGREEMENT = 0.10  # relative difference of the two slopes
 MIN_GROWTH = 0.02  # growth between the two largest sizes, relative to the larger peak
 MAX_SURPRISES = 2
+MAX_MISSES = 2
+
+
+def misses(attempts: Sequence[Attempt]) -> int:
+    """How many sizes went the other way than the per-op model predicted."""
+    return sum(a.predicted_fits is not None and a.predicted_fits != a.fits for a in attempts)
 
 
 def _measured(attempts: Sequence[Attempt]) -> list[Attempt]:
@@ -103,11 +118,12 @@ def _surprises(attempts: Sequence[Attempt], limit_bytes: int) -> int:
 
 
 def next_batch_size(attempts: Sequence[Attempt], *, start: int, multiple_of: int, ceiling: int,
-                    limit_bytes: int | None) -> int | None:
+                    limit_bytes: int | None, predicted: int | None = None) -> int | None:
     """The next size to try, or None when the boundary is known (see NOTE [ Predict, then verify ]).
 
     The first size is ``start``; sizes are multiples of ``multiple_of`` and at most ``ceiling``;
-    ``limit_bytes`` is the memory the step may use, or None to search by out-of-memory alone.
+    ``limit_bytes`` is the memory the step may use, or None to search by out-of-memory alone;
+    ``predicted`` is the largest size the per-op model says fits, None without a model.
     """
     m = multiple_of
     if not attempts:
@@ -118,6 +134,9 @@ def next_batch_size(attempts: Sequence[Attempt], *, start: int, multiple_of: int
     top = min(ceiling, hi - m) if hi is not None else ceiling
     if lo >= top:
         return None
+    if predicted is not None and misses(attempts) < MAX_MISSES and (hi is None or predicted < hi):
+        guess = lo + m if predicted <= lo else predicted // m * m
+        return min(max(guess, lo + m), top)
     model = fit_memory(attempts)
     line = (None if model is None or limit_bytes is None
             else model.largest_batch_size(limit_bytes, m))

@@ -11,6 +11,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, Union
@@ -20,8 +21,9 @@ import torch
 from ..results import Attempt, BatchSizeReport
 from . import _memory, _search
 from ._batches import as_batch_maker, forward_and_loss, to_device
-from ._meters import make_meter
+from ._meters import Reading, make_meter
 from ._state import TrainingState
+from ._trace import OpTrace, PeakModel
 
 Step = Callable[[int], Any]
 OnStep = Callable[[Attempt], None]
@@ -156,41 +158,58 @@ def _agree_limit(limit_bytes: int | None) -> int | None:
     return None if value.item() == float("inf") else int(value.item())
 
 
+# NOTE [ A second step only when the first left state behind ]
+# Adam and SGD with momentum make their state on the first step, and the second step's peak
+# includes it, so a trial that stopped after one step would read too little. Gradients the user
+# had before the probe are freed by the first step's zero_grad, so the second starts from another
+# state too. But a step that leaves memory exactly as it found it (SGD without momentum, a bare
+# step whose optimizer state exists already) would only repeat itself: the trial stops after it.
+# So each size costs one step, or two where the second can differ, up to ``steps_per_trial``.
+
+
 class _Trainer:
-    """Runs ``steps_per_trial`` training steps at one batch size and measures them."""
+    """Runs up to ``steps_per_trial`` training steps at one batch size and measures them."""
 
     def __init__(self, step: Callable[[int], None], meter: Any, state: TrainingState,
                  steps_per_trial: int, tracked: Callable[[], list]) -> None:
         self.step, self.meter, self.state = step, meter, state
         self.steps_per_trial, self.tracked = steps_per_trial, tracked
 
-    def attempt(self, batch_size: int) -> Attempt:
+    def attempt(self, batch_size: int, trace: bool = True) -> tuple[Attempt, Reading]:
         seconds, oom = None, False
         try:
-            with self.meter.measure(self.tracked()) as reading:
+            with self.meter.measure(self.tracked, trace=trace) as reading:
                 for _ in range(self.steps_per_trial):
+                    before = self.meter.live_bytes()
+                    self.meter.start_step()
                     self.meter.synchronize()
                     started = time.perf_counter()
                     self.step(batch_size)
                     self.meter.synchronize()
                     seconds = time.perf_counter() - started
+                    if self.meter.live_bytes() == before:
+                        break  # see NOTE [ A second step only when the first left state behind ]
         except BaseException as error:  # OOM is data; everything else goes to the user as is
             if not _memory.is_oom(error):
                 raise
             oom = True
             message = _memory.first_line(error)
+            budget_error = isinstance(error, _memory.BudgetExceededError)
             _memory.forget(error)
             del error
-            return Attempt(batch_size, False, reading.peak_bytes or None, None,
-                           reading.peak_reserved_bytes, reading.activation_peak_bytes,
-                           error=message)
+            attempt = Attempt(batch_size, False, reading.peak_bytes or None, None,
+                              reading.peak_reserved_bytes, reading.activation_peak_bytes,
+                              error=message)
+            if budget_error:
+                reading.live_bytes = None  # the budget's own limit, not a lower real one
+            return attempt, reading
         finally:
             self.state.restore()
             # A full gc.collect() costs ~0.2 s with torch loaded; only an out-of-memory error
             # leaves cycles (its traceback) holding tensors. A clean step's are freed already.
             _memory.free_memory(self.meter.device, collect=oom)
         return Attempt(batch_size, True, reading.peak_bytes, seconds, reading.peak_reserved_bytes,
-                       reading.activation_peak_bytes)
+                       reading.activation_peak_bytes), reading
 
 
 def _moved(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
@@ -236,7 +255,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                amp: str | None = None, max_batch_size: int | None = None, multiple_of: int = 1,
                headroom: float = 0.9, *, scheduler: Any = None, scaler: Any = None,
                steps_per_trial: int = 2, start: int | None = None,
-               on_step: OnStep | None = None) -> BatchSizeReport:
+               on_step: OnStep | None = None,
+               should_stop: Callable[[], bool] | None = None) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -280,6 +300,9 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         probe halves down to ``multiple_of``.
     on_step : callable, optional
         Called with each ``Attempt`` as it finishes (progress for front ends).
+    should_stop : callable, optional
+        Polled before each size (as in ``tune_loader``); True ends the search with what it
+        found so far (``stop_reason="stopped"``). A front end's Stop button.
 
     Returns
     -------
@@ -314,6 +337,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     moved = is_module and _resolve_device(model, None) != device
     home = _resolve_device(model, None) if is_module else device
     meter = make_meter(device, budget_bytes)
+    make_batch_fn = as_batch_maker(make_batch) if is_module else None
     try:
         with meter.capped():
             # each trial starts from this state: the user's, on the device probed
@@ -321,45 +345,142 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
             if is_module:
                 if amp == "fp16" and scaler is None:
                     scaler = torch.amp.GradScaler(device.type)
-                step = _model_step(model, as_batch_maker(make_batch), loss_fn, optimizer, device,
-                                   amp, scaler, meter)
+                step = _model_step(model, make_batch_fn, loss_fn, optimizer, device, amp,
+                                   scaler, meter)
             else:
                 step = model
             trainer = _Trainer(step, meter, state, steps_per_trial,
                                lambda: _state_tensors(model if is_module else None, optimizer))
             limit_bytes = _agree_limit(meter.limit_bytes)
-            attempts: list[Attempt] = []
-            while (size := _search.next_batch_size(
-                    attempts, start=start, multiple_of=multiple_of, ceiling=ceiling,
-                    limit_bytes=limit_bytes)) is not None:
-                attempts.append(_agree(trainer.attempt(size)))
-                if on_step is not None:
-                    on_step(attempts[-1])
+            search = _Search(trainer, meter, start=start, multiple_of=multiple_of,
+                             ceiling=ceiling, limit_bytes=limit_bytes)
+            attempts = search.run(on_step, should_stop)
+            limit_bytes = search.limit_bytes
     finally:
         if moved:
             model.to(home)
         home_state.restore()
         _memory.free_memory(device)
     return _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
-                   max_batch_size, ceiling, multiple_of, headroom)
+                   max_batch_size, ceiling, multiple_of, headroom, search,
+                   getattr(make_batch_fn, "description", ""))
 
 
 def _report(attempts: list[Attempt], device: torch.device, budget_bytes: int | None,
             limit_bytes: int | None, baseline_bytes: int | None, amp: str | None,
             max_batch_size: int | None, ceiling: int, multiple_of: int,
-            headroom: float) -> BatchSizeReport:
+            headroom: float, search: _Search | None = None,
+            worst_case: str = "") -> BatchSizeReport:
     lo, hi = _search.bracket(attempts)
-    if lo == 0:
+    if search is not None and search.stopped:
+        stop = "stopped"
+    elif lo == 0:
         stop = "nothing fits"
     elif lo >= ceiling:
         stop = "max_batch_size" if max_batch_size else "ceiling"
     else:
         stop = "boundary"
+    model = search.model if search is not None else None
+    segments = () if model is None else model.envelope(
+        1, max(a.batch_size for a in attempts))
     report = BatchSizeReport(
         max_batch_size=lo, first_oom_batch_size=hi, attempts=tuple(attempts), device=str(device),
         budget_bytes=budget_bytes, limit_bytes=limit_bytes, baseline_bytes=baseline_bytes,
         memory_model=_search.fit_memory(attempts), headroom=float(headroom),
-        multiple_of=multiple_of, amp=amp, stop_reason=stop)
-    if lo == 0:
+        multiple_of=multiple_of, amp=amp, stop_reason=stop, peak_segments=segments,
+        method=search.method() if search is not None else "", worst_case=worst_case)
+    if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report
+
+
+class _Search:
+    """The probe's loop: fit the per-op model on what ran, ask the policy for the next size, run
+    it (see NOTE [ Predict, then verify ] in _search.py)."""
+
+    def __init__(self, trainer: _Trainer, meter: Any, *, start: int, multiple_of: int,
+                 ceiling: int, limit_bytes: int | None) -> None:
+        self.trainer, self.meter = trainer, meter
+        self.start, self.multiple_of, self.ceiling = start, multiple_of, ceiling
+        self.limit_bytes = limit_bytes
+        self.traces: dict[int, OpTrace] = {}
+        self.overhead_bytes = 0  # reserved beyond the tensors (CUDA), from the traced sizes
+        self.model: PeakModel | None = None
+        self.attempts: list[Attempt] = []
+        self.stopped = False
+        self._lowered = False
+
+    def run(self, on_step: OnStep | None, should_stop: Callable[[], bool] | None) -> list[Attempt]:
+        while True:
+            if should_stop is not None and should_stop():
+                self.stopped = True
+                break
+            predicted = self._predicted()
+            size = _search.next_batch_size(
+                self.attempts, start=self.start, multiple_of=self.multiple_of,
+                ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
+            if size is None:
+                break
+            attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
+            if predicted is not None:
+                attempt = dataclasses.replace(
+                    attempt, predicted_peak_bytes=self.model.peak_bytes(size)
+                    + self.overhead_bytes, predicted_fits=size <= predicted)
+            self._learn(attempt, reading)
+            self.attempts.append(_agree(attempt))
+            if on_step is not None:
+                on_step(self.attempts[-1])
+        return self.attempts
+
+    def _wants_trace(self) -> bool:
+        """CPU: always (the tracker sees every op anyway). CUDA: only to fit or refit the model,
+        since tracing slows the step and the sizes near the boundary are timed."""
+        return self.meter.device.type != "cuda" or len(self.traces) < 2 or (
+            bool(self.attempts) and self.attempts[-1].predicted_fits is not None
+            and self.attempts[-1].predicted_fits != self.attempts[-1].fits)
+
+    def _learn(self, attempt: Attempt, reading: Reading) -> None:
+        trace = reading.trace
+        if attempt.fits and trace is not None and trace.complete:
+            self.traces[attempt.batch_size] = trace
+            if reading.peak_reserved_bytes:
+                self.overhead_bytes = max(0, reading.peak_reserved_bytes - max(trace.live))
+        elif (not attempt.fits and reading.live_bytes is not None
+              and self.limit_bytes is not None and reading.live_bytes < self.limit_bytes):
+            # A real allocator failure below the assumed limit (a cgroup, a ulimit, another
+            # process): the limit is lower than assumed. Lower it and predict again.
+            self.limit_bytes, self._lowered = reading.live_bytes, True
+        self.model = self._fit()
+
+    def _fit(self) -> PeakModel | None:
+        sizes = sorted(self.traces, reverse=True)[:4]
+        for i, large in enumerate(sizes):
+            for small in sizes[i + 1:]:
+                model = PeakModel.fit(self.traces[small], small, self.traces[large], large)
+                if model is not None:
+                    return model
+        return None
+
+    def _predicted(self) -> int | None:
+        if self.model is None or self.limit_bytes is None or not self.model.grows:
+            return None
+        return self.model.largest_batch_size(self.limit_bytes - self.overhead_bytes,
+                                             multiple_of=self.multiple_of, ceiling=self.ceiling)
+
+    def method(self) -> str:
+        """How the search went, in a sentence for the report."""
+        sizes = sorted(self.traces)
+        lowered = (" The memory limit was lowered to the live bytes of a real allocator "
+                   "failure." if self._lowered else "")
+        if _search.misses(self.attempts) >= _search.MAX_MISSES:
+            return ("per-op model missed twice (memory not affine in the batch size here); "
+                    "finished by bisection." + lowered)
+        if self.model is not None:
+            return (f"per-op model fitted on sizes {self.model.batch_small} and "
+                    f"{self.model.batch_large} ({len(self.model.large.names)} ops), then "
+                    f"verified." + lowered)
+        if len(sizes) >= 2:
+            return (f"op sequences differ between sizes {sizes[-2]} and {sizes[-1]} "
+                    f"(data-dependent shapes or unpadded lengths?): no per-op model, searched "
+                    f"by measured peaks." + lowered)
+        return "searched by measured peaks." + lowered

@@ -1,0 +1,144 @@
+"""The per-op memory trace of a training step, and the peak model fitted on two of them.
+
+Usage:
+    >>> trace_2 = OpTrace(names=["mm", "relu"], live=[100, 120], where=["f", "f"])
+    >>> trace_4 = OpTrace(names=["mm", "relu"], live=[100, 140], where=["f", "f"])
+    >>> model = PeakModel.fit(trace_2, 2, trace_4, 4)
+    >>> model.peak_bytes(10), model.largest_batch_size(200, multiple_of=1, ceiling=1024)
+    (200, 10)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..results import PeakSegment
+
+# NOTE [ Every op's live bytes are affine in the batch size ]
+# A training step runs the same sequence of operators at every batch size, and each tensor it
+# makes is either of a fixed size (weights, their gradients, optimizer state) or proportional to
+# the batch. So the bytes alive after op i are a_i + b_i * B, and the step's peak is
+# max_i (a_i + b_i * B): piecewise linear and convex in B, with a kink wherever another op comes
+# to hold the peak (a constant optimizer phase at small sizes, the largest activation at large
+# ones). One line fitted on whole-step peaks cannot follow that; the per-op lines, fitted on two
+# traces of the same op sequence, predict the peak at any size exactly, kinks included. Where the
+# sequences differ (data-dependent shapes, unpadded variable lengths) there is no model and the
+# probe falls back to its search; where a prediction misses, it refits on the sizes nearest the
+# boundary (see NOTE [ Predict, then verify ] in _search.py).
+
+
+@dataclass
+class OpTrace:
+    """What one trial did to memory: after each op, its name, the live bytes, and where it ran
+    ("forward of encoder.layer.0.attention", "backward of ...", "optimizer step"). ``events``
+    lists storage allocations and frees as ("alloc", key, nbytes) / ("free", key, 0), for the
+    CUDA allocator model. ``complete`` is False when the trial stopped at an out-of-memory op."""
+
+    names: list[str] = field(default_factory=list)
+    live: list[int] = field(default_factory=list)
+    where: list[str] = field(default_factory=list)
+    events: list[tuple[str, int, int]] = field(default_factory=list)
+    complete: bool = True
+
+    def same_ops(self, other: OpTrace) -> bool:
+        return self.names == other.names
+
+
+def _floor_div(numerator: int, denominator: int) -> int:
+    return numerator // denominator  # Python floors toward -inf, which is what the bounds need
+
+
+class PeakModel:
+    """Per-op lines through two traces of the same op sequence (see NOTE [ Every op's live bytes
+    are affine in the batch size ]). All arithmetic is exact: the lines go through integer
+    points, so a prediction is a byte count, not an estimate."""
+
+    def __init__(self, small: OpTrace, batch_small: int, large: OpTrace, batch_large: int) -> None:
+        self.small, self.large = small, large
+        self.batch_small, self.batch_large = batch_small, batch_large
+
+    @classmethod
+    def fit(cls, small: OpTrace, batch_small: int, large: OpTrace,
+            batch_large: int) -> PeakModel | None:
+        """The model, or None when the two traces are not of the same op sequence."""
+        if (batch_small == batch_large or not small.complete or not large.complete
+                or not small.names or not small.same_ops(large)):
+            return None
+        if batch_small > batch_large:
+            small, batch_small, large, batch_large = large, batch_large, small, batch_small
+        return cls(small, batch_small, large, batch_large)
+
+    @property
+    def grows(self) -> bool:
+        """Some op holds more at the larger size: without that, memory that did not move between
+        two small sizes (allocator rounding, a plateau) says nothing about larger ones."""
+        return any(high > low for low, high in zip(self.small.live, self.large.live))
+
+    def _bytes_at(self, i: int, batch_size: int) -> int:
+        """Op i's live bytes at ``batch_size``, rounded up: a + b * B through the two points."""
+        span = self.batch_large - self.batch_small
+        low, high = self.small.live[i], self.large.live[i]
+        return -_floor_div(-(low * span + (high - low) * (batch_size - self.batch_small)), span)
+
+    def _argmax(self, batch_size: int) -> int:
+        span, b0 = self.batch_large - self.batch_small, self.batch_small
+        best, best_value = 0, None
+        for i, (low, high) in enumerate(zip(self.small.live, self.large.live)):
+            value = low * span + (high - low) * (batch_size - b0)
+            if best_value is None or value > best_value:
+                best, best_value = i, value
+        return best
+
+    def peak_bytes(self, batch_size: int) -> int:
+        """Predicted peak live bytes of the step at ``batch_size``."""
+        return self._bytes_at(self._argmax(batch_size), batch_size)
+
+    def where(self, batch_size: int) -> str:
+        """Where the peak sits at ``batch_size``: "backward of encoder.layer.5 (aten.bmm)"."""
+        i = self._argmax(batch_size)
+        return f"{self.large.where[i]} ({self.large.names[i]})" if self.large.where else \
+            self.large.names[i]
+
+    def largest_batch_size(self, limit_bytes: int, *, multiple_of: int, ceiling: int) -> int:
+        """The largest multiple of ``multiple_of`` (at most ``ceiling``) whose predicted peak stays
+        within ``limit_bytes``; 0 when none does."""
+        span, b0 = self.batch_large - self.batch_small, self.batch_small
+        best = ceiling
+        for low, high in zip(self.small.live, self.large.live):
+            if high > low:  # a_i + b_i * B <= limit  <=>  B <= b0 + (limit - low) * span / slope
+                best = min(best, b0 + _floor_div((limit_bytes - low) * span, high - low))
+            elif low > limit_bytes:  # flat or falling, and over the limit already at b0
+                best = min(best, b0 - 1 if high == low else
+                           b0 + _floor_div((low - limit_bytes) * span, low - high) - 1)
+        return max(0, best // multiple_of * multiple_of)
+
+    def envelope(self, lo: int, hi: int) -> tuple[PeakSegment, ...]:
+        """The peak's piecewise-linear shape over ``[lo, hi]``: one segment per op that holds the
+        peak somewhere in the range, in order of batch size."""
+        segments: list[PeakSegment] = []
+        size = max(1, lo)
+        while size <= hi:
+            i = self._argmax(size)
+            low, high = self.small.live[i], self.large.live[i]
+            per_sample = (high - low) / (self.batch_large - self.batch_small)
+            fixed = low - per_sample * self.batch_small
+            where = (f"{self.large.where[i]} ({self.large.names[i]})" if self.large.where
+                     else self.large.names[i])
+            segments.append(PeakSegment(size, fixed, per_sample, where))
+            size = self._next_kink(i, size, hi)
+        return tuple(segments)
+
+    def _next_kink(self, i: int, size: int, hi: int) -> int:
+        """The smallest size above ``size`` where another op's line rises above op i's."""
+        span = self.batch_large - self.batch_small
+        low_i, high_i = self.small.live[i], self.large.live[i]
+        nearest = hi + 1
+        for low, high in zip(self.small.live, self.large.live):
+            steeper = (high - low) - (high_i - low_i)
+            if steeper <= 0:
+                continue
+            # line j > line i  <=>  (low - low_i) * span + steeper * (B - b0) > 0
+            crossing = self.batch_small + _floor_div((low_i - low) * span, steeper) + 1
+            if size < crossing < nearest:
+                nearest = crossing
+        return nearest
