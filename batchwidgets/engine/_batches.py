@@ -3,7 +3,8 @@ and the convention for feeding them to a model and a loss."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,25 @@ def _nbytes(sample: Any) -> int:
     return 0
 
 
+# NOTE [ The worst case of varying inputs ]
+# A batch size that fits the average sample can run out of memory an hour into training, on the
+# batch that holds the longest sequence: a padding collator pads every sample of that batch to
+# it. So the probe builds its batches from the largest sample of the whole data set (by tensor
+# bytes), repeated: through the DataLoader's own collate_fn that is the largest padded batch the
+# loader can make. Every sample is read, in an order that spreads the first reads over the whole
+# set, until SCAN_SECONDS have passed; the report says which sample it used and how many were
+# read.
+SCAN_SECONDS = 5.0
+
+
+def _scan_order(n: int) -> Iterator[int]:
+    """Evenly spread indices first, then all the others."""
+    spread = sorted({i * n // N_SAMPLES_SCANNED for i in range(min(n, N_SAMPLES_SCANNED))})
+    yield from spread
+    chosen = set(spread)
+    yield from (i for i in range(n) if i not in chosen)
+
+
 def _dataset_maker(dataset: Dataset, collate: Callable) -> Callable[[int], Any]:
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise TypeError("make_batch should be a map-style Dataset (with __len__ and __getitem__), "
@@ -59,16 +79,31 @@ def _dataset_maker(dataset: Dataset, collate: Callable) -> Callable[[int], Any]:
     n = len(dataset)
     if n == 0:
         raise ValueError("make_batch should be a non-empty Dataset, but got one of length 0.")
-    scanned = min(n, N_SAMPLES_SCANNED)  # evenly spread over the whole dataset
-    indices = sorted({i * n // scanned for i in range(scanned)})
-    samples = [dataset[i] for i in indices]
-    sizes = [_nbytes(s) for s in samples]
-    if len(set(sizes)) > 1:  # variable-size samples: the largest is the worst case that must fit
-        samples = [samples[sizes.index(max(sizes))]]
+    started = time.perf_counter()
+    samples, sizes, largest, read = [], [], None, 0
+    for index in _scan_order(n):  # see NOTE [ The worst case of varying inputs ]
+        sample = dataset[index]
+        size = _nbytes(sample)
+        read += 1
+        if len(samples) < N_SAMPLES_SCANNED:
+            samples.append(sample)
+            sizes.append(size)
+        if largest is None or size > largest[1]:
+            largest = (index, size, sample)
+        if read >= N_SAMPLES_SCANNED and time.perf_counter() - started > SCAN_SECONDS:
+            break
+    scanned = "all" if read == n else f"{read} of {n} (time limit)"
+    if largest[1] > min(sizes):  # variable-size samples: the largest is the worst case
+        samples = [largest[2]]
+        description = (f"the largest sample, index {largest[0]} ({largest[1]:,} bytes of "
+                       f"tensors; {scanned} samples read), repeated")
+    else:
+        description = f"{len(samples)} samples of one size ({scanned} samples read)"
 
     def make(batch_size: int) -> Any:
         return collate([samples[i % len(samples)] for i in range(batch_size)])
 
+    make.description = description
     return make
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.module_tracker import ModuleTracker
@@ -51,6 +52,21 @@ class TracingTracker(_memory.TensorMemoryTracker):
         self.trace: OpTrace | None = None
         super().__init__(device, budget_bytes, baseline)
         self.trace, self._where = OpTrace(), where
+        self._batch_peak: int | None = None  # while making the batch; see collapsed()
+
+    @contextmanager
+    def collapsed(self) -> Iterator[None]:
+        """Record the ops inside as one entry, at their peak: a collate_fn that loops over the
+        samples in Python runs more ops for a larger batch, but only the memory it leaves (and
+        its peak) matters to the model, so the op sequences of two sizes still match."""
+        self._batch_peak = self.live_bytes
+        try:
+            yield
+        finally:
+            peak, self._batch_peak = self._batch_peak, None
+            self.trace.names.append("making the batch")
+            self.trace.live.append(max(peak, self.live_bytes))
+            self.trace.where.append("making the batch")
 
     def _count(self, tensor: torch.Tensor) -> None:
         before = self.live_bytes
@@ -73,10 +89,13 @@ class TracingTracker(_memory.TensorMemoryTracker):
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         finally:
-            trace = self.trace
-            trace.names.append(str(func))
-            trace.live.append(self.live_bytes)
-            trace.where.append(self._where())
+            if self._batch_peak is not None:
+                self._batch_peak = max(self._batch_peak, self.live_bytes)
+            else:
+                trace = self.trace
+                trace.names.append(str(func))
+                trace.live.append(self.live_bytes)
+                trace.where.append(self._where())
 
 
 # NOTE [ Two phases ]
@@ -125,6 +144,9 @@ class TensorMeter:
     def start_step(self) -> None:
         self._where.optimizer_phase = False
 
+    def making_batch(self) -> Any:
+        return self._tracker.collapsed()
+
     def live_bytes(self) -> int:
         return self._tracker.live_bytes
 
@@ -167,6 +189,7 @@ class CudaMeter:
         self.baseline_bytes: int | None = None
         self._reading = Reading()
         self._where: _Where | None = None
+        self._tracker: TracingTracker | None = None
 
     @contextmanager
     def capped(self) -> Iterator[None]:
@@ -204,6 +227,9 @@ class CudaMeter:
         if self._where is not None:
             self._where.optimizer_phase = False
 
+    def making_batch(self) -> Any:
+        return self._tracker.collapsed() if self._tracker is not None else nullcontext()
+
     def live_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device)
 
@@ -218,6 +244,7 @@ class CudaMeter:
             self.baseline_bytes = torch.cuda.memory_allocated(self.device)
         self._where = _Where() if trace else None
         tracker = TracingTracker(self.device, None, tracked(), self._where) if trace else None
+        self._tracker = tracker
         try:
             if tracker is None:
                 yield reading
@@ -233,6 +260,7 @@ class CudaMeter:
             reading.live_bytes = torch.cuda.memory_allocated(self.device)
             if tracker is not None:
                 reading.trace = tracker.trace
+            self._tracker = None
 
 
 def make_meter(device: torch.device, budget_bytes: int | None) -> TensorMeter | CudaMeter:

@@ -234,7 +234,8 @@ def _model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Cal
 
     def step(batch_size: int) -> None:
         model.train()  # each trial starts from the user's modes, restored after the last one
-        batch = to_device(make(batch_size), device)
+        with meter.making_batch():  # see TracingTracker.collapsed
+            batch = to_device(make(batch_size), device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = forward_and_loss(model, batch, loss_fn)
         (scaler.scale(loss) if scaler is not None else loss).backward()

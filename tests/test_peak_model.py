@@ -1,0 +1,273 @@
+"""The per-op peak model (issue 11): exact predictions from two traces, and find_batch finding
+the exact boundary in four sizes with one out-of-memory error on every memory shape, falling
+back to its search where the model cannot hold."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import batchwidgets as bw
+from batchwidgets.engine._memory import BudgetExceededError, TensorMemoryTracker
+from batchwidgets.engine._trace import OpTrace, PeakModel
+
+
+def random_traces(rng: random.Random, n_ops: int) -> tuple[OpTrace, OpTrace, list]:
+    """Two traces (sizes 2 and 4) of ops whose bytes are a_i + b_i * B, and the lines."""
+    lines = [(rng.randrange(0, 10**6), rng.choice([0, 0, rng.randrange(1, 10**4)]))
+             for _ in range(n_ops)]
+    names = [f"op{i}" for i in range(n_ops)]
+    trace = lambda b: OpTrace(names=names, live=[a + s * b for a, s in lines],  # noqa: E731
+                              where=names)
+    return trace(2), trace(4), lines
+
+
+def test_the_model_predicts_the_peak_and_the_boundary_of_any_piecewise_linear_shape_exactly():
+    rng = random.Random(0)
+    for _ in range(200):
+        small, large, lines = random_traces(rng, rng.randrange(1, 40))
+        model = PeakModel.fit(small, 2, large, 4)
+        limit = rng.randrange(10**6, 10**8)
+        peak = lambda b: max(a + s * b for a, s in lines)  # noqa: B023, E731
+        for size in (1, 3, 17, 1000, 123_457):
+            assert model.peak_bytes(size) == peak(size)
+        expected = 0
+        if peak(0) <= limit:
+            growing = [(a, s) for a, s in lines if s > 0]
+            expected = min([(limit - a) // s for a, s in growing], default=2**20)
+            expected = min(expected, 2**20)
+        assert model.largest_batch_size(limit, multiple_of=1, ceiling=2**20) == expected
+        multiple = model.largest_batch_size(limit, multiple_of=8, ceiling=2**20)
+        assert multiple == expected // 8 * 8
+
+
+def test_the_envelope_is_the_peak_and_names_the_op_holding_it():
+    names = ["optimizer temp", "activation", "logits"]
+    small = OpTrace(names=names, live=[5000, 200, 100], where=["optimizer step", "fwd", "bwd"])
+    large = OpTrace(names=names, live=[5000, 400, 400], where=["optimizer step", "fwd", "bwd"])
+    model = PeakModel.fit(small, 2, large, 4)
+    segments = model.envelope(1, 100)
+    assert [s.where for s in segments] == ["optimizer step (optimizer temp)", "bwd (logits)"]
+    for size in range(1, 101):
+        assert max(s.predict_bytes(size) for s in segments) == model.peak_bytes(size)
+
+
+def test_traces_of_different_op_sequences_give_no_model():
+    small = OpTrace(names=["a", "b"], live=[1, 2], where=["", ""])
+    large = OpTrace(names=["a", "c"], live=[1, 4], where=["", ""])
+    assert PeakModel.fit(small, 2, large, 4) is None
+
+
+class PhasedStep:
+    """A bare step whose peak is ``fixed + max(per_sample * B, plateau, second_fixed + second *
+    B)``: a line, a constant phase that hides the growth at small sizes (an optimizer step, a large
+    embedding gradient), or two phases with different slopes."""
+
+    def __init__(self, per_sample: int, fixed: int = 0, plateau: int = 0, second: int = 0,
+                 second_fixed: int = 0) -> None:
+        self.per_sample, self.fixed, self.plateau = per_sample, fixed, plateau
+        self.second, self.second_fixed = second, second_fixed
+
+    def peak(self, batch_size: int) -> int:
+        return self.fixed + max(self.per_sample * batch_size, self.plateau,
+                                self.second_fixed + self.second * batch_size)
+
+    def largest(self, budget: int) -> int:
+        lo, hi = 0, 1
+        while self.peak(hi) <= budget:
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.peak(mid) <= budget else (lo, mid)
+        return lo
+
+    def __call__(self, batch_size: int) -> None:
+        fixed = torch.empty(self.fixed, dtype=torch.uint8)
+        for size in (self.per_sample * batch_size, self.plateau,
+                     max(0, self.second_fixed + self.second * batch_size)):
+            buffer = torch.empty(size, dtype=torch.uint8)
+            del buffer
+        del fixed
+
+
+SHAPES = {
+    "a line, boundary 1,000": (PhasedStep(1000, fixed=5000), 5000 + 1000 * 1000),
+    "a line, boundary 100,000": (PhasedStep(100, fixed=5000), 5000 + 100 * 100_000 + 50),
+    "a constant phase hiding the growth": (PhasedStep(1000, fixed=5000, plateau=3_000_000),
+                                           5000 + 1000 * 7777),
+    "two phases, two slopes": (PhasedStep(1000, fixed=5000, second=3000, second_fixed=800_000),
+                               20_000_000),
+}
+
+
+@pytest.mark.parametrize(("step", "budget"), SHAPES.values(), ids=SHAPES.keys())
+def test_every_memory_shape_takes_four_sizes_and_one_oom(step, budget):
+    report = bw.find_batch(step, device="cpu", budget=budget)
+    expected = step.largest(budget)
+    assert (report.max_batch_size, report.first_oom_batch_size) == (expected, expected + 1)
+    assert report.n_attempts <= 4
+    assert report.n_ooms == 1
+    assert report.method.startswith("per-op model")
+    assert report.predict_peak_bytes(expected) == step.peak(expected)
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def cnn_step(model: nn.Module, optimizer: torch.optim.Optimizer, calls: list[int]):
+    def step(batch_size: int) -> None:
+        calls.append(batch_size)
+        x, y = torch.randn(batch_size, 3, 16, 16), torch.randint(0, 10, (batch_size,))
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def test_a_bare_step_takes_four_sizes_and_runs_twice_only_where_its_state_is_new():
+    model = small_cnn()
+    optimizer = torch.optim.Adam(model.parameters())
+    calls: list[int] = []
+    report = bw.find_batch(cnn_step(model, optimizer, calls), optimizer=optimizer, device="cpu",
+                           budget="24MiB")
+    assert report.n_attempts <= 4
+    assert report.n_ooms == 1
+    assert report.first_oom_batch_size == report.max_batch_size + 1
+    # optimizer= is restored after each size, so Adam makes its state again at each: two calls
+    assert calls == [size for size in (a.batch_size for a in report.attempts) for _ in (1, 2)]
+
+    kept: list[int] = []  # without optimizer=, Adam's state stays: one call per size after it
+    other = small_cnn()
+    bw.find_batch(cnn_step(other, torch.optim.Adam(other.parameters()), kept), device="cpu",
+                  budget="24MiB")
+    assert kept[:3] == [2, 2, 4]
+    assert len(kept) == len(set(kept)) + 1
+
+
+def test_the_report_keeps_the_model_and_says_where_the_peak_is():
+    model = small_cnn()
+    report = bw.find_batch(model, torch.randn(3, 16, 16), budget="24MiB",
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ran = [a for a in report.attempts if a.fits]
+    for attempt in ran:  # on the CPU the model is exact: the tracker counts the same bytes
+        assert report.predict_peak_bytes(attempt.batch_size) == attempt.peak_memory_bytes
+    assert report.peak_location.startswith(("forward of", "backward of", "optimizer step"))
+    assert report.peak_segments
+    assert "per-op model" in report.method
+    assert "peak at max_batch_size" in report._repr_html_()
+
+
+def test_a_step_whose_ops_change_with_the_batch_falls_back_to_the_search_and_says_so():
+    def step(batch_size: int) -> None:  # a Python loop over the samples: more ops per sample
+        rows = [torch.ones(1000, dtype=torch.uint8) for _ in range(batch_size)]
+        del rows
+
+    report = bw.find_batch(step, device="cpu", budget=1000 * 300)
+    assert (report.max_batch_size, report.first_oom_batch_size) == (300, 301)
+    assert "op sequences differ" in report.method
+
+
+def test_should_stop_ends_the_search_with_what_it_found():
+    tried: list[int] = []
+    report = bw.find_batch(PhasedStep(1000), device="cpu", budget=10**6,
+                           on_step=lambda a: tried.append(a.batch_size),
+                           should_stop=lambda: len(tried) >= 2)
+    assert report.stop_reason == "stopped"
+    assert report.max_batch_size == 4
+    assert report.n_attempts == 2
+
+
+# --- real models: a BERT with a 30k vocabulary, dict batches, loss from the output -------------
+
+transformers = pytest.importorskip("transformers")
+VOCAB = 30522
+
+
+def tiny_bert() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=128)
+    return transformers.BertForMaskedLM(config)
+
+
+def fits_oracle(model: nn.Module, make, batch_size: int, budget: int) -> bool:
+    """Two plain AdamW steps on a copy under the tensor budget, weights counted."""
+    import copy
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    try:
+        with TensorMemoryTracker("cpu", budget, [*model.parameters(), *model.buffers()]):
+            for _ in range(2):
+                model(**make(batch_size)).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    except BudgetExceededError:
+        return False
+    return True
+
+
+def lm_batch(batch_size: int, length: int = 16) -> dict:
+    ids = torch.randint(0, VOCAB, (batch_size, length), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def test_a_bert_with_dict_batches_takes_four_sizes_and_one_oom():
+    model = tiny_bert()
+    budget = 48 * 2**20
+    report = bw.find_batch(model, lm_batch, budget=budget)
+    assert report.n_attempts <= 4
+    assert report.n_ooms == 1
+    assert fits_oracle(model, lm_batch, report.max_batch_size, budget)
+    assert not fits_oracle(model, lm_batch, report.max_batch_size + 1, budget)
+
+
+class Sequences(torch.utils.data.Dataset):
+    """Token sequences of 8-24 tokens, with three of 400 at 96: the rare long ones."""
+
+    def __init__(self) -> None:
+        rng = random.Random(0)
+        self.lengths = [rng.randrange(8, 25) for _ in range(400)]
+        for index in (17, 233, 389):
+            self.lengths[index] = 96
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict:
+        ids = torch.arange(self.lengths[index]) % VOCAB
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def pad(items: list[dict]) -> dict:
+    """A padding collator that loops over the samples in Python, as most do."""
+    length = max(len(item["input_ids"]) for item in items)
+    ids = torch.zeros(len(items), length, dtype=torch.long)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        ids[row, :n], mask[row, :n], labels[row, :n] = item["input_ids"], 1, item["labels"]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_through_a_padding_dataloader_the_probe_sizes_for_the_longest_sample_and_names_it():
+    model = tiny_bert()
+    loader = torch.utils.data.DataLoader(Sequences(), batch_size=4, shuffle=True, collate_fn=pad)
+    budget = 48 * 2**20
+    report = bw.find_batch(model, loader, budget=budget)
+    assert report.n_attempts <= 4
+    assert report.n_ooms == 1
+    assert "index 17" in report.worst_case
+
+    def worst(batch_size: int) -> dict:
+        return pad([Sequences()[17]] * batch_size)
+
+    assert fits_oracle(model, worst, report.max_batch_size, budget)
+    assert not fits_oracle(model, worst, report.max_batch_size + 1, budget)
