@@ -4,6 +4,7 @@ back to its search where the model cannot hold."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -182,6 +183,84 @@ def test_should_stop_ends_the_search_with_what_it_found():
     assert report.stop_reason == "stopped"
     assert report.max_batch_size == 4
     assert report.n_attempts == 2
+
+
+class TokenModel(nn.Module):
+    """Embedding, one encoder layer, a vocabulary head: memory grows with batch x length, and
+    attention with batch x length^2."""
+
+    def __init__(self, vocab: int = 500) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, 32)
+        self.layer = nn.TransformerEncoderLayer(32, 2, 64, batch_first=True, dropout=0.0)
+        self.head = nn.Linear(32, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.embed(ids)))
+
+
+def tokens(batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 500, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    return ids, ids
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def trains(model: nn.Module, batch: tuple, budget: int) -> bool:
+    import copy
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    try:
+        with TensorMemoryTracker("cpu", budget, [*model.parameters(), *model.buffers()]):
+            for _ in range(2):
+                lm_loss(model(batch[0]), batch[1]).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    except BudgetExceededError:
+        return False
+    return True
+
+
+def test_the_sequence_length_frontier_is_exact_at_each_length():
+    model = TokenModel()
+    budget = 6 * 2**20
+    report = bw.find_batch(model, tokens, loss_fn=lm_loss, budget=budget, seq_len=[64, 16, 32])
+    assert list(report.frontier) == [16, 32, 64]
+    assert report.seq_len == 64
+    assert report.max_batch_size == report.frontier[64]
+    for length, largest in report.frontier.items():
+        assert trains(model, tokens(largest, length), budget)
+        assert not trains(model, tokens(largest + 1, length), budget)
+    assert report.frontier[16] > report.frontier[32] > report.frontier[64]
+    assert report.frontier_tokens[16] == 16 * report.frontier[16]
+    assert "sequence length" in report._repr_html_()
+
+
+def test_seq_len_needs_a_callable_taking_the_length():
+    with pytest.raises(ValueError, match="seq_len should be a list of positive ints"):
+        bw.find_batch(TokenModel(), tokens, seq_len=[0, 16])
+    with pytest.raises(TypeError, match="make_batch should be a callable"):
+        bw.find_batch(TokenModel(), torch.zeros(4, dtype=torch.long), seq_len=[16])
+
+
+def test_the_memory_split_adds_up_to_the_measured_peak():
+    model = TokenModel()
+    report = bw.find_batch(model, functools.partial(tokens, seq_len=32), loss_fn=lm_loss,
+                           budget=6 * 2**20)
+    split = report.memory_split
+    ran = {a.batch_size: a for a in report.attempts}
+    assert split.batch_size == report.max_batch_size
+    assert split.total_bytes == ran[split.batch_size].peak_memory_bytes
+    assert split.parameters_bytes == sum(p.numel() * p.element_size()
+                                         for p in model.parameters())
+    assert split.optimizer_bytes > 0  # AdamW's state, made on the first step
+    assert split.activations_bytes > 0
+    assert sum(split.by_module.values()) == split.activations_bytes
+    assert set(split.by_module) & {"layer.self_attn", "layer", "head", "embed",
+                                   "layer.linear1", "layer.linear2"}
 
 
 # --- real models: a BERT with a 30k vocabulary, dict batches, loss from the output -------------

@@ -25,6 +25,7 @@ class Reading:
     activation_peak_bytes: int | None = None  # forward+backward only; see NOTE [ Two phases ]
     trace: OpTrace | None = None  # per op; see NOTE [ Every op's live bytes are affine ... ]
     live_bytes: int | None = None  # live bytes when the trial ended (or failed)
+    split: tuple | None = None  # TracingTracker.split_at_peak() of a trial that ran
 
 
 class _Where:
@@ -34,14 +35,28 @@ class _Where:
         self.modules = ModuleTracker()
         self.optimizer_phase = False
 
-    def __call__(self) -> str:
-        if self.optimizer_phase:
-            return "optimizer step"
+    def module(self) -> str:
         names = [name for name in self.modules.parents if name != "Global"]
         deepest = max(names, key=lambda name: name.count("."), default="")
         # ModuleTracker names modules "RootClass.child.grandchild": drop the root's class name
-        module = deepest.split(".", 1)[1] if "." in deepest else (deepest or "the step")
-        return f"{'backward' if self.modules.is_bw else 'forward'} of {module}"
+        return deepest.split(".", 1)[1] if "." in deepest else (deepest or "the step")
+
+    def __call__(self) -> str:
+        if self.optimizer_phase:
+            return "optimizer step"
+        return f"{'backward' if self.modules.is_bw else 'forward'} of {self.module()}"
+
+
+def _saving_activations(tracker: TracingTracker | None) -> Any:
+    """Mark what autograd saves for backward as activations (see NOTE [ Where the memory goes ])."""
+    if tracker is None:
+        return nullcontext()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        tracker.mark(tensor, "activation")
+        return tensor
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
 
 
 class TracingTracker(_memory.TensorMemoryTracker):
@@ -53,6 +68,36 @@ class TracingTracker(_memory.TensorMemoryTracker):
         super().__init__(device, budget_bytes, baseline)
         self.trace, self._where = OpTrace(), where
         self._batch_peak: int | None = None  # while making the batch; see collapsed()
+        # See NOTE [ Where the memory goes ]: storage key -> serial, serial -> lifetime
+        self._serials: dict[int, int] = {}
+        self.lifetimes: list[list] = []  # [first op, op it was freed at or None, bytes, module]
+        self.categories: dict[int, str] = {}  # serial -> parameter, gradient, ...
+        for key, (_, nbytes) in self._storages.items():
+            self._born(key, nbytes, -1, "")
+
+    def _born(self, key: int, nbytes: int, op: int, module: str) -> None:
+        self._serials[key] = len(self.lifetimes)
+        self.lifetimes.append([op, None, nbytes, module])
+
+    def mark(self, tensors: Any, category: str) -> None:
+        """File the storages of ``tensors`` under ``category`` (first mark wins)."""
+        for tensor in _memory.unique_tensors([tensors]):
+            serial = self._serials.get(id(tensor.untyped_storage()))
+            if serial is not None:
+                self.categories.setdefault(serial, category)
+
+    def split_at_peak(self) -> tuple[dict[str, int], dict[str, int], int]:
+        """Bytes by category and activation bytes by module alive after the peak op, and it."""
+        peak = max(range(len(self.trace.live)), key=self.trace.live.__getitem__)
+        parts: dict[str, int] = {}
+        modules: dict[str, int] = {}
+        for serial, (born, freed, nbytes, module) in enumerate(self.lifetimes):
+            if born <= peak and (freed is None or freed > peak):
+                category = self.categories.get(serial, "temporary")
+                parts[category] = parts.get(category, 0) + nbytes
+                if category == "activation":
+                    modules[module] = modules.get(module, 0) + nbytes
+        return parts, modules, peak
 
     @contextmanager
     def collapsed(self) -> Iterator[None]:
@@ -74,6 +119,8 @@ class TracingTracker(_memory.TensorMemoryTracker):
         if self.trace is not None and self.live_bytes != before:
             storage = tensor.untyped_storage()
             self.trace.events.append(("alloc", id(storage), storage.nbytes()))
+            module = self._where.module() if self._batch_peak is None else "making the batch"
+            self._born(id(storage), storage.nbytes(), len(self.trace.names), module)
 
     def _release(self, key: int):
         release = super()._release(key)
@@ -83,6 +130,9 @@ class TracingTracker(_memory.TensorMemoryTracker):
             release(ref)
             if self.trace is not None and known is not None and known[0] is ref:
                 self.trace.events.append(("free", key, 0))
+                serial = self._serials.pop(key, None)
+                if serial is not None:
+                    self.lifetimes[serial][1] = len(self.trace.names)
         return traced
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,6 +146,15 @@ class TracingTracker(_memory.TensorMemoryTracker):
                 trace.names.append(str(func))
                 trace.live.append(self.live_bytes)
                 trace.where.append(self._where())
+
+
+# NOTE [ Where the memory goes ]
+# The tracer gives every storage a lifetime (the op that made it, the op it was freed at, its
+# bytes, the module that made it) and a category: the model's parameters and buffers, gradients
+# (the .grad of a parameter when backward ends), optimizer state (what optimizer.state holds after
+# its step), activations (tensors autograd saved for backward, seen by a saved_tensors_hooks pack
+# hook), and temporaries (everything else). The split is read at the op that holds the step's
+# peak, so its parts add up to the measured peak.
 
 
 # NOTE [ Two phases ]
@@ -147,6 +206,12 @@ class TensorMeter:
     def making_batch(self) -> Any:
         return self._tracker.collapsed()
 
+    def mark(self, tensors: Any, category: str) -> None:
+        self._tracker.mark(tensors, category)
+
+    def saving_activations(self) -> Any:
+        return _saving_activations(self._tracker)
+
     def live_bytes(self) -> int:
         return self._tracker.live_bytes
 
@@ -171,6 +236,8 @@ class TensorMeter:
         finally:
             reading.peak_bytes = max(reading.peak_bytes, tracker.peak_bytes)
             reading.trace, reading.live_bytes = tracker.trace, tracker.live_bytes
+            if tracker.trace.complete and tracker.trace.live:
+                reading.split = tracker.split_at_peak()
             self._tracker = None
 
 
@@ -230,6 +297,13 @@ class CudaMeter:
     def making_batch(self) -> Any:
         return self._tracker.collapsed() if self._tracker is not None else nullcontext()
 
+    def mark(self, tensors: Any, category: str) -> None:
+        if self._tracker is not None:
+            self._tracker.mark(tensors, category)
+
+    def saving_activations(self) -> Any:
+        return _saving_activations(self._tracker)
+
     def live_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device)
 
@@ -260,6 +334,8 @@ class CudaMeter:
             reading.live_bytes = torch.cuda.memory_allocated(self.device)
             if tracker is not None:
                 reading.trace = tracker.trace
+                if tracker.trace.complete and tracker.trace.live:
+                    reading.split = tracker.split_at_peak()
             self._tracker = None
 
 

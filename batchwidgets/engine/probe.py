@@ -12,13 +12,15 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Union
 
 import torch
 
-from ..results import Attempt, BatchSizeReport
+from ..results import Attempt, BatchSizeReport, MemorySplit
 from . import _memory, _search
 from ._batches import as_batch_maker, forward_and_loss, to_device
 from ._meters import Reading, make_meter
@@ -167,18 +169,49 @@ def _agree_limit(limit_bytes: int | None) -> int | None:
 # So each size costs one step, or two where the second can differ, up to ``steps_per_trial``.
 
 
+class _Marks:
+    """Files the step's storages for the memory split (NOTE [ Where the memory goes ] in
+    _meters.py): parameters and buffers, gradients as they accumulate, optimizer state."""
+
+    def __init__(self, model: torch.nn.Module | None, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self.params = [] if model is None else [*model.parameters(), *model.buffers()]
+        if optimizer is not None:
+            self.params += [p for group in optimizer.param_groups for p in group["params"]]
+
+    @contextmanager
+    def trial(self, meter: Any) -> Iterator[None]:
+        meter.mark(self.params, "parameter")
+        self.after_step(meter)
+        hooks = [p.register_post_accumulate_grad_hook(
+                     lambda p: meter.mark(p.grad, "gradient"))
+                 for p in self.params if isinstance(p, torch.nn.Parameter) and p.requires_grad]
+        try:
+            with meter.saving_activations():
+                yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def after_step(self, meter: Any) -> None:
+        meter.mark([p.grad for p in self.params if p.grad is not None], "gradient")
+        if self.optimizer is not None:
+            meter.mark([dict(state) for state in self.optimizer.state.values()], "optimizer")
+
+
 class _Trainer:
     """Runs up to ``steps_per_trial`` training steps at one batch size and measures them."""
 
     def __init__(self, step: Callable[[int], None], meter: Any, state: TrainingState,
-                 steps_per_trial: int, tracked: Callable[[], list]) -> None:
+                 steps_per_trial: int, tracked: Callable[[], list], marks: _Marks) -> None:
         self.step, self.meter, self.state = step, meter, state
-        self.steps_per_trial, self.tracked = steps_per_trial, tracked
+        self.steps_per_trial, self.tracked, self.marks = steps_per_trial, tracked, marks
 
     def attempt(self, batch_size: int, trace: bool = True) -> tuple[Attempt, Reading]:
         seconds, oom = None, False
         try:
-            with self.meter.measure(self.tracked, trace=trace) as reading:
+            with self.meter.measure(self.tracked, trace=trace) as reading, \
+                    self.marks.trial(self.meter):
                 for _ in range(self.steps_per_trial):
                     before = self.meter.live_bytes()
                     self.meter.start_step()
@@ -187,6 +220,7 @@ class _Trainer:
                     self.step(batch_size)
                     self.meter.synchronize()
                     seconds = time.perf_counter() - started
+                    self.marks.after_step(self.meter)
                     if self.meter.live_bytes() == before:
                         break  # see NOTE [ A second step only when the first left state behind ]
         except BaseException as error:  # OOM is data; everything else goes to the user as is
@@ -257,7 +291,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                headroom: float = 0.9, *, scheduler: Any = None, scaler: Any = None,
                steps_per_trial: int = 2, start: int | None = None,
                on_step: OnStep | None = None,
-               should_stop: Callable[[], bool] | None = None) -> BatchSizeReport:
+               should_stop: Callable[[], bool] | None = None,
+               seq_len: Sequence[int] | None = None) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -304,6 +339,10 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     should_stop : callable, optional
         Polled before each size (as in ``tune_loader``); True ends the search with what it
         found so far (``stop_reason="stopped"``). A front end's Stop button.
+    seq_len : sequence of int, optional
+        Sequence lengths: ``make_batch(batch_size, seq_len)`` is called, each length probed, and
+        ``report.frontier`` maps each length to its largest batch size (the rest of the report
+        is the longest length's probe).
 
     Returns
     -------
@@ -324,6 +363,12 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     """
     _check_arguments(model, make_batch, amp, max_batch_size, multiple_of, headroom,
                      steps_per_trial, start)
+    if seq_len is not None:
+        return _frontier(model, make_batch, seq_len, loss_fn=loss_fn, optimizer=optimizer,
+                         device=device, budget=budget, amp=amp, max_batch_size=max_batch_size,
+                         multiple_of=multiple_of, headroom=headroom, scheduler=scheduler,
+                         scaler=scaler, steps_per_trial=steps_per_trial, start=start,
+                         on_step=on_step, should_stop=should_stop)
     budget_bytes = _memory.parse_bytes(budget, "budget")
     device = _resolve_device(model, device)
     is_module = isinstance(model, torch.nn.Module)
@@ -351,7 +396,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
             else:
                 step = model
             trainer = _Trainer(step, meter, state, steps_per_trial,
-                               lambda: _state_tensors(model if is_module else None, optimizer))
+                               lambda: _state_tensors(model if is_module else None, optimizer),
+                               _Marks(model if is_module else None, optimizer))
             limit_bytes = _agree_limit(meter.limit_bytes)
             search = _Search(trainer, meter, start=start, multiple_of=multiple_of,
                              ceiling=ceiling, limit_bytes=limit_bytes)
@@ -365,6 +411,40 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     return _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
                    max_batch_size, ceiling, multiple_of, headroom, search,
                    getattr(make_batch_fn, "description", ""))
+
+
+def _frontier(model: Any, make_batch: Any, seq_len: Sequence[int],
+              **options: Any) -> BatchSizeReport:
+    """find_batch at each sequence length; the longest length's report, with the frontier."""
+    lengths = list(seq_len) if not isinstance(seq_len, (int, str)) else None
+    if (not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                           for n in lengths)):
+        raise ValueError(f"seq_len should be a list of positive ints such as [128, 256, 512], "
+                         f"but got seq_len={seq_len!r}.")
+    if not callable(make_batch) or isinstance(make_batch, (torch.Tensor, torch.utils.data.Dataset,
+                                                           torch.utils.data.DataLoader)):
+        raise TypeError(f"make_batch should be a callable make_batch(batch_size, seq_len) with "
+                        f"seq_len, but got {type(make_batch).__name__}; write one that builds a "
+                        f"batch of that many samples of that length.")
+    frontier: dict[int, int] = {}
+    report: BatchSizeReport | None = None
+    for length in sorted(set(lengths)):
+        try:
+            report = find_batch(model, functools.partial(_at_length, make_batch, length),
+                                **options)
+        except NoBatchSizeFits as error:
+            report = error.report
+        frontier[length] = report.max_batch_size
+        if report.stop_reason == "stopped":
+            break
+    report = dataclasses.replace(report, frontier=frontier, seq_len=length)
+    if report.max_batch_size == 0 and report.stop_reason != "stopped":
+        raise NoBatchSizeFits(report)
+    return report
+
+
+def _at_length(make_batch: Callable, length: int, batch_size: int) -> Any:
+    return make_batch(batch_size, length)
 
 
 def _report(attempts: list[Attempt], device: torch.device, budget_bytes: int | None,
@@ -389,10 +469,22 @@ def _report(attempts: list[Attempt], device: torch.device, budget_bytes: int | N
         budget_bytes=budget_bytes, limit_bytes=limit_bytes, baseline_bytes=baseline_bytes,
         memory_model=_search.fit_memory(attempts), headroom=float(headroom),
         multiple_of=multiple_of, amp=amp, stop_reason=stop, peak_segments=segments,
-        method=search.method() if search is not None else "", worst_case=worst_case)
+        method=search.method() if search is not None else "", worst_case=worst_case,
+        memory_split=search.split if search is not None else None)
     if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report
+
+
+def _memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
+                  modules: dict[str, int], peak: int) -> MemorySplit:
+    by_module = dict(sorted(modules.items(), key=lambda item: -item[1]))
+    return MemorySplit(
+        batch_size=batch_size, parameters_bytes=parts.get("parameter", 0),
+        gradients_bytes=parts.get("gradient", 0), optimizer_bytes=parts.get("optimizer", 0),
+        activations_bytes=parts.get("activation", 0),
+        temporaries_bytes=parts.get("temporary", 0), by_module=by_module,
+        where=f"{trace.where[peak]} ({trace.names[peak]})")
 
 
 class _Search:
@@ -410,6 +502,7 @@ class _Search:
         self.attempts: list[Attempt] = []
         self.stopped = False
         self._lowered = False
+        self.split: MemorySplit | None = None  # at the largest size that ran with a trace
 
     def run(self, on_step: OnStep | None, should_stop: Callable[[], bool] | None) -> list[Attempt]:
         while True:
@@ -444,6 +537,9 @@ class _Search:
         trace = reading.trace
         if attempt.fits and trace is not None and trace.complete:
             self.traces[attempt.batch_size] = trace
+            if reading.split is not None and (self.split is None
+                                              or attempt.batch_size > self.split.batch_size):
+                self.split = _memory_split(attempt.batch_size, trace, *reading.split)
             if reading.peak_reserved_bytes:
                 self.overhead_bytes = max(0, reading.peak_reserved_bytes - max(trace.live))
         elif (not attempt.fits and reading.live_bytes is not None

@@ -139,6 +139,17 @@ class BatchSizeReport:
     method: str = ""
     worst_case: str = ""
     memory_split: MemorySplit | None = None
+    # find_batch(..., seq_len=[...]): the largest batch size at each sequence length; the rest of
+    # the report is the probe at ``seq_len``, the longest length
+    frontier: dict[int, int] | None = None
+    seq_len: int | None = None
+
+    @property
+    def frontier_tokens(self) -> dict[int, int] | None:
+        """The frontier in tokens per batch: length x largest batch size."""
+        if self.frontier is None:
+            return None
+        return {length: length * size for length, size in self.frontier.items()}
 
     def predict_peak_bytes(self, batch_size: int) -> float | None:
         """The step's peak at any size, by the per-op model (else the fitted line)."""
@@ -244,4 +255,8 @@ class BatchSizeReport:
         summary = _html.table(self._summary_rows(), caption="batchwidgets: find_batch")
         attempts = attempts_table(self.attempts)
         split = self.memory_split._repr_html_() if self.memory_split is not None else ""
-        return f"<div>{summary}{split}{attempts}{_html.inline_plot(self)}</div>"
+        frontier = "" if self.frontier is None else _html.table(
+            [(length, size, length * size) for length, size in self.frontier.items()],
+            caption="largest batch at each sequence length",
+            header=("sequence length", "batch size", "tokens per batch"))
+        return f"<div>{summary}{frontier}{split}{attempts}{_html.inline_plot(self)}</div>"
