@@ -47,7 +47,14 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
                    [(a.peak_memory_bytes or 0) / MIB for a in failed],
                    "x", color="tab:red", markersize=9, label="out of memory")
     sizes = [a.batch_size for a in report.attempts]
-    if report.memory_model is not None:
+    if report.peak_segments:  # the per-op model: piecewise linear, a kink per change of op
+        kinks = sorted({1, *(s.batch_size for s in report.peak_segments), max(sizes)})
+        memory_ax.plot(kinks, [report.predict_peak_bytes(x) / MIB for x in kinks], "-",
+                       color="tab:gray", alpha=0.8, label="per-op model")
+        inner = kinks[1:-1]
+        memory_ax.plot(inner, [report.predict_peak_bytes(x) / MIB for x in inner], "|",
+                       color="tab:gray", markersize=12)
+    elif report.memory_model is not None:
         xs = [0, max(sizes)]
         memory_ax.plot(xs, [report.memory_model.predict_bytes(x) / MIB for x in xs], "--",
                        color="tab:gray", label="fitted model")
@@ -65,7 +72,40 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
     speed_ax.set_xlabel("batch size")
     speed_ax.set_ylabel("samples/s")
     speed_ax.set_title("throughput")
+    if ax is None and (report.memory_split is not None or report.frontier):
+        _draw_probe_extras(figure, report)
     return figure
+
+
+def _draw_probe_extras(figure: Figure, report: BatchSizeReport) -> None:
+    """Below the two panels: where the memory goes (a stacked bar) and the length frontier."""
+    figure.set_size_inches(9, 6.4)
+    memory_ax, speed_ax = figure.axes[:2]
+    grid = figure.add_gridspec(2, 2)
+    memory_ax.set_subplotspec(grid[0, 0])
+    speed_ax.set_subplotspec(grid[0, 1])
+    split = report.memory_split
+    if split is not None:
+        bar_ax = figure.add_subplot(grid[1, 0])
+        left = 0.0
+        parts = (("parameters", split.parameters_bytes), ("gradients", split.gradients_bytes),
+                 ("optimizer", split.optimizer_bytes), ("activations", split.activations_bytes),
+                 ("temporaries", split.temporaries_bytes))
+        for name, value in parts:
+            bar_ax.barh([0], [value / MIB], left=left, label=name)
+            left += value / MIB
+        bar_ax.set_yticks([])
+        bar_ax.set_xlabel("MiB at the peak")
+        bar_ax.set_title(f"where the memory goes at batch size {split.batch_size}")
+        bar_ax.legend(fontsize="small", ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    if report.frontier:
+        frontier_ax = figure.add_subplot(grid[1, 1])
+        lengths = list(report.frontier)
+        frontier_ax.plot(lengths, list(report.frontier.values()), "o-", color="tab:purple")
+        frontier_ax.set_xscale("log", base=2)
+        frontier_ax.set_xlabel("sequence length")
+        frontier_ax.set_ylabel("largest batch size")
+        frontier_ax.set_title("the (batch, length) frontier")
 
 
 def plot_accumulate(report: AccumulationReport, *, ax: Axes | None = None) -> Figure:
