@@ -86,6 +86,31 @@ class TracingTracker(_memory.TensorMemoryTracker):
             if serial is not None:
                 self.categories.setdefault(serial, category)
 
+    def record_parts(self, top_modules: int = 3) -> None:
+        """Per op, the live bytes of the optimizer state and of the activations saved by each of
+        the ``top_modules`` modules that save the most (a sweep over the lifetimes)."""
+        n = len(self.trace.live)
+        saved: dict[str, int] = {}
+        for serial, (_, _, nbytes, module) in enumerate(self.lifetimes):
+            if self.categories.get(serial) == "activation":
+                saved[module] = saved.get(module, 0) + nbytes
+        wanted = {"optimizer": "optimizer"}
+        for module in sorted(saved, key=saved.get, reverse=True)[:top_modules]:
+            wanted[f"activation of {module}"] = module
+        for part, key in wanted.items():
+            delta = [0] * (n + 1)
+            for serial, (born, freed, nbytes, module) in enumerate(self.lifetimes):
+                category = self.categories.get(serial)
+                if (category == key) if part == "optimizer" else (
+                        category == "activation" and module == key):
+                    delta[max(born, 0)] += nbytes
+                    delta[n if freed is None else min(freed, n)] -= nbytes
+            running, values = 0, []
+            for i in range(n):
+                running += delta[i]
+                values.append(running)
+            self.trace.parts[part] = values
+
     def split_at_peak(self) -> tuple[dict[str, int], dict[str, int], int]:
         """Bytes by category and activation bytes by module alive after the peak op, and it."""
         peak = max(range(len(self.trace.live)), key=self.trace.live.__getitem__)
@@ -238,6 +263,7 @@ class TensorMeter:
             reading.trace, reading.live_bytes = tracker.trace, tracker.live_bytes
             if tracker.trace.complete and tracker.trace.live:
                 reading.split = tracker.split_at_peak()
+                tracker.record_parts()
             self._tracker = None
 
 
@@ -336,6 +362,7 @@ class CudaMeter:
                 reading.trace = tracker.trace
                 if tracker.trace.complete and tracker.trace.live:
                     reading.split = tracker.split_at_peak()
+                    tracker.record_parts()
             self._tracker = None
 
 

@@ -39,6 +39,17 @@ class OpTrace:
     where: list[str] = field(default_factory=list)
     events: list[tuple[str, int, int]] = field(default_factory=list)
     complete: bool = True
+    # after the trial: per op, the live bytes of one part ("optimizer", "activation of head"),
+    # what the what-ifs take away (see _what_if.py)
+    parts: dict[str, list[int]] = field(default_factory=dict)
+
+    def without(self, *parts: str) -> OpTrace:
+        """The same trace with the bytes of ``parts`` taken away at every op."""
+        live = list(self.live)
+        for part in parts:
+            for i, value in enumerate(self.parts.get(part, ())):
+                live[i] -= value
+        return OpTrace(names=self.names, live=live, where=self.where)
 
     def same_ops(self, other: OpTrace) -> bool:
         return self.names == other.names

@@ -21,7 +21,7 @@ from typing import Any, Union
 import torch
 
 from ..results import Attempt, BatchSizeReport, MemorySplit
-from . import _memory, _search
+from . import _memory, _search, _what_if
 from ._batches import as_batch_maker, forward_and_loss, to_device
 from ._meters import Reading, make_meter
 from ._state import TrainingState
@@ -292,7 +292,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                steps_per_trial: int = 2, start: int | None = None,
                on_step: OnStep | None = None,
                should_stop: Callable[[], bool] | None = None,
-               seq_len: Sequence[int] | None = None) -> BatchSizeReport:
+               seq_len: Sequence[int] | None = None,
+               what_if: bool = False) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -343,6 +344,11 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         Sequence lengths: ``make_batch(batch_size, seq_len)`` is called, each length probed, and
         ``report.frontier`` maps each length to its largest batch size (the rest of the report
         is the longest length's probe).
+    what_if : bool
+        Also probe with each change the user could make (bf16, fp16, SGD, ``foreach=False``) and
+        list the largest batch under each in ``report.what_if``, measured. Rows the per-op model
+        predicts (no optimizer state, activation checkpointing of the largest blocks) are there
+        whenever the model is.
 
     Returns
     -------
@@ -359,7 +365,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     >>> opt = torch.optim.Adam(model.parameters())
     >>> report = find_batch(model, torch.randn(3, 32, 32), optimizer=opt, budget="8MiB")
     >>> report.max_batch_size, report.first_oom_batch_size
-    (621, 622)
+    (622, 623)
     """
     _check_arguments(model, make_batch, amp, max_batch_size, multiple_of, headroom,
                      steps_per_trial, start)
@@ -368,7 +374,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                          device=device, budget=budget, amp=amp, max_batch_size=max_batch_size,
                          multiple_of=multiple_of, headroom=headroom, scheduler=scheduler,
                          scaler=scaler, steps_per_trial=steps_per_trial, start=start,
-                         on_step=on_step, should_stop=should_stop)
+                         on_step=on_step, should_stop=should_stop, what_if=what_if)
     budget_bytes = _memory.parse_bytes(budget, "budget")
     device = _resolve_device(model, device)
     is_module = isinstance(model, torch.nn.Module)
@@ -408,9 +414,22 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
             model.to(home)
         home_state.restore()
         _memory.free_memory(device)
-    return _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
-                   max_batch_size, ceiling, multiple_of, headroom, search,
-                   getattr(make_batch_fn, "description", ""))
+    report = _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
+                     max_batch_size, ceiling, multiple_of, headroom, search,
+                     getattr(make_batch_fn, "description", ""))
+    rows = []
+    if search.model is not None and limit_bytes is not None:
+        modules = {name for name, _ in model.named_modules() if name} if is_module else ()
+        rows += _what_if.predicted(search.model, limit_bytes - search.overhead_bytes,
+                                   multiple_of=multiple_of, ceiling=ceiling, modules=modules)
+    if what_if and is_module:
+        probe = functools.partial(
+            find_batch, model, make_batch, loss_fn=loss_fn, optimizer=optimizer, device=device,
+            budget=budget, amp=amp, max_batch_size=max_batch_size, multiple_of=multiple_of,
+            headroom=headroom, scheduler=scheduler, scaler=scaler,
+            steps_per_trial=steps_per_trial, start=start, should_stop=should_stop)
+        rows += _what_if.measured(probe, optimizer, amp)
+    return dataclasses.replace(report, what_if=tuple(rows)) if rows else report
 
 
 def _frontier(model: Any, make_batch: Any, seq_len: Sequence[int],

@@ -30,6 +30,7 @@ from .probe import (
     MemoryModel,
     MemorySplit,
     PeakSegment,
+    WhatIf,
     attempts_table,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "NoiseReport",
     "NoiseTrackerReport",
     "PeakSegment",
+    "WhatIf",
     "attempts_table",
     "batch_variance",
     "examples_over_min",

@@ -103,6 +103,21 @@ class MemorySplit:
                                                  f"{self.batch_size}") + modules)
 
 
+@dataclass(frozen=True)
+class WhatIf:
+    """The largest batch under one change the user could make (``report.what_if``)."""
+
+    name: str  # "bf16", "SGD (no optimizer state)", "checkpoint encoder.layer.0", ...
+    max_batch_size: int
+    measured: bool  # True: probed with the change; False: predicted from the per-op model
+    cost: str  # what the change costs, in one line (speed, numerics)
+    samples_per_s: float | None = None  # at max_batch_size, where it was run
+
+    def row(self) -> tuple[object, ...]:
+        return (self.name, self.max_batch_size, "measured" if self.measured else "predicted",
+                _html.format_number(self.samples_per_s, 4), self.cost)
+
+
 def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
     """The probe's attempts as an escaped HTML table (the report's and the live panel's)."""
     rows = [(a.batch_size, "yes" if a.fits else "OOM", _html.format_bytes(a.peak_memory_bytes),
@@ -143,6 +158,8 @@ class BatchSizeReport:
     # the report is the probe at ``seq_len``, the longest length
     frontier: dict[int, int] | None = None
     seq_len: int | None = None
+    what_if: tuple[WhatIf, ...] = ()
+    target: str | None = None  # find_batch(..., target=): the GPU the answer is predicted for
 
     @property
     def frontier_tokens(self) -> dict[int, int] | None:
@@ -259,4 +276,8 @@ class BatchSizeReport:
             [(length, size, length * size) for length, size in self.frontier.items()],
             caption="largest batch at each sequence length",
             header=("sequence length", "batch size", "tokens per batch"))
-        return f"<div>{summary}{frontier}{split}{attempts}{_html.inline_plot(self)}</div>"
+        what_if = "" if not self.what_if else _html.table(
+            [row.row() for row in self.what_if], caption="what if",
+            header=("change", "max batch size", "how", "samples/s", "cost"))
+        return (f"<div>{summary}{frontier}{what_if}{split}{attempts}"
+                f"{_html.inline_plot(self)}</div>")
