@@ -1,0 +1,421 @@
+"""A model of PyTorch's CUDA caching allocator, the replay of a step's allocation trace through
+it, the batch size a cap allows, and a table of common GPUs.
+
+Usage:
+    >>> from batchwidgets.engine._cuda_model import CachingAllocatorModel
+    >>> model = CachingAllocatorModel()
+    >>> handle = model.malloc(1000)
+    >>> model.allocated_bytes, model.reserved_bytes
+    (1024, 2097152)
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._memory import parse_bytes
+
+# NOTE [ Which allocator rules the model follows ]
+# From c10/cuda/CUDACachingAllocator.cpp (DeviceCachingAllocator; defaults of
+# PYTORCH_CUDA_ALLOC_CONF), rewritten here:
+# - round_size: a request is rounded up to a multiple of 512 B, at least 512 B.
+# - get_pool: rounded sizes <= 1 MiB go to the small pool, larger ones to the large pool.
+# - get_allocation_size: a new segment is 2 MiB for the small pool, 20 MiB for sizes below
+#   10 MiB, else the size rounded up to 2 MiB.
+# - get_free_block: best fit, the smallest free block of the pool that is large enough, ties
+#   broken by address (the pool is a set ordered by size, then address).
+# - should_split: the rest of a block is split off when it is >= 512 B (small pool) or > 1 MiB
+#   (large pool); otherwise the whole block is handed out, and "allocated" counts it whole.
+# - free_block: a freed block merges with its free neighbours of the same segment, then goes
+#   back to its pool. Nothing goes back to the driver.
+# - malloc: search the pool; else allocate a segment; if that would pass the cap
+#   (set_per_process_memory_fraction), release every cached segment that is wholly free
+#   (release_cached_blocks) and try once more; then raise OutOfMemoryError.
+# - a request of 0 bytes takes no block (the allocator returns a null pointer).
+# Left out: streams and cross-stream events (one stream), expandable segments, max_split_size
+# and its oversize-block rules (the default is unlimited, so they are off), roundup_power2
+# divisions, garbage_collection_threshold, CUDA graph pools, and a real driver's own limits
+# (only the cap can fail). Segment addresses are a counter, so ties in best fit go to the
+# older segment, where the driver's addresses could order them otherwise.
+
+KIB, MIB = 2**10, 2**20
+MIN_BLOCK_BYTES = 512  # kMinBlockSize
+SMALL_SIZE_BYTES = 1 * MIB  # kSmallSize: the largest request of the small pool
+SMALL_SEGMENT_BYTES = 2 * MIB  # kSmallBuffer
+LARGE_SEGMENT_BYTES = 20 * MIB  # kLargeBuffer
+MIN_LARGE_ALLOC_BYTES = 10 * MIB  # kMinLargeAlloc
+ROUND_LARGE_BYTES = 2 * MIB  # kRoundLarge
+
+
+def round_size(nbytes: int) -> int:
+    """The block size the allocator hands out for a request of ``nbytes`` (``round_size``)."""
+    if nbytes < MIN_BLOCK_BYTES:
+        return MIN_BLOCK_BYTES
+    return -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+
+
+def segment_size(size: int) -> int:
+    """The segment ``cudaMalloc``-ed for a rounded block size (``get_allocation_size``)."""
+    if size <= SMALL_SIZE_BYTES:
+        return SMALL_SEGMENT_BYTES
+    if size < MIN_LARGE_ALLOC_BYTES:
+        return LARGE_SEGMENT_BYTES
+    return -(-size // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
+
+
+def format_bytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", MIB), ("KiB", KIB)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
+class _Block:
+    __slots__ = ("address", "allocated", "next", "prev", "size", "small")
+
+    def __init__(self, address: int, size: int, small: bool) -> None:
+        self.address, self.size, self.small = address, size, small
+        self.allocated = False
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.address)
+
+
+class CachingAllocatorModel:
+    """PyTorch's CUDA caching allocator in bytes only (NOTE [ Which allocator rules the model
+    follows ]): blocks, segments, pools, and ``torch.OutOfMemoryError`` at ``cap_bytes`` of
+    reserved memory, as ``torch.cuda.set_per_process_memory_fraction`` caps a process."""
+
+    def __init__(self, cap_bytes: int | None = None) -> None:
+        self.cap_bytes = cap_bytes
+        self.allocated_bytes = 0
+        self.reserved_bytes = 0
+        self.peak_allocated_bytes = 0
+        self.peak_reserved_bytes = 0
+        self.n_segments = 0
+        self._pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # sorted keys
+        self._free: dict[tuple[int, int], _Block] = {}  # (size, address) -> free block
+        self._next_address = 0
+
+    # -- public API --------------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> _Block | None:
+        """Allocate ``nbytes``; the handle goes to ``free``. ``None`` for 0 bytes."""
+        if nbytes <= 0:
+            return None
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE_BYTES
+        block = self._take_free_block(size, small)
+        if block is None:
+            block = self._new_segment(size, small)
+        remaining = block.size - size
+        if (remaining >= MIN_BLOCK_BYTES) if small else (remaining > SMALL_SIZE_BYTES):
+            rest = _Block(block.address + size, remaining, small)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._insert(rest)
+        block.allocated = True
+        self.allocated_bytes += block.size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        return block
+
+    def free(self, handle: _Block | None) -> None:
+        """Return a block to its pool, merged with its free neighbours in the segment."""
+        if handle is None:
+            return
+        if not handle.allocated:
+            raise RuntimeError("CachingAllocatorModel.free got a block that is not allocated; "
+                               "this is a bug in batchwidgets; please report it.")
+        handle.allocated = False
+        self.allocated_bytes -= handle.size
+        for neighbour in (handle.prev, handle.next):
+            if neighbour is not None and not neighbour.allocated:
+                self._remove(neighbour)
+                if neighbour is handle.prev:
+                    handle.address, handle.prev = neighbour.address, neighbour.prev
+                    if handle.prev is not None:
+                        handle.prev.next = handle
+                else:
+                    handle.next = neighbour.next
+                    if handle.next is not None:
+                        handle.next.prev = handle
+                handle.size += neighbour.size
+        self._insert(handle)
+
+    def empty_cache(self) -> None:
+        """Release every cached segment that is wholly free (``release_cached_blocks``)."""
+        for key in [k for k, b in self._free.items() if b.prev is None and b.next is None]:
+            block = self._free[key]
+            self._remove(block)
+            self.reserved_bytes -= block.size
+            self.n_segments -= 1
+
+    def reset_peaks(self) -> None:
+        self.peak_allocated_bytes = self.allocated_bytes
+        self.peak_reserved_bytes = self.reserved_bytes
+
+    def largest_free_bytes(self) -> int:
+        """What cuDNN may ask for without an error: the larger of the room left under the cap
+        and the largest cached free block (``cacheInfo``). Unbounded without a cap."""
+        cached = max((key[0] for key in self._free), default=0)
+        if self.cap_bytes is None:
+            return 2**62
+        return max(cached, self.cap_bytes - self.reserved_bytes)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _insert(self, block: _Block) -> None:
+        key = block.key()
+        self._free[key] = block
+        bisect.insort(self._pools[block.small], key)
+
+    def _remove(self, block: _Block) -> None:
+        key = block.key()
+        del self._free[key]
+        pool = self._pools[block.small]
+        del pool[bisect.bisect_left(pool, key)]
+
+    def _take_free_block(self, size: int, small: bool) -> _Block | None:
+        pool = self._pools[small]
+        index = bisect.bisect_left(pool, (size, -1))
+        if index == len(pool):
+            return None
+        return self._free.pop(pool.pop(index))
+
+    def _new_segment(self, size: int, small: bool) -> _Block:
+        nbytes = segment_size(size)
+        if self.cap_bytes is not None and self.reserved_bytes + nbytes > self.cap_bytes:
+            self.empty_cache()  # what the real allocator does before it gives up
+            if self.reserved_bytes + nbytes > self.cap_bytes:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (batchwidgets' simulated device). Tried to allocate "
+                    f"{format_bytes(nbytes)} (a segment for a {format_bytes(size)} block); "
+                    f"{format_bytes(self.reserved_bytes)} reserved, "
+                    f"{format_bytes(self.allocated_bytes)} allocated, cap "
+                    f"{format_bytes(self.cap_bytes)} ({self.cap_bytes} bytes).")
+        block = _Block(self._next_address, nbytes, small)
+        self._next_address += nbytes
+        self.reserved_bytes += nbytes
+        self.n_segments += 1
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        return block
+
+
+# -- traces ---------------------------------------------------------------------------------
+Event = tuple[str, int, int]  # ("alloc", key, nbytes) or ("free", key, 0)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    fits: bool
+    failed_at: int | None  # index of the event that ran out; -1: the preallocated storages
+
+
+def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
+           preallocated: Iterable[int | tuple[int, int]] = ()) -> ReplayResult:
+    """Run a step's allocation trace through a fresh ``CachingAllocatorModel(cap_bytes)``.
+
+    ``preallocated`` are the storages alive before the step (weights, gradients, optimizer
+    state), allocated first in their order: a size, or a ``(key, nbytes)`` pair that a
+    ``("free", key, 0)`` event of the trace may free. Frees of unknown keys are ignored.
+    """
+    model = CachingAllocatorModel(cap_bytes)
+    handles: dict[int, object] = {}
+    index = -1
+    try:
+        for item in preallocated:
+            key, nbytes = item if isinstance(item, tuple) else (None, item)
+            handle = model.malloc(nbytes)
+            if key is not None:
+                handles[key] = handle
+        for index, (kind, key, nbytes) in enumerate(events):
+            if kind == "alloc":
+                handles[key] = model.malloc(nbytes)
+            elif kind == "free":
+                if key in handles:
+                    model.free(handles.pop(key))
+            else:
+                raise ValueError(f"events should hold ('alloc', key, nbytes) and "
+                                 f"('free', key, 0) tuples, but got events[{index}]="
+                                 f"{(kind, key, nbytes)!r}.")
+    except torch.OutOfMemoryError:
+        return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, False, index)
+    return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, True, None)
+
+
+def _affine(n_a: int, batch_a: int, n_b: int, batch_b: int, batch_size: int) -> int:
+    """The line through (batch_a, n_a) and (batch_b, n_b) at batch_size, rounded half up,
+    in integers so a trace of a million events scales without float error."""
+    numerator = n_a * (batch_b - batch_size) + n_b * (batch_size - batch_a)
+    span = batch_b - batch_a
+    if span < 0:
+        numerator, span = -numerator, -span
+    return max(0, (2 * numerator + span) // (2 * span))
+
+
+def scale_events(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Event],
+                 batch_b: int, batch_size: int) -> list[Event] | None:
+    """The trace at ``batch_size``: each allocation's size on the line through the two traces.
+
+    The traces correspond event by event (same length, same kinds, each free releasing the
+    allocation at the same position), else the answer is ``None``. Allocations get the key
+    ``-1 - position``; a free of a storage allocated before the trace keeps ``events_a``'s key.
+    """
+    if batch_a == batch_b:
+        raise ValueError(f"batch_b should differ from batch_a ({batch_a}), but got "
+                         f"batch_b={batch_b!r}; trace two different batch sizes.")
+    if len(events_a) != len(events_b):
+        return None
+    where_a: dict[int, int] = {}
+    where_b: dict[int, int] = {}
+    scaled: list[Event] = []
+    for position, ((kind, key_a, n_a), (kind_b, key_b, n_b)) in enumerate(
+            zip(events_a, events_b)):
+        if kind != kind_b:
+            return None
+        if kind == "alloc":
+            where_a[key_a] = where_b[key_b] = position
+            scaled.append(("alloc", -1 - position,
+                           _affine(n_a, batch_a, n_b, batch_b, batch_size)))
+        else:
+            at_a, at_b = where_a.pop(key_a, None), where_b.pop(key_b, None)
+            if at_a != at_b:
+                return None
+            scaled.append(("free", key_a if at_a is None else -1 - at_a, 0))
+    return scaled
+
+
+def _crossings(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Event],
+               batch_b: int) -> list[int]:
+    """Batch sizes where a growing allocation reaches 10 MiB: its segment shrinks from 20 MiB to
+    its own size rounded to 2 MiB there, so a size past a failing one may fit again."""
+    threshold = MIN_LARGE_ALLOC_BYTES - MIN_BLOCK_BYTES + 1  # round_size(n) >= 10 MiB from here
+    found = set()
+    for (kind, _, n_a), (_, _, n_b) in zip(events_a, events_b):
+        slope = (n_b - n_a) * (1 if batch_b > batch_a else -1)
+        if kind != "alloc" or slope <= 0:
+            continue
+        # first integer B with n_a + (n_b - n_a) (B - batch_a) / (batch_b - batch_a) >= threshold
+        span = abs(batch_b - batch_a)
+        found.add(batch_a - (-(threshold - n_a) * span // slope))
+    return sorted(found)
+
+
+def largest_batch_size(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Event],
+                       batch_b: int, cap_bytes: int, *, multiple_of: int = 1,
+                       ceiling: int = 2**24, preallocated: Iterable[int | tuple[int, int]] = (),
+                       overhead_bytes: int = 0) -> int:
+    """The largest multiple of ``multiple_of`` (up to ``ceiling``) whose scaled trace replays
+    under ``cap_bytes - overhead_bytes``; 0 when none does.
+
+    See NOTE [ Searching a reserved peak that is not monotone ].
+    """
+    if multiple_of < 1:
+        raise ValueError(f"multiple_of should be a positive int, but got "
+                         f"multiple_of={multiple_of!r}.")
+    if scale_events(events_a, batch_a, events_b, batch_b, batch_a) is None:
+        raise ValueError("events_a and events_b should be traces of the same ops (same length, "
+                         "same kinds, frees in the same places), but they differ; check "
+                         "scale_events(...) is not None before predicting.")
+    preallocated = list(preallocated)
+    limit = cap_bytes - overhead_bytes
+    top = ceiling // multiple_of
+    memo: dict[int, bool] = {}
+
+    def fits(k: int) -> bool:
+        if k not in memo:
+            events = scale_events(events_a, batch_a, events_b, batch_b, k * multiple_of)
+            memo[k] = replay(events, limit, preallocated=preallocated).fits
+        return memo[k]
+
+    def boundary(lo: int) -> int:  # fits(lo); the k >= lo with fits(k) and not fits(k + 1)
+        step, hi = 1, lo + 1
+        while hi <= top and fits(hi):
+            lo, step = hi, step * 2
+            hi = lo + step
+        hi = min(hi, top + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    best = boundary(1) if top >= 1 and fits(1) else 0
+    for batch_size in _crossings(events_a, batch_a, events_b, batch_b):
+        k = -(-batch_size // multiple_of)
+        if best < k <= top and fits(k):
+            best = boundary(k)
+    return best * multiple_of
+
+
+# NOTE [ Searching a reserved peak that is not monotone ]
+# The reserved peak grows with the batch size almost everywhere, so the search doubles, then
+# bisects to a size that fits next to one that does not. One rule of the allocator breaks
+# monotony: a request under 10 MiB gets a 20 MiB segment, one of 10 MiB its own 10 MiB, so a
+# batch size past a failing one can fit again. Each size where a growing allocation reaches
+# 10 MiB is tried after the bisection, and the search resumes from there when it fits. Best-fit
+# placement could in principle make other sizes non-monotone; the answer is always a size that
+# replays under the cap, with the next size replayed out of memory.
+
+
+# -- targets --------------------------------------------------------------------------------
+# NOTE [ GPU targets ]
+# total_memory as torch.cuda.get_device_properties(0).total_memory reports it (cudaDeviceProp
+# .totalGlobalMem), from printouts of _CudaDeviceProperties and deviceQuery in public issues
+# and docs (the MiB figure where only that was printed). It varies by a few MiB with driver,
+# ECC and board (seen: T4 14,930-15,109 MiB, V100-32GB 32,480-32,511 MiB, A100-80GB
+# 81,051-81,251 MiB, H100 81,082-81,090 MiB); the common or lower value is taken.
+# The CUDA context (driver state, kernel images of cuBLAS/cuDNN and PyTorch, loaded lazily since
+# CUDA 11.7) takes device memory that the caching allocator never sees and that
+# set_per_process_memory_fraction does not count; with lazy loading it is about 300-500 MiB on
+# Ampere and Hopper. CUDA_CONTEXT_BYTES takes 512 MiB: overestimating it only lowers the
+# predicted batch, and the prediction should not land above the real boundary.
+GPU_TARGETS: dict[str, int] = {
+    "T4": 15_095 * MIB,  # Tesla T4 (Colab), torch printout
+    "L4": 23_612_293_120,  # deviceQuery: 22,518 MiB
+    "A10G": 22_587 * MIB,  # AWS g5, torch printout
+    "V100-16GB": 16_160 * MIB,  # V100-SXM2-16GB, torch printout
+    "V100-32GB": 34_089_730_048,  # V100-SXM2-32GB, deviceQuery: 32,510 MiB
+    "A100-40GB": 42_298_834_944,  # A100-SXM4-40GB, deviceQuery: 40,339 MiB
+    "A100-80GB": 84_987_740_160,  # A100-SXM4-80GB, deviceQuery: 81,051 MiB
+    "H100-80GB": 81_082 * MIB,  # H100 80GB HBM3 (SXM), torch printout
+    "H200": 143_156 * MIB,  # H200 (141 GB HBM3e), torch printout
+}
+CUDA_CONTEXT_BYTES = 512 * MIB
+_FAMILIES = {"v100": "V100-16GB", "a100": "A100-40GB", "h100": "H100-80GB"}  # smallest variant
+
+
+def _normal(name: str) -> str:
+    name = re.sub(r"[\s_\-]+", "", name.lower()).replace("nvidia", "").replace("tesla", "")
+    return re.sub(r"(\d)(gib|g)$", r"\1gb", name)
+
+
+def parse_target(value: int | str) -> tuple[str, int]:
+    """``(name, usable_bytes)`` for a GPU name of ``GPU_TARGETS`` or a size.
+
+    A name is case- and punctuation-blind (``"a100 40gb"``, ``"A100-40GB"``; a bare family such
+    as ``"a100"`` means its smallest variant); its usable bytes are the total memory less the
+    CUDA context (NOTE [ GPU targets ]). A size (``"24GiB"``, ``"16GB"``, ``"512M"``, an int)
+    is the memory the process may use, as ``budget`` is.
+    """
+    if isinstance(value, str) and not re.match(r"^\s*[0-9.]", value):
+        wanted = _normal(value)
+        names = {_normal(name): name for name in GPU_TARGETS}
+        name = names.get(wanted) or _FAMILIES.get(wanted)
+        if name is None:
+            raise ValueError(f"target should be one of {', '.join(GPU_TARGETS)} or a size such "
+                             f"as '24GiB', but got target={value!r}.")
+        return name, GPU_TARGETS[name] - CUDA_CONTEXT_BYTES
+    size = value
+    if isinstance(value, str) and re.match(r"^\s*[0-9.]+\s*[kKmMgGtT]\s*$", value):
+        size = value.strip() + "iB"  # "512M" is 512 MiB, as nvidia-smi and Slurm write it
+    nbytes = parse_bytes(size, "target")
+    return (value.strip() if isinstance(value, str) else f"{nbytes} bytes"), nbytes
