@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -294,20 +294,36 @@ def scale_events(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Eve
     return scaled
 
 
-def _crossings(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Event],
-               batch_b: int) -> list[int]:
-    """Batch sizes where a growing allocation reaches 10 MiB: its segment shrinks from 20 MiB to
-    its own size rounded to 2 MiB there, so a size past a failing one may fit again."""
-    threshold = MIN_LARGE_ALLOC_BYTES - MIN_BLOCK_BYTES + 1  # round_size(n) >= 10 MiB from here
-    found = set()
-    for (kind, _, n_a), (_, _, n_b) in zip(events_a, events_b):
-        slope = (n_b - n_a) * (1 if batch_b > batch_a else -1)
-        if kind != "alloc" or slope <= 0:
-            continue
-        # first integer B with n_a + (n_b - n_a) (B - batch_a) / (batch_b - batch_a) >= threshold
-        span = abs(batch_b - batch_a)
-        found.add(batch_a - (-(threshold - n_a) * span // slope))
-    return sorted(found)
+def _live_peak(events: Iterable[Event], preallocated: Sequence[int | tuple[int, int]]) -> int:
+    """The peak of the rounded live bytes: a lower bound of the allocated, so of the reserved,
+    peak that costs no allocator."""
+    sizes = {}
+    for item in preallocated:
+        key, nbytes = item if isinstance(item, tuple) else (object(), item)
+        sizes[key] = round_size(nbytes) if nbytes > 0 else 0
+    live = peak = sum(sizes.values())
+    for kind, key, nbytes in events:
+        if kind == "alloc":
+            sizes[key] = round_size(nbytes) if nbytes > 0 else 0
+            live += sizes[key]
+            peak = max(peak, live)
+        else:
+            live -= sizes.pop(key, 0)
+    return peak
+
+
+def _last_true(predicate: Callable[[int], bool], lo: int, top: int) -> int:
+    """From ``lo`` (where ``predicate`` holds), double, then bisect to the last k <= top where it
+    holds with the next one failing."""
+    step, hi = 1, lo + 1
+    while hi <= top and predicate(hi):
+        lo, step = hi, step * 2
+        hi = lo + step
+    hi = min(hi, top + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predicate(mid) else (lo, mid)
+    return lo
 
 
 def largest_batch_size(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Event],
@@ -329,41 +345,35 @@ def largest_batch_size(events_a: Sequence[Event], batch_a: int, events_b: Sequen
     preallocated = list(preallocated)
     limit = cap_bytes - overhead_bytes
     top = ceiling // multiple_of
-    memo: dict[int, bool] = {}
+
+    def scaled(k: int) -> list[Event]:
+        return scale_events(events_a, batch_a, events_b, batch_b, k * multiple_of)
 
     def fits(k: int) -> bool:
-        if k not in memo:
-            events = scale_events(events_a, batch_a, events_b, batch_b, k * multiple_of)
-            memo[k] = replay(events, limit, preallocated=preallocated).fits
-        return memo[k]
+        return replay(scaled(k), limit, preallocated=preallocated).fits
 
-    def boundary(lo: int) -> int:  # fits(lo); the k >= lo with fits(k) and not fits(k + 1)
-        step, hi = 1, lo + 1
-        while hi <= top and fits(hi):
-            lo, step = hi, step * 2
-            hi = lo + step
-        hi = min(hi, top + 1)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+    def may_fit(k: int) -> bool:
+        return k == 0 or _live_peak(scaled(k), preallocated) <= limit
 
-    best = boundary(1) if top >= 1 and fits(1) else 0
-    for batch_size in _crossings(events_a, batch_a, events_b, batch_b):
-        k = -(-batch_size // multiple_of)
-        if best < k <= top and fits(k):
-            best = boundary(k)
-    return best * multiple_of
+    possible = _last_true(may_fit, 0, top)  # no size above has room for its tensors alone
+    if possible == 0:
+        return 0
+    found = _last_true(fits, 1, possible) if fits(1) else 0
+    for k in range(possible, found, -1):
+        if fits(k):
+            return k * multiple_of
+    return found * multiple_of
 
 
 # NOTE [ Searching a reserved peak that is not monotone ]
 # The reserved peak grows with the batch size almost everywhere, so the search doubles, then
-# bisects to a size that fits next to one that does not. One rule of the allocator breaks
-# monotony: a request under 10 MiB gets a 20 MiB segment, one of 10 MiB its own 10 MiB, so a
-# batch size past a failing one can fit again. Each size where a growing allocation reaches
-# 10 MiB is tried after the bisection, and the search resumes from there when it fits. Best-fit
-# placement could in principle make other sizes non-monotone; the answer is always a size that
-# replays under the cap, with the next size replayed out of memory.
+# bisects to a size that fits next to one that does not. It is not monotone everywhere: a request
+# under 10 MiB gets a 20 MiB segment and one of 10 MiB only its own 10 MiB, and best fit packs
+# the blocks of one size better than those of the next. So the sizes from that boundary up to
+# the last one whose rounded live bytes alone stay under the cap (a lower bound of the reserved
+# peak, monotone when no allocation shrinks with the batch) are tried from the top down, and
+# the first that fits is the answer: the largest that fits, as a scan of every size would find.
+# It costs one replay per size in that window, a few percent of the batch size in practice.
 
 
 # -- targets --------------------------------------------------------------------------------
