@@ -3,26 +3,28 @@ brute force, and the simulated CUDA device against the predictions made from two
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
 import torch
+from torch import nn
 
 from batchwidgets.engine import _memory
 from batchwidgets.engine._cuda_model import (
-    CUDA_CONTEXT_BYTES,
-    GPU_TARGETS,
     MIB,
     CachingAllocatorModel,
     largest_batch_size,
-    parse_target,
     replay,
     scale_events,
 )
 from batchwidgets.engine._cuda_sim import (
+    CUDA_CONTEXT_BYTES,
+    GPU_TARGETS,
     NO_WORKSPACES,
     SimulatedCudaMeter,
     Workspaces,
+    parse_target,
     preallocated_sizes,
     record_events,
 )
@@ -184,6 +186,21 @@ def test_replay_frees_preallocated_storages_given_with_their_keys():
     assert replay(events, 10 * MIB, preallocated=[(7, 8 * MIB)]).failed_at == -1
 
 
+@pytest.mark.parametrize(("cap_mib", "fraction", "peak_mib"), [
+    (None, 0.5, 16), (40, 0.5, 14), (40, 1.0, 16), (28, 0.5, 0), (28, 1.0, 16)])
+def test_replay_sizes_workspaces_by_the_free_memory(cap_mib, fraction, peak_mib):
+    # After a 12 MiB tensor, a 16 MiB workspace gets min(16, fraction * (cap - 12)) MiB, or
+    # nothing when that does not fit (under 28 MiB, 0.5 * 16 = 8 MiB needs a 20 MiB segment).
+    cap = None if cap_mib is None else cap_mib * MIB
+    events = [("alloc", 1, 12 * MIB), ("workspace", 2, 16 * MIB), ("free", 2, 0)]
+    result = replay(events, cap, workspace_fraction=fraction)
+    assert result.fits
+    assert result.peak_allocated_bytes == (12 + peak_mib) * MIB
+    model = CachingAllocatorModel(cap)
+    model.malloc(12 * MIB)
+    assert (model.malloc_workspace(16 * MIB, fraction) is None) == (peak_mib == 0)
+
+
 def _affine_trace(batch_size: int, seed: int, n: int = 300) -> list:
     """A trace whose i-th allocation is a_i + b_i * batch_size, keys drawn anew at every size."""
     rng = random.Random(seed)
@@ -233,6 +250,9 @@ def test_scale_events_refuses_traces_that_do_not_correspond():
                         8) is None  # frees another allocation
     assert scale_events(a, 2, [("alloc", 9, 200), ("alloc", 8, 100), ("free", 9, 0)], 4,
                         8) == [("alloc", -1, 400), ("alloc", -2, 200), ("free", -1, 0)]
+    assert scale_events([("workspace", 1, 100)], 2, [("alloc", 1, 200)], 4, 8) is None
+    assert scale_events([("workspace", 1, 100)], 2, [("workspace", 5, 200)], 4, 8) == [
+        ("workspace", -1, 400)]
     with pytest.raises(ValueError, match="batch_b should differ"):
         scale_events(a, 2, a, 2, 8)
 
@@ -289,3 +309,154 @@ def test_parse_target_reads_sizes_and_names_the_known_gpus_otherwise():
     with pytest.raises(ValueError, match=r"T4, L4, A10G.*H200.*but got target='rtx 4090'"):
         parse_target("rtx 4090")
     assert all(12 * 2**30 < total < 150 * 2**30 for total in GPU_TARGETS.values())
+
+
+# -- the simulated CUDA device ------------------------------------------------------------------
+def _mlp():
+    model = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 10))
+    return model, lambda b: (torch.randn(b, 128), torch.randint(0, 10, (b,)))
+
+
+def _cnn():
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32),
+                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    return model, lambda b: (torch.randn(b, 3, 16, 16), torch.randint(0, 10, (b,)))
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x).mean(1))
+
+
+def _encoder():
+    return _Encoder(), lambda b: (torch.randn(b, 16, 64), torch.randint(0, 10, (b,)))
+
+
+def _training(build, meter=None):
+    """Fresh weights and Adam; the tensors alive before a step, and the step itself."""
+    torch.manual_seed(0)
+    model, data = build()
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def step(batch_size: int) -> None:
+        inputs, targets = data(batch_size)
+        nn.functional.cross_entropy(model(inputs), targets).backward()
+        if meter is not None:
+            meter.end_forward_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return [*model.parameters(), *model.buffers()], step
+
+
+def _runs(build, batch_size, cap, workspaces=None):
+    """Whether one training step at ``batch_size`` runs on a fresh simulated device."""
+    meter = SimulatedCudaMeter("cpu", cap, workspaces=workspaces or Workspaces())
+    tracked, step = _training(build)
+    message = ""
+    try:
+        with meter.measure(tracked):
+            step(batch_size)
+    except torch.OutOfMemoryError as error:
+        message = str(error)
+    assert message == "" or message.startswith("CUDA out of memory (batchwidgets' simulated")
+    return message == ""
+
+
+def test_a_training_step_on_the_simulated_device_reads_like_cuda():
+    meter = SimulatedCudaMeter("cpu", 64 * MIB)
+    tracked, step = _training(_mlp, meter)
+    with meter.capped(), meter.measure(tracked) as reading:
+        step(256)
+        meter.synchronize()
+    assert isinstance(reading, Reading)
+    assert meter.limit_bytes == 64 * MIB
+    assert meter.baseline_bytes == sum(-(-n // 512) * 512 for n in preallocated_sizes(tracked))
+    assert reading.peak_reserved_bytes >= reading.peak_bytes > meter.baseline_bytes
+    assert reading.peak_reserved_bytes % (2 * MIB) == 0
+    assert reading.peak_reserved_bytes >= reading.activation_peak_bytes > 0
+
+
+def test_out_of_memory_is_raised_at_the_op_that_passes_the_cap():
+    meter = SimulatedCudaMeter("cpu", 32 * MIB)
+    with meter.measure([]):
+        kept = torch.empty(6 * MIB // 4 * 4)  # 24 MiB: its own segment
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 12\.00 MiB"):
+            torch.empty(3 * MIB)  # 24 + 12 > 32
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 20\.00 MiB"):
+            torch.ones(2 * MIB)  # 8 MiB, but in a 20 MiB segment
+        small = torch.ones(1000)  # a 2 MiB small segment still fits
+    assert meter.allocator.reserved_bytes == 26 * MIB
+    del kept, small
+
+
+def test_memory_returns_to_the_baseline_and_the_cublas_workspace_stays():
+    meter = SimulatedCudaMeter("cpu", 256 * MIB)
+    model = nn.Linear(512, 512)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):  # the allocator lives across blocks, and one workspace serves both
+        with meter.measure([*model.parameters()]) as reading:
+            model(torch.randn(64, 512)).sum().backward()
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+        gc.collect()
+        cublas = Workspaces().cublas_bytes
+        assert meter.allocator.allocated_bytes == meter.baseline_bytes + cublas
+    assert reading.peak_bytes > meter.baseline_bytes + cublas
+    reserved = meter.allocator.reserved_bytes
+    meter.empty_cache()
+    assert meter.allocator.reserved_bytes < reserved
+    assert meter.allocator.reserved_bytes == 2 * MIB + 20 * MIB  # weights, and the workspace
+
+
+@pytest.mark.parametrize(("cap_mib", "workspace_mib"), [(1024, 16), (42, 12), (30, 0)])
+def test_the_conv_workspace_follows_the_free_memory(cap_mib, workspace_mib):
+    # A 16 MiB input wants a 16 MiB workspace. After the weights (a 2 MiB small segment) and
+    # the 16 MiB output, 42 MiB leaves 24 MiB: half of it, 12 MiB. 30 MiB leaves 12: half is
+    # 6 MiB, whose 20 MiB segment does not fit, and the convolution runs without one.
+    conv = nn.Conv2d(1, 1, 3, padding=1)
+    image = torch.randn(1, 1, 2048, 2048)
+    meter = SimulatedCudaMeter("cpu", cap_mib * MIB)
+    with meter.measure([*conv.parameters()]) as reading:
+        output = conv(image)
+    assert reading.peak_bytes - meter.baseline_bytes == 16 * MIB + workspace_mib * MIB
+    del output
+
+
+def test_the_simulated_device_runs_on_the_cpu_only():
+    with pytest.raises(ValueError, match="device should be 'cpu'"):
+        SimulatedCudaMeter("meta", None)
+
+
+@pytest.mark.parametrize(("build", "cap_mib"), [(_mlp, 48), (_cnn, 64), (_encoder, 48)],
+                         ids=["mlp", "cnn-batchnorm", "transformer-encoder"])
+def test_the_boundary_predicted_from_two_small_sizes_is_the_simulated_devices(build, cap_mib):
+    """The key property: two traces (sizes 2 and 4) replayed through the allocator model give
+    the largest batch the simulated device runs, workspaces and all, to the sample."""
+    cap = cap_mib * MIB
+
+    def trace(batch_size, workspaces=None):
+        step = _training(build)[1]  # fresh weights and optimizer, made outside the recording
+        return record_events(lambda: step(batch_size), workspaces=workspaces or Workspaces())
+
+    preallocated = preallocated_sizes(_training(build)[0])
+    predicted = largest_batch_size(trace(2), 2, trace(4), 4, cap, preallocated=preallocated)
+    assert _runs(build, predicted, cap)
+    assert not _runs(build, predicted + 1, cap)
+    lo, hi = 1, 2 * predicted  # and no larger size runs: bisect the device itself
+    assert not _runs(build, hi, cap)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _runs(build, mid, cap) else (lo, mid)
+    assert lo == predicted
+    # Without the workspaces the device would fit more: they are part of what is predicted.
+    bare = largest_batch_size(trace(2, NO_WORKSPACES), 2, trace(4, NO_WORKSPACES), 4, cap,
+                              preallocated=preallocated)
+    assert bare > predicted
+    assert _runs(build, bare, cap, NO_WORKSPACES)

@@ -1,5 +1,5 @@
 """A model of PyTorch's CUDA caching allocator, the replay of a step's allocation trace through
-it, the batch size a cap allows, and a table of common GPUs.
+it, and the batch size a cap allows.
 
 Usage:
     >>> from batchwidgets.engine._cuda_model import CachingAllocatorModel
@@ -12,13 +12,10 @@ Usage:
 from __future__ import annotations
 
 import bisect
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from ._memory import parse_bytes
 
 # NOTE [ Which allocator rules the model follows ]
 # From c10/cuda/CUDACachingAllocator.cpp (DeviceCachingAllocator; defaults of
@@ -170,6 +167,16 @@ class CachingAllocatorModel:
             return 2**62
         return max(cached, self.cap_bytes - self.reserved_bytes)
 
+    def malloc_workspace(self, wanted_bytes: int, free_fraction: float) -> _Block | None:
+        """A convolution workspace as cuDNN's algorithm choice gets it: ``wanted_bytes``, at
+        most ``free_fraction`` of ``largest_free_bytes()``, and none (``None``) when even that
+        cannot be allocated; it never raises."""
+        nbytes = min(wanted_bytes, int(free_fraction * self.largest_free_bytes()))
+        try:
+            return self.malloc(nbytes)
+        except torch.OutOfMemoryError:
+            return None  # cuDNN falls back to an algorithm without a workspace
+
     # -- internals ---------------------------------------------------------------------------
     def _insert(self, block: _Block) -> None:
         key = block.key()
@@ -209,7 +216,10 @@ class CachingAllocatorModel:
 
 
 # -- traces ---------------------------------------------------------------------------------
-Event = tuple[str, int, int]  # ("alloc", key, nbytes) or ("free", key, 0)
+Event = tuple[str, int, int]  # ("alloc", key, nbytes), ("free", key, 0), or ("workspace",
+# key, wanted_bytes): a convolution workspace, allocated as CachingAllocatorModel.malloc_workspace
+# does and freed by a "free" event. Traces of tensor storages need only the first two kinds.
+WORKSPACE_FREE_FRACTION = 0.5  # default share of the largest free block a workspace may take
 
 
 @dataclass(frozen=True)
@@ -221,12 +231,15 @@ class ReplayResult:
 
 
 def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
-           preallocated: Iterable[int | tuple[int, int]] = ()) -> ReplayResult:
+           preallocated: Iterable[int | tuple[int, int]] = (),
+           workspace_fraction: float = WORKSPACE_FREE_FRACTION) -> ReplayResult:
     """Run a step's allocation trace through a fresh ``CachingAllocatorModel(cap_bytes)``.
 
     ``preallocated`` are the storages alive before the step (weights, gradients, optimizer
     state), allocated first in their order: a size, or a ``(key, nbytes)`` pair that a
     ``("free", key, 0)`` event of the trace may free. Frees of unknown keys are ignored.
+    ``("workspace", key, wanted)`` events take ``min(wanted, workspace_fraction *`` the largest
+    free block``)``, or nothing when that fails (``CachingAllocatorModel.malloc_workspace``).
     """
     model = CachingAllocatorModel(cap_bytes)
     handles: dict[int, object] = {}
@@ -240,12 +253,14 @@ def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
         for index, (kind, key, nbytes) in enumerate(events):
             if kind == "alloc":
                 handles[key] = model.malloc(nbytes)
+            elif kind == "workspace":
+                handles[key] = model.malloc_workspace(nbytes, workspace_fraction)
             elif kind == "free":
                 if key in handles:
                     model.free(handles.pop(key))
             else:
-                raise ValueError(f"events should hold ('alloc', key, nbytes) and "
-                                 f"('free', key, 0) tuples, but got events[{index}]="
+                raise ValueError(f"events should hold ('alloc', key, nbytes), ('free', key, 0) "
+                                 f"and ('workspace', key, nbytes) tuples, but got events[{index}]="
                                  f"{(kind, key, nbytes)!r}.")
     except torch.OutOfMemoryError:
         return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, False, index)
@@ -282,9 +297,9 @@ def scale_events(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Eve
             zip(events_a, events_b)):
         if kind != kind_b:
             return None
-        if kind == "alloc":
+        if kind != "free":
             where_a[key_a] = where_b[key_b] = position
-            scaled.append(("alloc", -1 - position,
+            scaled.append((kind, -1 - position,
                            _affine(n_a, batch_a, n_b, batch_b, batch_size)))
         else:
             at_a, at_b = where_a.pop(key_a, None), where_b.pop(key_b, None)
@@ -303,8 +318,8 @@ def _live_peak(events: Iterable[Event], preallocated: Sequence[int | tuple[int, 
         sizes[key] = round_size(nbytes) if nbytes > 0 else 0
     live = peak = sum(sizes.values())
     for kind, key, nbytes in events:
-        if kind == "alloc":
-            sizes[key] = round_size(nbytes) if nbytes > 0 else 0
+        if kind != "free":  # a workspace may get nothing: it counts for nothing here
+            sizes[key] = round_size(nbytes) if nbytes > 0 and kind == "alloc" else 0
             live += sizes[key]
             peak = max(peak, live)
         else:
@@ -329,7 +344,8 @@ def _last_true(predicate: Callable[[int], bool], lo: int, top: int) -> int:
 def largest_batch_size(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Event],
                        batch_b: int, cap_bytes: int, *, multiple_of: int = 1,
                        ceiling: int = 2**24, preallocated: Iterable[int | tuple[int, int]] = (),
-                       overhead_bytes: int = 0) -> int:
+                       overhead_bytes: int = 0,
+                       workspace_fraction: float = WORKSPACE_FREE_FRACTION) -> int:
     """The largest multiple of ``multiple_of`` (up to ``ceiling``) whose scaled trace replays
     under ``cap_bytes - overhead_bytes``; 0 when none does.
 
@@ -350,7 +366,8 @@ def largest_batch_size(events_a: Sequence[Event], batch_a: int, events_b: Sequen
         return scale_events(events_a, batch_a, events_b, batch_b, k * multiple_of)
 
     def fits(k: int) -> bool:
-        return replay(scaled(k), limit, preallocated=preallocated).fits
+        return replay(scaled(k), limit, preallocated=preallocated,
+                      workspace_fraction=workspace_fraction).fits
 
     def may_fit(k: int) -> bool:
         return k == 0 or _live_peak(scaled(k), preallocated) <= limit
@@ -374,58 +391,3 @@ def largest_batch_size(events_a: Sequence[Event], batch_a: int, events_b: Sequen
 # peak, monotone when no allocation shrinks with the batch) are tried from the top down, and
 # the first that fits is the answer: the largest that fits, as a scan of every size would find.
 # It costs one replay per size in that window, a few percent of the batch size in practice.
-
-
-# -- targets --------------------------------------------------------------------------------
-# NOTE [ GPU targets ]
-# total_memory as torch.cuda.get_device_properties(0).total_memory reports it (cudaDeviceProp
-# .totalGlobalMem), from printouts of _CudaDeviceProperties and deviceQuery in public issues
-# and docs (the MiB figure where only that was printed). It varies by a few MiB with driver,
-# ECC and board (seen: T4 14,930-15,109 MiB, V100-32GB 32,480-32,511 MiB, A100-80GB
-# 81,051-81,251 MiB, H100 81,082-81,090 MiB); the common or lower value is taken.
-# The CUDA context (driver state, kernel images of cuBLAS/cuDNN and PyTorch, loaded lazily since
-# CUDA 11.7) takes device memory that the caching allocator never sees and that
-# set_per_process_memory_fraction does not count; with lazy loading it is about 300-500 MiB on
-# Ampere and Hopper. CUDA_CONTEXT_BYTES takes 512 MiB: overestimating it only lowers the
-# predicted batch, and the prediction should not land above the real boundary.
-GPU_TARGETS: dict[str, int] = {
-    "T4": 15_095 * MIB,  # Tesla T4 (Colab), torch printout
-    "L4": 23_612_293_120,  # deviceQuery: 22,518 MiB
-    "A10G": 22_587 * MIB,  # AWS g5, torch printout
-    "V100-16GB": 16_160 * MIB,  # V100-SXM2-16GB, torch printout
-    "V100-32GB": 34_089_730_048,  # V100-SXM2-32GB, deviceQuery: 32,510 MiB
-    "A100-40GB": 42_298_834_944,  # A100-SXM4-40GB, deviceQuery: 40,339 MiB
-    "A100-80GB": 84_987_740_160,  # A100-SXM4-80GB, deviceQuery: 81,051 MiB
-    "H100-80GB": 81_082 * MIB,  # H100 80GB HBM3 (SXM), torch printout
-    "H200": 143_156 * MIB,  # H200 (141 GB HBM3e), torch printout
-}
-CUDA_CONTEXT_BYTES = 512 * MIB
-_FAMILIES = {"v100": "V100-16GB", "a100": "A100-40GB", "h100": "H100-80GB"}  # smallest variant
-
-
-def _normal(name: str) -> str:
-    name = re.sub(r"[\s_\-]+", "", name.lower()).replace("nvidia", "").replace("tesla", "")
-    return re.sub(r"(\d)(gib|g)$", r"\1gb", name)
-
-
-def parse_target(value: int | str) -> tuple[str, int]:
-    """``(name, usable_bytes)`` for a GPU name of ``GPU_TARGETS`` or a size.
-
-    A name is case- and punctuation-blind (``"a100 40gb"``, ``"A100-40GB"``; a bare family such
-    as ``"a100"`` means its smallest variant); its usable bytes are the total memory less the
-    CUDA context (NOTE [ GPU targets ]). A size (``"24GiB"``, ``"16GB"``, ``"512M"``, an int)
-    is the memory the process may use, as ``budget`` is.
-    """
-    if isinstance(value, str) and not re.match(r"^\s*[0-9.]", value):
-        wanted = _normal(value)
-        names = {_normal(name): name for name in GPU_TARGETS}
-        name = names.get(wanted) or _FAMILIES.get(wanted)
-        if name is None:
-            raise ValueError(f"target should be one of {', '.join(GPU_TARGETS)} or a size such "
-                             f"as '24GiB', but got target={value!r}.")
-        return name, GPU_TARGETS[name] - CUDA_CONTEXT_BYTES
-    size = value
-    if isinstance(value, str) and re.match(r"^\s*[0-9.]+\s*[kKmMgGtT]\s*$", value):
-        size = value.strip() + "iB"  # "512M" is 512 MiB, as nvidia-smi and Slurm write it
-    nbytes = parse_bytes(size, "target")
-    return (value.strip() if isinstance(value, str) else f"{nbytes} bytes"), nbytes

@@ -1,6 +1,7 @@
 """A simulated CUDA device over CPU tensors, for testing the CUDA search without a GPU: every
 new tensor storage goes through a model of the caching allocator, with cuBLAS- and cuDNN-like
-workspaces, and ``torch.OutOfMemoryError`` is raised at the op that passes the cap.
+workspaces, and ``torch.OutOfMemoryError`` is raised at the op that passes the cap. And the
+GPUs a prediction may target (``GPU_TARGETS``, ``parse_target``).
 
 Usage:
     >>> import torch
@@ -14,6 +15,7 @@ Usage:
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._cuda_model import KIB, CachingAllocatorModel, Event
-from ._memory import unique_tensors
+from ._cuda_model import KIB, MIB, WORKSPACE_FREE_FRACTION, CachingAllocatorModel, Event
+from ._memory import parse_bytes, unique_tensors
 from ._meters import Reading
 
 # NOTE [ Workspaces of the simulated device ]
@@ -37,9 +39,11 @@ from ._meters import Reading
 #   skips algorithms whose workspace exceeds the largest block it could get (cacheInfo: the
 #   larger of the room left under the cap and the largest cached free block) and falls back to
 #   one with less workspace when allocating it fails. The simulated convolution wants
-#   ``conv_ratio`` times its largest input, gets ``min(wanted, conv_free_fraction *
-#   largest_free)``, and runs with none when even that cannot be allocated, so the workspace
-#   follows the free memory as cuDNN's choice does, and never raises by itself.
+#   ``conv_ratio`` times the bytes of its first argument (the input forward, the output's
+#   gradient backward: affine in the batch size, as a trace needs), gets ``min(wanted,
+#   conv_free_fraction * largest_free)`` after the op's outputs, and runs with none when even
+#   that cannot be allocated, so the workspace follows the free memory as cuDNN's choice does,
+#   and never raises by itself.
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul",
                         "_addmm_activation"})
 CONV_OPS = frozenset({"convolution", "convolution_backward", "_convolution"})
@@ -50,8 +54,9 @@ class Workspaces:
     """Sizes of the simulated workspaces (NOTE [ Workspaces of the simulated device ])."""
 
     cublas_bytes: int = 4096 * KIB * 2 + 16 * KIB * 8  # PyTorch's default CUBLAS_WORKSPACE_CONFIG
-    conv_ratio: float = 1.0  # a convolution wants this times its largest input, in bytes
-    conv_free_fraction: float = 0.5  # and gets at most this share of the largest free block
+    conv_ratio: float = 1.0  # a convolution wants this times its input (gradient), in bytes
+    conv_free_fraction: float = WORKSPACE_FREE_FRACTION  # at most this share of the largest
+    # free block
 
 
 NO_WORKSPACES = Workspaces(cublas_bytes=0, conv_ratio=0.0)
@@ -71,12 +76,15 @@ class _Recorder:
             self.events.append(("alloc", key, nbytes))
         return key
 
+    def malloc_workspace(self, wanted_bytes: int, free_fraction: float) -> int:
+        key = next(self._keys)
+        if self.recording:
+            self.events.append(("workspace", key, wanted_bytes))
+        return key
+
     def free(self, key: int) -> None:
         if self.recording:
             self.events.append(("free", key, 0))
-
-    def largest_free_bytes(self) -> int:
-        return 2**62
 
 
 class _SimulatedDevice(TorchDispatchMode):
@@ -111,9 +119,11 @@ class _SimulatedDevice(TorchDispatchMode):
         handle = self._malloc(nbytes)
         self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, handle)
 
-    def _malloc(self, nbytes: int) -> Any:
+    def _malloc(self, nbytes: int, workspace_fraction: float | None = None) -> Any:
         self._busy = True
         try:
+            if workspace_fraction is not None:
+                return self.allocator.malloc_workspace(nbytes, workspace_fraction)
             return self.allocator.malloc(nbytes)
         finally:
             self._busy = False
@@ -134,17 +144,13 @@ class _SimulatedDevice(TorchDispatchMode):
                 self._free(known[2])
         return release
 
-    def _conv_workspace(self, args: Any, kwargs: Any) -> Any:
-        largest = max((t.untyped_storage().nbytes() for t in unique_tensors([args, kwargs])),
-                      default=0)
-        wanted = int(self.workspaces.conv_ratio * largest)
+    def _conv_workspace(self, args: Any) -> Any:
+        first = next(unique_tensors([args]), None)  # the input, or the output's gradient
+        wanted = 0 if first is None else int(self.workspaces.conv_ratio * first.numel()
+                                              * first.element_size())
         if wanted <= 0:
             return None
-        room = int(self.workspaces.conv_free_fraction * self.allocator.largest_free_bytes())
-        try:
-            return self._malloc(min(wanted, room))
-        except torch.OutOfMemoryError:
-            return None  # cuDNN falls back to an algorithm without a workspace
+        return self._malloc(wanted, self.workspaces.conv_free_fraction)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -152,17 +158,17 @@ class _SimulatedDevice(TorchDispatchMode):
         if name in MATMUL_OPS and not self.cublas_made and self.workspaces.cublas_bytes > 0:
             self.cublas_handle = self._malloc(self.workspaces.cublas_bytes)
             self.cublas_made = True
-        workspace = self._conv_workspace(args, kwargs) if name in CONV_OPS else None
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            if workspace is not None:
-                self._free(workspace)
+        out = func(*args, **kwargs)
+        # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
         inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
         for tensor in unique_tensors([out]):
             key = id(tensor.untyped_storage())
             if key in self._storages or key not in inputs:
                 self.count(tensor)
+        if name in CONV_OPS:
+            workspace = self._conv_workspace(args)
+            if workspace is not None:
+                self._free(workspace)
         return out
 
 
@@ -170,8 +176,10 @@ def record_events(run: Callable[[], object], *,
                   workspaces: Workspaces = Workspaces()) -> list[Event]:
     """The trace of ``run()``: every storage it allocates and frees, and the workspaces the
     simulated device would take (``NO_WORKSPACES`` for tensors only), as ``("alloc", key,
-    nbytes)`` and ``("free", key, 0)`` events. Storages that existed before are not in it.
-    Convolution workspaces get what they want, as on a device with memory to spare."""
+    nbytes)``, ``("free", key, 0)`` and, for convolution workspaces, ``("workspace", key,
+    wanted_bytes)`` events, which ``replay`` sizes by the free memory as the device does (give it
+    ``workspace_fraction=workspaces.conv_free_fraction``). Storages that existed before are not
+    in the trace: ``preallocated_sizes`` lists those ``measure`` allocates first."""
     recorder = _Recorder()
     with _SimulatedDevice(recorder, workspaces):
         run()
@@ -245,3 +253,58 @@ class SimulatedCudaMeter:
                 yield reading
         finally:
             self._fold_peaks()
+
+
+# -- targets --------------------------------------------------------------------------------
+# NOTE [ GPU targets ]
+# total_memory as torch.cuda.get_device_properties(0).total_memory reports it (cudaDeviceProp
+# .totalGlobalMem), from printouts of _CudaDeviceProperties and deviceQuery in public issues
+# and docs (the MiB figure where only that was printed). It varies by a few MiB with driver,
+# ECC and board (seen: T4 14,930-15,109 MiB, V100-32GB 32,480-32,511 MiB, A100-80GB
+# 81,051-81,251 MiB, H100 81,082-81,090 MiB); the common or lower value is taken.
+# The CUDA context (driver state, kernel images of cuBLAS/cuDNN and PyTorch, loaded lazily since
+# CUDA 11.7) takes device memory that the caching allocator never sees and that
+# set_per_process_memory_fraction does not count; with lazy loading it is about 300-500 MiB on
+# Ampere and Hopper. CUDA_CONTEXT_BYTES takes 512 MiB: overestimating it only lowers the
+# predicted batch, and the prediction should not land above the real boundary.
+GPU_TARGETS: dict[str, int] = {
+    "T4": 15_095 * MIB,  # Tesla T4 (Colab), torch printout
+    "L4": 23_612_293_120,  # deviceQuery: 22,518 MiB
+    "A10G": 22_587 * MIB,  # AWS g5, torch printout
+    "V100-16GB": 16_160 * MIB,  # V100-SXM2-16GB, torch printout
+    "V100-32GB": 34_089_730_048,  # V100-SXM2-32GB, deviceQuery: 32,510 MiB
+    "A100-40GB": 42_298_834_944,  # A100-SXM4-40GB, deviceQuery: 40,339 MiB
+    "A100-80GB": 84_987_740_160,  # A100-SXM4-80GB, deviceQuery: 81,051 MiB
+    "H100-80GB": 81_082 * MIB,  # H100 80GB HBM3 (SXM), torch printout
+    "H200": 143_156 * MIB,  # H200 (141 GB HBM3e), torch printout
+}
+CUDA_CONTEXT_BYTES = 512 * MIB
+_FAMILIES = {"v100": "V100-16GB", "a100": "A100-40GB", "h100": "H100-80GB"}  # smallest variant
+
+
+def _normal(name: str) -> str:
+    name = re.sub(r"[\s_\-]+", "", name.lower()).replace("nvidia", "").replace("tesla", "")
+    return re.sub(r"(\d)(gib|g)$", r"\1gb", name)
+
+
+def parse_target(value: int | str) -> tuple[str, int]:
+    """``(name, usable_bytes)`` for a GPU name of ``GPU_TARGETS`` or a size.
+
+    A name is case- and punctuation-blind (``"a100 40gb"``, ``"A100-40GB"``; a bare family such
+    as ``"a100"`` means its smallest variant); its usable bytes are the total memory less the
+    CUDA context (NOTE [ GPU targets ]). A size (``"24GiB"``, ``"16GB"``, ``"512M"``, an int)
+    is the memory the process may use, as ``budget`` is.
+    """
+    if isinstance(value, str) and not re.match(r"^\s*[0-9.]", value):
+        wanted = _normal(value)
+        names = {_normal(name): name for name in GPU_TARGETS}
+        name = names.get(wanted) or _FAMILIES.get(wanted)
+        if name is None:
+            raise ValueError(f"target should be one of {', '.join(GPU_TARGETS)} or a size such "
+                             f"as '24GiB', but got target={value!r}.")
+        return name, GPU_TARGETS[name] - CUDA_CONTEXT_BYTES
+    size = value
+    if isinstance(value, str) and re.match(r"^\s*[0-9.]+\s*[kKmMgGtT]\s*$", value):
+        size = value.strip() + "iB"  # "512M" is 512 MiB, as nvidia-smi and Slurm write it
+    nbytes = parse_bytes(size, "target")
+    return (value.strip() if isinstance(value, str) else f"{nbytes} bytes"), nbytes
