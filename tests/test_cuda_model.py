@@ -29,6 +29,7 @@ from batchwidgets.engine._cuda_sim import (
     record_events,
 )
 from batchwidgets.engine._meters import Reading
+from batchwidgets.engine._state import TrainingState
 
 KIB = 1024
 
@@ -460,3 +461,60 @@ def test_the_boundary_predicted_from_two_small_sizes_is_the_simulated_devices(bu
                               preallocated=preallocated)
     assert bare > predicted
     assert _runs(build, bare, cap, NO_WORKSPACES)
+
+
+def test_the_meter_keeps_the_trace_of_its_last_block_for_replay():
+    meter = SimulatedCudaMeter("cpu", 64 * MIB)
+    tracked, step = _training(_cnn, meter)
+    with meter.measure(tracked) as reading:
+        step(32)
+    kinds = {kind for kind, _, _ in meter.events}
+    assert kinds == {"alloc", "free", "workspace"}
+    assert [nbytes for _, nbytes in meter.preallocated] == preallocated_sizes(tracked)
+    result = replay(meter.events, 64 * MIB, preallocated=meter.preallocated)
+    assert (result.peak_allocated_bytes, result.peak_reserved_bytes) == (
+        reading.peak_bytes, reading.peak_reserved_bytes)
+
+
+def test_the_prediction_holds_through_trials_on_one_meter_as_the_probe_runs_them():
+    """Trials as find_batch runs them: one meter, two steps a trial, the state restored and the
+    cache emptied after each; the traces of two small trials predict the boundary of the rest.
+    The first trial makes the cuBLAS workspace, which later blocks find allocated: its trace is
+    not comparable, so the traces come from the second and third."""
+    cap = 64 * MIB
+    torch.manual_seed(0)
+    model, data = _cnn()
+    optimizer = torch.optim.Adam(model.parameters())
+    state = TrainingState(model, optimizer, ())
+    meter = SimulatedCudaMeter("cpu", cap)
+
+    def trial(batch_size: int) -> bool:
+        tracked = [*model.parameters(), *model.buffers(),
+                   *(s for v in optimizer.state.values() for s in v.values())]
+        fits = True
+        try:
+            with meter.measure(tracked):
+                for _ in range(2):
+                    inputs, targets = data(batch_size)
+                    nn.functional.cross_entropy(model(inputs), targets).backward()
+                    meter.end_forward_backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError:
+            fits = False
+        state.restore()
+        gc.collect()
+        meter.empty_cache()
+        return fits
+
+    assert trial(2)
+    assert trial(2)
+    events_2 = meter.events
+    assert trial(4)
+    events_4, preallocated = meter.events, [nbytes for _, nbytes in meter.preallocated]
+    predicted = largest_batch_size(events_2, 2, events_4, 4, cap, preallocated=preallocated)
+    assert trial(predicted)
+    assert not trial(predicted + 1)
+    assert not trial(2 * predicted)
+    assert not trial(predicted + 9)
+    assert trial(predicted - 7)

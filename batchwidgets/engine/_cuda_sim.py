@@ -62,44 +62,22 @@ class Workspaces:
 NO_WORKSPACES = Workspaces(cublas_bytes=0, conv_ratio=0.0)
 
 
-class _Recorder:
-    """An allocator stand-in that writes the trace: every malloc and free, with its key."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.recording = True
-        self._keys = iter(range(1, 2**62))
-
-    def malloc(self, nbytes: int) -> int:
-        key = next(self._keys)
-        if self.recording:
-            self.events.append(("alloc", key, nbytes))
-        return key
-
-    def malloc_workspace(self, wanted_bytes: int, free_fraction: float) -> int:
-        key = next(self._keys)
-        if self.recording:
-            self.events.append(("workspace", key, wanted_bytes))
-        return key
-
-    def free(self, key: int) -> None:
-        if self.recording:
-            self.events.append(("free", key, 0))
-
-
 class _SimulatedDevice(TorchDispatchMode):
     """Sends every new CPU storage through ``allocator`` and frees it when the storage dies;
     storages that existed before, and views and in-place outputs of them, cost nothing new (the
-    rules of ``TensorMemoryTracker``)."""
+    rules of ``TensorMemoryTracker``). While ``log`` is a list, every allocation and free is
+    written to it as trace events; ``live`` holds the allocations alive, oldest first."""
 
-    def __init__(self, allocator: Any, workspaces: Workspaces) -> None:
+    def __init__(self, allocator: CachingAllocatorModel, workspaces: Workspaces) -> None:
         super().__init__()
         self.allocator, self.workspaces = allocator, workspaces
-        self.cublas_handle: Any = None
-        self.cublas_made = False
-        self._storages: dict[int, tuple[weakref.ref, int, Any]] = {}
+        self.log: list[Event] | None = None
+        self.live: dict[int, int] = {}  # key -> requested bytes
+        self.cublas: tuple[int, Any] | None = None
+        self._keys = iter(range(1, 2**62))
+        self._storages: dict[int, tuple[weakref.ref, int, tuple[int, Any]]] = {}
         self._busy = False
-        self._pending: list[Any] = []  # frees that arrived inside a malloc (a gc pass)
+        self._pending: list[tuple[int, Any]] = []  # frees that arrived inside a malloc (gc)
 
     def count(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != "cpu" or tensor.is_meta:
@@ -110,31 +88,40 @@ class _SimulatedDevice(TorchDispatchMode):
         if known is not None and known[0]() is storage:
             if known[1] == nbytes:
                 return
-            old = known[2]  # resized in place (out= ops): the new block comes first, as in CUDA
-            del self._storages[key]
+            del self._storages[key]  # resized in place (out= ops): the new block comes first
             self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes,
                                    self._malloc(nbytes))
-            self._free(old)
+            self._free(known[2])
             return
-        handle = self._malloc(nbytes)
-        self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, handle)
+        entry = self._malloc(nbytes)
+        self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, entry)
 
-    def _malloc(self, nbytes: int, workspace_fraction: float | None = None) -> Any:
+    def _malloc(self, nbytes: int, workspace_fraction: float | None = None) -> tuple[int, Any]:
         self._busy = True
         try:
-            if workspace_fraction is not None:
-                return self.allocator.malloc_workspace(nbytes, workspace_fraction)
-            return self.allocator.malloc(nbytes)
+            if workspace_fraction is None:
+                block = self.allocator.malloc(nbytes)
+            else:
+                block = self.allocator.malloc_workspace(nbytes, workspace_fraction)
         finally:
             self._busy = False
             while self._pending:
-                self.allocator.free(self._pending.pop())
+                self._free(self._pending.pop())
+        key = next(self._keys)
+        self.live[key] = nbytes
+        if self.log is not None:
+            self.log.append(("alloc" if workspace_fraction is None else "workspace", key, nbytes))
+        return key, block
 
-    def _free(self, handle: Any) -> None:
+    def _free(self, entry: tuple[int, Any]) -> None:
         if self._busy:
-            self._pending.append(handle)
-        else:
-            self.allocator.free(handle)
+            self._pending.append(entry)
+            return
+        key, block = entry
+        del self.live[key]
+        if self.log is not None:
+            self.log.append(("free", key, 0))
+        self.allocator.free(block)
 
     def _release(self, key: int) -> Callable[[weakref.ref], None]:
         def release(ref: weakref.ref) -> None:
@@ -144,20 +131,11 @@ class _SimulatedDevice(TorchDispatchMode):
                 self._free(known[2])
         return release
 
-    def _conv_workspace(self, args: Any) -> Any:
-        first = next(unique_tensors([args]), None)  # the input, or the output's gradient
-        wanted = 0 if first is None else int(self.workspaces.conv_ratio * first.numel()
-                                              * first.element_size())
-        if wanted <= 0:
-            return None
-        return self._malloc(wanted, self.workspaces.conv_free_fraction)
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in MATMUL_OPS and not self.cublas_made and self.workspaces.cublas_bytes > 0:
-            self.cublas_handle = self._malloc(self.workspaces.cublas_bytes)
-            self.cublas_made = True
+        if name in MATMUL_OPS and self.cublas is None and self.workspaces.cublas_bytes > 0:
+            self.cublas = self._malloc(self.workspaces.cublas_bytes)  # kept for good
         out = func(*args, **kwargs)
         # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
         inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
@@ -165,10 +143,10 @@ class _SimulatedDevice(TorchDispatchMode):
             key = id(tensor.untyped_storage())
             if key in self._storages or key not in inputs:
                 self.count(tensor)
-        if name in CONV_OPS:
-            workspace = self._conv_workspace(args)
-            if workspace is not None:
-                self._free(workspace)
+        first = next(unique_tensors([args]), None)  # the input, or the output's gradient
+        if name in CONV_OPS and first is not None and self.workspaces.conv_ratio > 0:
+            wanted = int(self.workspaces.conv_ratio * first.numel() * first.element_size())
+            self._free(self._malloc(wanted, self.workspaces.conv_free_fraction))
         return out
 
 
@@ -180,11 +158,14 @@ def record_events(run: Callable[[], object], *,
     wanted_bytes)`` events, which ``replay`` sizes by the free memory as the device does (give it
     ``workspace_fraction=workspaces.conv_free_fraction``). Storages that existed before are not
     in the trace: ``preallocated_sizes`` lists those ``measure`` allocates first."""
-    recorder = _Recorder()
-    with _SimulatedDevice(recorder, workspaces):
-        run()
-    recorder.recording = False
-    return recorder.events
+    device = _SimulatedDevice(CachingAllocatorModel(), workspaces)
+    device.log = events = []
+    try:
+        with device:
+            run()
+    finally:
+        device.log = None
+    return events
 
 
 def preallocated_sizes(tracked: Iterable[object]) -> list[int]:
@@ -203,7 +184,10 @@ class SimulatedCudaMeter:
     """A CUDA device for the CPU CI: the interface of the meters in ``_meters.py`` over CPU
     tensors, with a ``CachingAllocatorModel`` capped at ``budget_bytes`` and the workspaces of
     NOTE [ Workspaces of the simulated device ]. Like the real allocator, it lives across
-    ``measure`` blocks; ``empty_cache()`` releases its wholly free segments."""
+    ``measure`` blocks; ``empty_cache()`` releases its wholly free segments. After a block,
+    ``events`` is its trace and ``preallocated`` the ``(key, nbytes)`` allocations alive at its
+    start, oldest first: ``replay(events, cap, preallocated=preallocated)`` reruns it, exactly on
+    a fresh meter (a used one's segments may be laid out otherwise)."""
 
     def __init__(self, device: torch.device | str, budget_bytes: int | None, *,
                  workspaces: Workspaces = Workspaces()) -> None:
@@ -216,6 +200,8 @@ class SimulatedCudaMeter:
         self.allocator = CachingAllocatorModel(budget_bytes)
         self._device = _SimulatedDevice(self.allocator, workspaces)
         self._reading = Reading()
+        self.events: list[Event] = []
+        self.preallocated: list[tuple[int, int]] = []
 
     @contextmanager
     def capped(self) -> Iterator[None]:
@@ -245,6 +231,8 @@ class SimulatedCudaMeter:
         reading = self._reading = Reading(peak_reserved_bytes=0)
         for tensor in unique_tensors(tracked):
             self._device.count(tensor)  # weights, gradients, optimizer state: alive before
+        self.preallocated = list(self._device.live.items())
+        self._device.log = self.events = []
         self.allocator.reset_peaks()
         if self.baseline_bytes is None:
             self.baseline_bytes = self.allocator.allocated_bytes
@@ -252,6 +240,7 @@ class SimulatedCudaMeter:
             with self._device:
                 yield reading
         finally:
+            self._device.log = None
             self._fold_peaks()
 
 
