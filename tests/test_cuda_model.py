@@ -287,6 +287,15 @@ def test_largest_batch_size_finds_sizes_past_the_10_mib_rule():
                               ceiling=1000) == 256
 
 
+def test_largest_batch_size_stays_exact_past_the_scan_limit_on_a_monotone_trace():
+    # 5 MiB in a 20 MiB segment, then 3000 B a sample that the 15 MiB left cannot hold: the
+    # rounded live bytes allow ~5,000 sizes more than the cap does, so the window is strided.
+    def trace(batch_size):
+        return [("alloc", 1, 5 * MIB), ("alloc", 2, 3000 * batch_size)]
+    # 20 MiB + 3000 B rounded up to 2 MiB <= 1 GiB: 3000 B <= 1004 MiB.
+    assert largest_batch_size(trace(2), 2, trace(4), 4, 2**30) == 1004 * MIB // 3000
+
+
 def test_largest_batch_size_refuses_traces_that_do_not_correspond():
     with pytest.raises(ValueError, match="same ops"):
         largest_batch_size([("alloc", 1, 10)], 2, [], 4, MIB)
