@@ -1,0 +1,399 @@
+"""A model of PyTorch's CUDA caching allocator, the replay of a step's allocation trace through
+it, and the batch size a cap allows.
+
+Usage:
+    >>> from batchwidgets.engine._cuda_model import CachingAllocatorModel
+    >>> model = CachingAllocatorModel()
+    >>> handle = model.malloc(1000)
+    >>> model.allocated_bytes, model.reserved_bytes
+    (1024, 2097152)
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# NOTE [ Which allocator rules the model follows ]
+# From c10/cuda/CUDACachingAllocator.cpp (DeviceCachingAllocator; defaults of
+# PYTORCH_CUDA_ALLOC_CONF), rewritten here:
+# - round_size: a request is rounded up to a multiple of 512 B, at least 512 B.
+# - get_pool: rounded sizes <= 1 MiB go to the small pool, larger ones to the large pool.
+# - get_allocation_size: a new segment is 2 MiB for the small pool, 20 MiB for sizes below
+#   10 MiB, else the size rounded up to 2 MiB.
+# - get_free_block: best fit, the smallest free block of the pool that is large enough, ties
+#   broken by address (the pool is a set ordered by size, then address).
+# - should_split: the rest of a block is split off when it is >= 512 B (small pool) or > 1 MiB
+#   (large pool); otherwise the whole block is handed out, and "allocated" counts it whole.
+# - free_block: a freed block merges with its free neighbours of the same segment, then goes
+#   back to its pool. Nothing goes back to the driver.
+# - malloc: search the pool; else allocate a segment; if that would pass the cap
+#   (set_per_process_memory_fraction), release every cached segment that is wholly free
+#   (release_cached_blocks) and try once more; then raise OutOfMemoryError.
+# - a request of 0 bytes takes no block (the allocator returns a null pointer).
+# Left out: streams and cross-stream events (one stream), expandable segments, max_split_size
+# and its oversize-block rules (the default is unlimited, so they are off), roundup_power2
+# divisions, garbage_collection_threshold, CUDA graph pools, and a real driver's own limits
+# (only the cap can fail). Segment addresses are a counter, so ties in best fit go to the
+# older segment, where the driver's addresses could order them otherwise.
+
+KIB, MIB = 2**10, 2**20
+MIN_BLOCK_BYTES = 512  # kMinBlockSize
+SMALL_SIZE_BYTES = 1 * MIB  # kSmallSize: the largest request of the small pool
+SMALL_SEGMENT_BYTES = 2 * MIB  # kSmallBuffer
+LARGE_SEGMENT_BYTES = 20 * MIB  # kLargeBuffer
+MIN_LARGE_ALLOC_BYTES = 10 * MIB  # kMinLargeAlloc
+ROUND_LARGE_BYTES = 2 * MIB  # kRoundLarge
+
+
+def round_size(nbytes: int) -> int:
+    """The block size the allocator hands out for a request of ``nbytes`` (``round_size``)."""
+    if nbytes < MIN_BLOCK_BYTES:
+        return MIN_BLOCK_BYTES
+    return -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+
+
+def segment_size(size: int) -> int:
+    """The segment ``cudaMalloc``-ed for a rounded block size (``get_allocation_size``)."""
+    if size <= SMALL_SIZE_BYTES:
+        return SMALL_SEGMENT_BYTES
+    if size < MIN_LARGE_ALLOC_BYTES:
+        return LARGE_SEGMENT_BYTES
+    return -(-size // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
+
+
+def format_bytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", MIB), ("KiB", KIB)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
+class _Block:
+    __slots__ = ("address", "allocated", "next", "prev", "size", "small")
+
+    def __init__(self, address: int, size: int, small: bool) -> None:
+        self.address, self.size, self.small = address, size, small
+        self.allocated = False
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.address)
+
+
+class CachingAllocatorModel:
+    """PyTorch's CUDA caching allocator in bytes only (NOTE [ Which allocator rules the model
+    follows ]): blocks, segments, pools, and ``torch.OutOfMemoryError`` at ``cap_bytes`` of
+    reserved memory, as ``torch.cuda.set_per_process_memory_fraction`` caps a process."""
+
+    def __init__(self, cap_bytes: int | None = None) -> None:
+        self.cap_bytes = cap_bytes
+        self.allocated_bytes = 0
+        self.reserved_bytes = 0
+        self.peak_allocated_bytes = 0
+        self.peak_reserved_bytes = 0
+        self.n_segments = 0
+        self._pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # sorted keys
+        self._free: dict[tuple[int, int], _Block] = {}  # (size, address) -> free block
+        self._next_address = 0
+
+    # -- public API --------------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> _Block | None:
+        """Allocate ``nbytes``; the handle goes to ``free``. ``None`` for 0 bytes."""
+        if nbytes <= 0:
+            return None
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE_BYTES
+        block = self._take_free_block(size, small)
+        if block is None:
+            block = self._new_segment(size, small)
+        remaining = block.size - size
+        if (remaining >= MIN_BLOCK_BYTES) if small else (remaining > SMALL_SIZE_BYTES):
+            rest = _Block(block.address + size, remaining, small)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._insert(rest)
+        block.allocated = True
+        self.allocated_bytes += block.size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        return block
+
+    def free(self, handle: _Block | None) -> None:
+        """Return a block to its pool, merged with its free neighbours in the segment."""
+        if handle is None:
+            return
+        if not handle.allocated:
+            raise RuntimeError("CachingAllocatorModel.free got a block that is not allocated; "
+                               "this is a bug in batchwidgets; please report it.")
+        handle.allocated = False
+        self.allocated_bytes -= handle.size
+        for neighbour in (handle.prev, handle.next):
+            if neighbour is not None and not neighbour.allocated:
+                self._remove(neighbour)
+                if neighbour is handle.prev:
+                    handle.address, handle.prev = neighbour.address, neighbour.prev
+                    if handle.prev is not None:
+                        handle.prev.next = handle
+                else:
+                    handle.next = neighbour.next
+                    if handle.next is not None:
+                        handle.next.prev = handle
+                handle.size += neighbour.size
+        self._insert(handle)
+
+    def empty_cache(self) -> None:
+        """Release every cached segment that is wholly free (``release_cached_blocks``)."""
+        for key in [k for k, b in self._free.items() if b.prev is None and b.next is None]:
+            block = self._free[key]
+            self._remove(block)
+            self.reserved_bytes -= block.size
+            self.n_segments -= 1
+
+    def reset_peaks(self) -> None:
+        self.peak_allocated_bytes = self.allocated_bytes
+        self.peak_reserved_bytes = self.reserved_bytes
+
+    def largest_free_bytes(self) -> int:
+        """What cuDNN may ask for without an error: the larger of the room left under the cap
+        and the largest cached free block (``cacheInfo``). Unbounded without a cap."""
+        cached = max((key[0] for key in self._free), default=0)
+        if self.cap_bytes is None:
+            return 2**62
+        return max(cached, self.cap_bytes - self.reserved_bytes)
+
+    def malloc_workspace(self, wanted_bytes: int, free_fraction: float) -> _Block | None:
+        """A convolution workspace as cuDNN's algorithm choice gets it: ``wanted_bytes``, at
+        most ``free_fraction`` of ``largest_free_bytes()``, and none (``None``) when even that
+        cannot be allocated; it never raises."""
+        nbytes = min(wanted_bytes, int(free_fraction * self.largest_free_bytes()))
+        try:
+            return self.malloc(nbytes)
+        except torch.OutOfMemoryError:
+            return None  # cuDNN falls back to an algorithm without a workspace
+
+    # -- internals ---------------------------------------------------------------------------
+    def _insert(self, block: _Block) -> None:
+        key = block.key()
+        self._free[key] = block
+        bisect.insort(self._pools[block.small], key)
+
+    def _remove(self, block: _Block) -> None:
+        key = block.key()
+        del self._free[key]
+        pool = self._pools[block.small]
+        del pool[bisect.bisect_left(pool, key)]
+
+    def _take_free_block(self, size: int, small: bool) -> _Block | None:
+        pool = self._pools[small]
+        index = bisect.bisect_left(pool, (size, -1))
+        if index == len(pool):
+            return None
+        return self._free.pop(pool.pop(index))
+
+    def _new_segment(self, size: int, small: bool) -> _Block:
+        nbytes = segment_size(size)
+        if self.cap_bytes is not None and self.reserved_bytes + nbytes > self.cap_bytes:
+            self.empty_cache()  # what the real allocator does before it gives up
+            if self.reserved_bytes + nbytes > self.cap_bytes:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (batchwidgets' simulated device). Tried to allocate "
+                    f"{format_bytes(nbytes)} (a segment for a {format_bytes(size)} block); "
+                    f"{format_bytes(self.reserved_bytes)} reserved, "
+                    f"{format_bytes(self.allocated_bytes)} allocated, cap "
+                    f"{format_bytes(self.cap_bytes)} ({self.cap_bytes} bytes).")
+        block = _Block(self._next_address, nbytes, small)
+        self._next_address += nbytes
+        self.reserved_bytes += nbytes
+        self.n_segments += 1
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        return block
+
+
+# -- traces ---------------------------------------------------------------------------------
+Event = tuple[str, int, int]  # ("alloc", key, nbytes), ("free", key, 0), or ("workspace",
+# key, wanted_bytes): a convolution workspace, allocated as CachingAllocatorModel.malloc_workspace
+# does and freed by a "free" event. Traces of tensor storages need only the first two kinds.
+WORKSPACE_FREE_FRACTION = 0.5  # default share of the largest free block a workspace may take
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    fits: bool
+    failed_at: int | None  # index of the event that ran out; -1: the preallocated storages
+
+
+def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
+           preallocated: Iterable[int | tuple[int, int]] = (),
+           workspace_fraction: float = WORKSPACE_FREE_FRACTION) -> ReplayResult:
+    """Run a step's allocation trace through a fresh ``CachingAllocatorModel(cap_bytes)``.
+
+    ``preallocated`` are the storages alive before the step (weights, gradients, optimizer
+    state), allocated first in their order: a size, or a ``(key, nbytes)`` pair that a
+    ``("free", key, 0)`` event of the trace may free. Frees of unknown keys are ignored.
+    ``("workspace", key, wanted)`` events take ``min(wanted, workspace_fraction *`` the largest
+    free block``)``, or nothing when that fails (``CachingAllocatorModel.malloc_workspace``).
+    """
+    model = CachingAllocatorModel(cap_bytes)
+    handles: dict[int, object] = {}
+    index = -1
+    try:
+        for item in preallocated:
+            key, nbytes = item if isinstance(item, tuple) else (None, item)
+            handle = model.malloc(nbytes)
+            if key is not None:
+                handles[key] = handle
+        for index, (kind, key, nbytes) in enumerate(events):
+            if kind == "alloc":
+                handles[key] = model.malloc(nbytes)
+            elif kind == "workspace":
+                handles[key] = model.malloc_workspace(nbytes, workspace_fraction)
+            elif kind == "free":
+                if key in handles:
+                    model.free(handles.pop(key))
+            else:
+                raise ValueError(f"events should hold ('alloc', key, nbytes), ('free', key, 0) "
+                                 f"and ('workspace', key, nbytes) tuples, but got events[{index}]="
+                                 f"{(kind, key, nbytes)!r}.")
+    except torch.OutOfMemoryError:
+        return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, False, index)
+    return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, True, None)
+
+
+def _affine(n_a: int, batch_a: int, n_b: int, batch_b: int, batch_size: int) -> int:
+    """The line through (batch_a, n_a) and (batch_b, n_b) at batch_size, rounded half up,
+    in integers so a trace of a million events scales without float error."""
+    numerator = n_a * (batch_b - batch_size) + n_b * (batch_size - batch_a)
+    span = batch_b - batch_a
+    if span < 0:
+        numerator, span = -numerator, -span
+    return max(0, (2 * numerator + span) // (2 * span))
+
+
+def scale_events(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Event],
+                 batch_b: int, batch_size: int) -> list[Event] | None:
+    """The trace at ``batch_size``: each allocation's size on the line through the two traces.
+
+    The traces correspond event by event (same length, same kinds, each free releasing the
+    allocation at the same position), else the answer is ``None``. Allocations get the key
+    ``-1 - position``; a free of a storage allocated before the trace keeps ``events_a``'s key.
+    """
+    if batch_a == batch_b:
+        raise ValueError(f"batch_b should differ from batch_a ({batch_a}), but got "
+                         f"batch_b={batch_b!r}; trace two different batch sizes.")
+    if len(events_a) != len(events_b):
+        return None
+    where_a: dict[int, int] = {}
+    where_b: dict[int, int] = {}
+    scaled: list[Event] = []
+    for position, ((kind, key_a, n_a), (kind_b, key_b, n_b)) in enumerate(
+            zip(events_a, events_b)):
+        if kind != kind_b:
+            return None
+        if kind != "free":
+            where_a[key_a] = where_b[key_b] = position
+            scaled.append((kind, -1 - position,
+                           _affine(n_a, batch_a, n_b, batch_b, batch_size)))
+        else:
+            at_a, at_b = where_a.pop(key_a, None), where_b.pop(key_b, None)
+            if at_a != at_b:
+                return None
+            scaled.append(("free", key_a if at_a is None else -1 - at_a, 0))
+    return scaled
+
+
+SCAN_REPLAYS = 512  # the most sizes tried one by one above the bisection's boundary
+
+
+def _live_peak(events: Iterable[Event], preallocated: Sequence[int | tuple[int, int]]) -> int:
+    """The peak of the rounded live bytes: a lower bound of the allocated, so of the reserved,
+    peak that costs no allocator."""
+    sizes = {}
+    for item in preallocated:
+        key, nbytes = item if isinstance(item, tuple) else (object(), item)
+        sizes[key] = round_size(nbytes) if nbytes > 0 else 0
+    live = peak = sum(sizes.values())
+    for kind, key, nbytes in events:
+        if kind != "free":  # a workspace may get nothing: it counts for nothing here
+            sizes[key] = round_size(nbytes) if nbytes > 0 and kind == "alloc" else 0
+            live += sizes[key]
+            peak = max(peak, live)
+        else:
+            live -= sizes.pop(key, 0)
+    return peak
+
+
+def _last_true(predicate: Callable[[int], bool], lo: int, top: int) -> int:
+    """From ``lo`` (where ``predicate`` holds), double, then bisect to the last k <= top where it
+    holds with the next one failing."""
+    step, hi = 1, lo + 1
+    while hi <= top and predicate(hi):
+        lo, step = hi, step * 2
+        hi = lo + step
+    hi = min(hi, top + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predicate(mid) else (lo, mid)
+    return lo
+
+
+def largest_batch_size(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Event],
+                       batch_b: int, cap_bytes: int, *, multiple_of: int = 1,
+                       ceiling: int = 2**24, preallocated: Iterable[int | tuple[int, int]] = (),
+                       overhead_bytes: int = 0,
+                       workspace_fraction: float = WORKSPACE_FREE_FRACTION) -> int:
+    """The largest multiple of ``multiple_of`` (up to ``ceiling``) whose scaled trace replays
+    under ``cap_bytes - overhead_bytes``; 0 when none does.
+
+    See NOTE [ Searching a reserved peak that is not monotone ].
+    """
+    if multiple_of < 1:
+        raise ValueError(f"multiple_of should be a positive int, but got "
+                         f"multiple_of={multiple_of!r}.")
+    if scale_events(events_a, batch_a, events_b, batch_b, batch_a) is None:
+        raise ValueError("events_a and events_b should be traces of the same ops (same length, "
+                         "same kinds, frees in the same places), but they differ; check "
+                         "scale_events(...) is not None before predicting.")
+    preallocated = list(preallocated)
+    limit = cap_bytes - overhead_bytes
+    top = ceiling // multiple_of
+
+    def scaled(k: int) -> list[Event]:
+        return scale_events(events_a, batch_a, events_b, batch_b, k * multiple_of)
+
+    def fits(k: int) -> bool:
+        return replay(scaled(k), limit, preallocated=preallocated,
+                      workspace_fraction=workspace_fraction).fits
+
+    def may_fit(k: int) -> bool:
+        return k == 0 or _live_peak(scaled(k), preallocated) <= limit
+
+    possible = _last_true(may_fit, 0, top)  # no size above has room for its tensors alone
+    if possible == 0:
+        return 0
+    found = _last_true(fits, 1, possible) if fits(1) else 0
+    stride = max(1, -(-(possible - found) // SCAN_REPLAYS))
+    for k in range(possible, found, -stride):
+        if fits(k):
+            return _last_true(fits, k, min(k + stride - 1, possible)) * multiple_of
+    return found * multiple_of
+
+
+# NOTE [ Searching a reserved peak that is not monotone ]
+# The reserved peak grows with the batch size almost everywhere, so the search doubles, then
+# bisects to a size that fits next to one that does not. It is not monotone everywhere: a request
+# under 10 MiB gets a 20 MiB segment and one of 10 MiB only its own 10 MiB, and best fit packs
+# the blocks of one size better than those of the next. So the sizes from that boundary up to
+# the last one whose rounded live bytes alone stay under the cap (a lower bound of the reserved
+# peak, monotone when no allocation shrinks with the batch) are tried from the top down, and
+# the first that fits is the answer: the largest that fits, as a scan of every size would find.
+# That costs a replay per size of the window (measured: 4-28% of the batch size, 0.1-0.8 s for
+# traces of 60-250 events); a window wider than SCAN_REPLAYS sizes is scanned at a stride, each
+# hit extended upward by bisection, so a size that fits alone between strides can be missed.

@@ -1,0 +1,299 @@
+"""A simulated CUDA device over CPU tensors, for testing the CUDA search without a GPU: every
+new tensor storage goes through a model of the caching allocator, with cuBLAS- and cuDNN-like
+workspaces, and ``torch.OutOfMemoryError`` is raised at the op that passes the cap. And the
+GPUs a prediction may target (``GPU_TARGETS``, ``parse_target``).
+
+Usage:
+    >>> import torch
+    >>> from batchwidgets.engine._cuda_sim import SimulatedCudaMeter
+    >>> meter = SimulatedCudaMeter("cpu", budget_bytes=64 * 2**20)
+    >>> with meter.measure([]) as reading:
+    ...     x = torch.zeros(1000)
+    >>> reading.peak_bytes, reading.peak_reserved_bytes
+    (4096, 2097152)
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._cuda_model import KIB, MIB, WORKSPACE_FREE_FRACTION, CachingAllocatorModel, Event
+from ._memory import parse_bytes, unique_tensors
+from ._meters import Reading
+
+# NOTE [ Workspaces of the simulated device ]
+# A GPU step allocates memory that is no tensor, through the same caching allocator:
+# - cuBLAS: one workspace per handle and stream, made at the first GEMM and kept for the life of
+#   the process. PyTorch's default CUBLAS_WORKSPACE_CONFIG is ":4096:2:16:8", 2 chunks of 4 MiB
+#   and 8 of 16 KiB = 8 MiB + 128 KiB (Hopper uses ":4096:8", 32 MiB: pass cublas_bytes).
+# - cuDNN: each convolution (forward and both backward passes) takes a workspace for its
+#   algorithm and frees it after. Which algorithm runs depends on the free memory: PyTorch
+#   skips algorithms whose workspace exceeds the largest block it could get (cacheInfo: the
+#   larger of the room left under the cap and the largest cached free block) and falls back to
+#   one with less workspace when allocating it fails. The simulated convolution wants
+#   ``conv_ratio`` times the bytes of its first argument (the input forward, the output's
+#   gradient backward: affine in the batch size, as a trace needs), gets ``min(wanted,
+#   conv_free_fraction * largest_free)`` after the op's outputs, and runs with none when even
+#   that cannot be allocated, so the workspace follows the free memory as cuDNN's choice does,
+#   and never raises by itself.
+MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul",
+                        "_addmm_activation"})
+CONV_OPS = frozenset({"convolution", "convolution_backward", "_convolution"})
+
+
+@dataclass(frozen=True)
+class Workspaces:
+    """Sizes of the simulated workspaces (NOTE [ Workspaces of the simulated device ])."""
+
+    cublas_bytes: int = 4096 * KIB * 2 + 16 * KIB * 8  # PyTorch's default CUBLAS_WORKSPACE_CONFIG
+    conv_ratio: float = 1.0  # a convolution wants this times its input (gradient), in bytes
+    conv_free_fraction: float = WORKSPACE_FREE_FRACTION  # at most this share of the largest
+    # free block
+
+
+NO_WORKSPACES = Workspaces(cublas_bytes=0, conv_ratio=0.0)
+
+
+class _SimulatedDevice(TorchDispatchMode):
+    """Sends every new CPU storage through ``allocator`` and frees it when the storage dies;
+    storages that existed before, and views and in-place outputs of them, cost nothing new (the
+    rules of ``TensorMemoryTracker``). While ``log`` is a list, every allocation and free is
+    written to it as trace events; ``live`` holds the allocations alive, oldest first."""
+
+    def __init__(self, allocator: CachingAllocatorModel, workspaces: Workspaces) -> None:
+        super().__init__()
+        self.allocator, self.workspaces = allocator, workspaces
+        self.log: list[Event] | None = None
+        self.live: dict[int, int] = {}  # key -> requested bytes
+        self.cublas: tuple[int, Any] | None = None
+        self._keys = iter(range(1, 2**62))
+        self._storages: dict[int, tuple[weakref.ref, int, tuple[int, Any]]] = {}
+        self._busy = False
+        self._pending: list[tuple[int, Any]] = []  # frees that arrived inside a malloc (gc)
+
+    def count(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu" or tensor.is_meta:
+            return
+        storage = tensor.untyped_storage()
+        key, nbytes = id(storage), storage.nbytes()
+        known = self._storages.get(key)
+        if known is not None and known[0]() is storage:
+            if known[1] == nbytes:
+                return
+            del self._storages[key]  # resized in place (out= ops): the new block comes first
+            self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes,
+                                   self._malloc(nbytes))
+            self._free(known[2])
+            return
+        entry = self._malloc(nbytes)
+        self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, entry)
+
+    def _malloc(self, nbytes: int, workspace_fraction: float | None = None) -> tuple[int, Any]:
+        self._busy = True
+        try:
+            if workspace_fraction is None:
+                block = self.allocator.malloc(nbytes)
+            else:
+                block = self.allocator.malloc_workspace(nbytes, workspace_fraction)
+        finally:
+            self._busy = False
+            while self._pending:
+                self._free(self._pending.pop())
+        key = next(self._keys)
+        self.live[key] = nbytes
+        if self.log is not None:
+            self.log.append(("alloc" if workspace_fraction is None else "workspace", key, nbytes))
+        return key, block
+
+    def _free(self, entry: tuple[int, Any]) -> None:
+        if self._busy:
+            self._pending.append(entry)
+            return
+        key, block = entry
+        del self.live[key]
+        if self.log is not None:
+            self.log.append(("free", key, 0))
+        self.allocator.free(block)
+
+    def _release(self, key: int) -> Callable[[weakref.ref], None]:
+        def release(ref: weakref.ref) -> None:
+            known = self._storages.get(key)
+            if known is not None and known[0] is ref:
+                del self._storages[key]
+                self._free(known[2])
+        return release
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in MATMUL_OPS and self.cublas is None and self.workspaces.cublas_bytes > 0:
+            self.cublas = self._malloc(self.workspaces.cublas_bytes)  # kept for good
+        out = func(*args, **kwargs)
+        # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
+        inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
+        for tensor in unique_tensors([out]):
+            key = id(tensor.untyped_storage())
+            if key in self._storages or key not in inputs:
+                self.count(tensor)
+        first = next(unique_tensors([args]), None)  # the input, or the output's gradient
+        if name in CONV_OPS and first is not None and self.workspaces.conv_ratio > 0:
+            wanted = int(self.workspaces.conv_ratio * first.numel() * first.element_size())
+            self._free(self._malloc(wanted, self.workspaces.conv_free_fraction))
+        return out
+
+
+def record_events(run: Callable[[], object], *,
+                  workspaces: Workspaces = Workspaces()) -> list[Event]:
+    """The trace of ``run()``: every storage it allocates and frees, and the workspaces the
+    simulated device would take (``NO_WORKSPACES`` for tensors only), as ``("alloc", key,
+    nbytes)``, ``("free", key, 0)`` and, for convolution workspaces, ``("workspace", key,
+    wanted_bytes)`` events, which ``replay`` sizes by the free memory as the device does (give it
+    ``workspace_fraction=workspaces.conv_free_fraction``). Storages that existed before are not
+    in the trace: ``preallocated_sizes`` lists those ``measure`` allocates first."""
+    device = _SimulatedDevice(CachingAllocatorModel(), workspaces)
+    device.log = events = []
+    try:
+        with device:
+            run()
+    finally:
+        device.log = None
+    return events
+
+
+def preallocated_sizes(tracked: Iterable[object]) -> list[int]:
+    """The storage sizes ``SimulatedCudaMeter.measure(tracked)`` allocates first, in order."""
+    seen: set[int] = set()
+    sizes = []
+    for tensor in unique_tensors(tracked):
+        storage = tensor.untyped_storage()
+        if id(storage) not in seen and tensor.device.type == "cpu":
+            seen.add(id(storage))
+            sizes.append(storage.nbytes())
+    return sizes
+
+
+class SimulatedCudaMeter:
+    """A CUDA device for the CPU CI: the interface of the meters in ``_meters.py`` over CPU
+    tensors, with a ``CachingAllocatorModel`` capped at ``budget_bytes`` and the workspaces of
+    NOTE [ Workspaces of the simulated device ]. Like the real allocator, it lives across
+    ``measure`` blocks; ``empty_cache()`` releases its wholly free segments. After a block,
+    ``events`` is its trace and ``preallocated`` the ``(key, nbytes)`` allocations alive at its
+    start, oldest first: ``replay(events, cap, preallocated=preallocated)`` reruns it, exactly on
+    a fresh meter (a used one's segments may be laid out otherwise)."""
+
+    def __init__(self, device: torch.device | str, budget_bytes: int | None, *,
+                 workspaces: Workspaces = Workspaces()) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise ValueError(f"device should be 'cpu' (the simulated CUDA device runs on CPU "
+                             f"tensors), but got device={device!r}.")
+        self.limit_bytes = budget_bytes
+        self.baseline_bytes: int | None = None
+        self.allocator = CachingAllocatorModel(budget_bytes)
+        self._device = _SimulatedDevice(self.allocator, workspaces)
+        self._reading = Reading()
+        self.events: list[Event] = []
+        self.preallocated: list[tuple[int, int]] = []
+
+    @contextmanager
+    def capped(self) -> Iterator[None]:
+        yield  # the allocator model enforces the cap at every malloc
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        self.allocator.empty_cache()
+
+    def _fold_peaks(self) -> None:
+        reading, allocator = self._reading, self.allocator
+        reading.peak_bytes = max(reading.peak_bytes, allocator.peak_allocated_bytes)
+        reading.peak_reserved_bytes = max(reading.peak_reserved_bytes or 0,
+                                          allocator.peak_reserved_bytes)
+
+    def end_forward_backward(self) -> None:
+        reading = self._reading
+        reading.activation_peak_bytes = max(reading.activation_peak_bytes or 0,
+                                            self.allocator.peak_reserved_bytes)
+        self._fold_peaks()
+        self.allocator.reset_peaks()
+
+    @contextmanager
+    def measure(self, tracked: list) -> Iterator[Reading]:
+        reading = self._reading = Reading(peak_reserved_bytes=0)
+        for tensor in unique_tensors(tracked):
+            self._device.count(tensor)  # weights, gradients, optimizer state: alive before
+        self.preallocated = list(self._device.live.items())
+        self._device.log = self.events = []
+        self.allocator.reset_peaks()
+        if self.baseline_bytes is None:
+            self.baseline_bytes = self.allocator.allocated_bytes
+        try:
+            with self._device:
+                yield reading
+        finally:
+            self._device.log = None
+            self._fold_peaks()
+
+
+# -- targets --------------------------------------------------------------------------------
+# NOTE [ GPU targets ]
+# total_memory as torch.cuda.get_device_properties(0).total_memory reports it (cudaDeviceProp
+# .totalGlobalMem), from printouts of _CudaDeviceProperties and deviceQuery in public issues
+# and docs (the MiB figure where only that was printed). It varies by a few MiB with driver,
+# ECC and board (seen: T4 14,930-15,109 MiB, V100-32GB 32,480-32,511 MiB, A100-80GB
+# 81,051-81,251 MiB, H100 81,082-81,090 MiB); the common or lower value is taken.
+# The CUDA context (driver state, kernel images of cuBLAS/cuDNN and PyTorch, loaded lazily since
+# CUDA 11.7) takes device memory that the caching allocator never sees and that
+# set_per_process_memory_fraction does not count; with lazy loading it is about 300-500 MiB on
+# Ampere and Hopper. CUDA_CONTEXT_BYTES takes 512 MiB: overestimating it only lowers the
+# predicted batch, and the prediction should not land above the real boundary.
+GPU_TARGETS: dict[str, int] = {
+    "T4": 15_095 * MIB,  # Tesla T4 (Colab), torch printout
+    "L4": 23_612_293_120,  # deviceQuery: 22,518 MiB
+    "A10G": 22_587 * MIB,  # AWS g5, torch printout
+    "V100-16GB": 16_160 * MIB,  # V100-SXM2-16GB, torch printout
+    "V100-32GB": 34_089_730_048,  # V100-SXM2-32GB, deviceQuery: 32,510 MiB
+    "A100-40GB": 42_298_834_944,  # A100-SXM4-40GB, deviceQuery: 40,339 MiB
+    "A100-80GB": 84_987_740_160,  # A100-SXM4-80GB, deviceQuery: 81,051 MiB
+    "H100-80GB": 81_082 * MIB,  # H100 80GB HBM3 (SXM), torch printout
+    "H200": 143_156 * MIB,  # H200 (141 GB HBM3e), torch printout
+}
+CUDA_CONTEXT_BYTES = 512 * MIB
+_FAMILIES = {"v100": "V100-16GB", "a100": "A100-40GB", "h100": "H100-80GB"}  # smallest variant
+
+
+def _normal(name: str) -> str:
+    name = re.sub(r"[\s_\-]+", "", name.lower()).replace("nvidia", "").replace("tesla", "")
+    return re.sub(r"(\d)(gib|g)$", r"\1gb", name)
+
+
+def parse_target(value: int | str) -> tuple[str, int]:
+    """``(name, usable_bytes)`` for a GPU name of ``GPU_TARGETS`` or a size.
+
+    A name is case- and punctuation-blind (``"a100 40gb"``, ``"A100-40GB"``; a bare family such
+    as ``"a100"`` means its smallest variant); its usable bytes are the total memory less the
+    CUDA context (NOTE [ GPU targets ]). A size (``"24GiB"``, ``"16GB"``, ``"512M"``, an int)
+    is the memory the process may use, as ``budget`` is.
+    """
+    if isinstance(value, str) and not re.match(r"^\s*[0-9.]", value):
+        wanted = _normal(value)
+        names = {_normal(name): name for name in GPU_TARGETS}
+        name = names.get(wanted) or _FAMILIES.get(wanted)
+        if name is None:
+            raise ValueError(f"target should be one of {', '.join(GPU_TARGETS)} or a size such "
+                             f"as '24GiB', but got target={value!r}.")
+        return name, GPU_TARGETS[name] - CUDA_CONTEXT_BYTES
+    size = value
+    if isinstance(value, str) and re.match(r"^\s*[0-9.]+\s*[kKmMgGtT]\s*$", value):
+        size = value.strip() + "iB"  # "512M" is 512 MiB, as nvidia-smi and Slurm write it
+    nbytes = parse_bytes(size, "target")
+    return (value.strip() if isinstance(value, str) else f"{nbytes} bytes"), nbytes
