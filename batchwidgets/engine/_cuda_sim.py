@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._cuda_model import KIB, MIB, WORKSPACE_FREE_FRACTION, CachingAllocatorModel, Event
 from ._memory import parse_bytes, unique_tensors
-from ._meters import Reading
+from ._meters import Reading, TracingTracker, _saving_activations, _Where
 
 # NOTE [ Workspaces of the simulated device ]
 # A GPU step allocates memory that is no tensor, through the same caching allocator:
@@ -297,3 +297,87 @@ def parse_target(value: int | str) -> tuple[str, int]:
         size = value.strip() + "iB"  # "512M" is 512 MiB, as nvidia-smi and Slurm write it
     nbytes = parse_bytes(size, "target")
     return (value.strip() if isinstance(value, str) else f"{nbytes} bytes"), nbytes
+
+
+# -- the simulated device as the probe's meter ------------------------------------------------
+class ProbeMeter(SimulatedCudaMeter):
+    """``SimulatedCudaMeter`` with the rest of the probe's meter interface (see ``_meters.py``):
+    the per-op trace of a ``TracingTracker`` inside the simulated device, whose own allocation
+    events (workspaces included) replace the tracker's, as the allocator model replays them."""
+
+    allocator_model = True  # the probe predicts through _cuda_model.largest_batch_size
+
+    def __init__(self, device: torch.device | str, budget_bytes: int | None, *,
+                 workspaces: Workspaces = Workspaces()) -> None:
+        super().__init__(device, budget_bytes, workspaces=workspaces)
+        self._tracker: TracingTracker | None = None
+        self._where: _Where | None = None
+
+    def warm_up(self) -> None:
+        """The cuBLAS workspace, made once, as CudaMeter.warm_up makes the real one."""
+        with SimulatedCudaMeter.measure(self, []), torch.no_grad():
+            a = torch.ones(2, 2)
+            torch.mm(a, a)
+
+    def start_step(self) -> None:
+        self._where.optimizer_phase = False
+
+    def end_forward_backward(self) -> None:
+        super().end_forward_backward()
+        self._where.optimizer_phase = True
+
+    def live_bytes(self) -> int:
+        return self.allocator.allocated_bytes
+
+    def making_batch(self) -> Any:
+        return self._tracker.collapsed()
+
+    def mark(self, tensors: Any, category: str) -> None:
+        self._tracker.mark(tensors, category)
+
+    def saving_activations(self) -> Any:
+        return _saving_activations(self._tracker)
+
+    @contextmanager
+    def measure(self, tracked: Callable[[], list], trace: bool = True) -> Iterator[Reading]:
+        del trace  # always: the tracker runs on the CPU anyway
+        held = tracked()
+        self._where = _Where()
+        with SimulatedCudaMeter.measure(self, held) as reading:
+            tracker = self._tracker = TracingTracker(self.device, None, held, self._where)
+            held.clear()  # see TensorMeter.measure: a kept list would pin freed gradients
+            try:
+                with self._where.modules, tracker:
+                    yield reading
+            except BaseException:
+                tracker.trace.complete = False
+                raise
+            finally:
+                reading.live_bytes = self.allocator.allocated_bytes
+                tracker.trace.events = self.events
+                tracker.trace.preallocated = list(self.preallocated)
+                reading.trace = tracker.trace
+                if tracker.trace.complete and tracker.trace.live:
+                    reading.split = tracker.split_at_peak()
+                    tracker.record_parts()
+                self._tracker = None
+
+
+@contextmanager
+def simulated_cuda(workspaces: Workspaces = Workspaces()) -> Iterator[None]:
+    """Inside the block, ``find_batch`` on the CPU probes the simulated CUDA device instead:
+    the caching allocator's rules, workspaces and a real ``torch.OutOfMemoryError`` at the cap
+    (``budget``), on CPU tensors. For tests of the CUDA search without a GPU."""
+    global _SIMULATED
+    previous, _SIMULATED = _SIMULATED, workspaces
+    try:
+        yield
+    finally:
+        _SIMULATED = previous
+
+
+_SIMULATED: Workspaces | None = None
+
+
+def simulated_workspaces() -> Workspaces | None:
+    return _SIMULATED

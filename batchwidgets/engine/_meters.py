@@ -74,6 +74,7 @@ class TracingTracker(_memory.TensorMemoryTracker):
         self.categories: dict[int, str] = {}  # serial -> parameter, gradient, ...
         for key, (_, nbytes) in self._storages.items():
             self._born(key, nbytes, -1, "")
+        self.trace.preallocated = [(key, nbytes) for key, (_, nbytes) in self._storages.items()]
 
     def _born(self, key: int, nbytes: int, op: int, module: str) -> None:
         self._serials[key] = len(self.lifetimes)
@@ -218,6 +219,9 @@ class TensorMeter:
         if self.device.type == "mps":
             torch.mps.synchronize()
 
+    def warm_up(self) -> None:
+        pass
+
     def end_forward_backward(self) -> None:
         tracker, reading = self._tracker, self._reading
         reading.activation_peak_bytes = max(reading.activation_peak_bytes or 0, tracker.peak_bytes)
@@ -299,6 +303,15 @@ class CudaMeter:
             torch.cuda.set_per_process_memory_fraction(previous, self.device)
 
     def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def warm_up(self) -> None:
+        """Make cuBLAS's and cuBLASLt's workspaces now (the first matmul, and the first with a
+        bias, allocate them for good), so that they are not in the first size's trace only."""
+        with torch.no_grad():
+            a = torch.ones(8, 8, device=self.device)
+            torch.addmm(a, a, a)
+            del a
         torch.cuda.synchronize(self.device)
 
     def _fold_peaks(self) -> None:

@@ -39,6 +39,8 @@ class OpTrace:
     where: list[str] = field(default_factory=list)
     events: list[tuple[str, int, int]] = field(default_factory=list)
     complete: bool = True
+    # (key, nbytes) of the storages alive when the trial began, for the allocator model's replay
+    preallocated: list[tuple[int, int]] = field(default_factory=list)
     # after the trial: per op, the live bytes of one part ("optimizer", "activation of head"),
     # what the what-ifs take away (see _what_if.py)
     parts: dict[str, list[int]] = field(default_factory=dict)

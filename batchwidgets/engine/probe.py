@@ -21,7 +21,7 @@ from typing import Any, Union
 import torch
 
 from ..results import Attempt, BatchSizeReport, MemorySplit
-from . import _memory, _search, _what_if
+from . import _cuda_model, _cuda_sim, _memory, _search, _what_if
 from ._batches import as_batch_maker, forward_and_loss, to_device
 from ._meters import Reading, make_meter
 from ._state import TrainingState
@@ -242,6 +242,8 @@ class _Trainer:
             # A full gc.collect() costs ~0.2 s with torch loaded; only an out-of-memory error
             # leaves cycles (its traceback) holding tensors. A clean step's are freed already.
             _memory.free_memory(self.meter.device, collect=oom)
+            if hasattr(self.meter, "empty_cache"):  # the simulated CUDA device
+                self.meter.empty_cache()
         return Attempt(batch_size, True, reading.peak_bytes, seconds, reading.peak_reserved_bytes,
                        reading.activation_peak_bytes), reading
 
@@ -388,7 +390,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     home_state = TrainingState(model if is_module else None, optimizer, extras)
     moved = is_module and _resolve_device(model, None) != device
     home = _resolve_device(model, None) if is_module else device
-    meter = make_meter(device, budget_bytes)
+    meter = _make_meter(device, budget_bytes)
     make_batch_fn = as_batch_maker(make_batch) if is_module else None
     try:
         with meter.capped():
@@ -405,6 +407,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                                lambda: _state_tensors(model if is_module else None, optimizer),
                                _Marks(model if is_module else None, optimizer))
             limit_bytes = _agree_limit(meter.limit_bytes)
+            meter.warm_up()
             search = _Search(trainer, meter, start=start, multiple_of=multiple_of,
                              ceiling=ceiling, limit_bytes=limit_bytes)
             attempts = search.run(on_step, should_stop)
@@ -495,6 +498,13 @@ def _report(attempts: list[Attempt], device: torch.device, budget_bytes: int | N
     return report
 
 
+def _make_meter(device: torch.device, budget_bytes: int | None) -> Any:
+    workspaces = _cuda_sim.simulated_workspaces()
+    if device.type == "cpu" and workspaces is not None:  # tests: see _cuda_sim.simulated_cuda
+        return _cuda_sim.ProbeMeter(device, budget_bytes, workspaces=workspaces)
+    return make_meter(device, budget_bytes)
+
+
 def _memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
                   modules: dict[str, int], peak: int) -> MemorySplit:
     by_module = dict(sorted(modules.items(), key=lambda item: -item[1]))
@@ -517,6 +527,7 @@ class _Search:
         self.limit_bytes = limit_bytes
         self.traces: dict[int, OpTrace] = {}
         self.overhead_bytes = 0  # reserved beyond the tensors (CUDA), from the traced sizes
+        self.unseen_bytes = 0  # real CUDA: reserved that the trace's replay does not explain
         self.model: PeakModel | None = None
         self.attempts: list[Attempt] = []
         self.stopped = False
@@ -536,9 +547,8 @@ class _Search:
                 break
             attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
             if predicted is not None:
-                attempt = dataclasses.replace(
-                    attempt, predicted_peak_bytes=self.model.peak_bytes(size)
-                    + self.overhead_bytes, predicted_fits=size <= predicted)
+                attempt = dataclasses.replace(attempt, predicted_peak_bytes=self._predicted_peak(
+                    size), predicted_fits=size <= predicted)
             self._learn(attempt, reading)
             self.attempts.append(_agree(attempt))
             if on_step is not None:
@@ -561,7 +571,11 @@ class _Search:
                 self.split = _memory_split(attempt.batch_size, trace, *reading.split)
             if reading.peak_reserved_bytes:
                 self.overhead_bytes = max(0, reading.peak_reserved_bytes - max(trace.live))
-        elif (not attempt.fits and reading.live_bytes is not None
+            if self.meter.device.type == "cuda":  # workspaces the tensor trace cannot see
+                replayed = _cuda_model.replay(trace.events, preallocated=trace.preallocated)
+                self.unseen_bytes = max(0, (reading.peak_reserved_bytes or 0)
+                                        - replayed.peak_reserved_bytes)
+        elif (not attempt.fits and not self.replays and reading.live_bytes is not None
               and self.limit_bytes is not None and reading.live_bytes < self.limit_bytes):
             # A real allocator failure below the assumed limit (a cgroup, a ulimit, another
             # process): the limit is lower than assumed. Lower it and predict again.
@@ -577,11 +591,46 @@ class _Search:
                     return model
         return None
 
+    @property
+    def replays(self) -> bool:
+        """On CUDA (and the simulated device) what runs out is reserved memory: predictions
+        replay the traces through the caching allocator's model (_cuda_model.py)."""
+        return self.meter.device.type == "cuda" or getattr(self.meter, "allocator_model", False)
+
+    def _event_pair(self) -> tuple[tuple[OpTrace, int], tuple[OpTrace, int]] | None:
+        sizes = sorted(self.traces, reverse=True)[:4]
+        for i, large in enumerate(sizes):
+            for small in sizes[i + 1:]:
+                a, b = self.traces[small], self.traces[large]
+                if _cuda_model.scale_events(a.events, small, b.events, large, small) is not None:
+                    return (a, small), (b, large)
+        return None
+
     def _predicted(self) -> int | None:
         if self.model is None or self.limit_bytes is None or not self.model.grows:
             return None
+        if self.replays:
+            pair = self._event_pair()
+            if pair is None:
+                return None
+            (small, b_small), (large, b_large) = pair
+            return _cuda_model.largest_batch_size(
+                small.events, b_small, large.events, b_large, self.limit_bytes,
+                multiple_of=self.multiple_of, ceiling=self.ceiling,
+                preallocated=large.preallocated, overhead_bytes=self.unseen_bytes)
         return self.model.largest_batch_size(self.limit_bytes - self.overhead_bytes,
                                              multiple_of=self.multiple_of, ceiling=self.ceiling)
+
+    def _predicted_peak(self, size: int) -> int:
+        if self.replays:
+            pair = self._event_pair()
+            if pair is not None:
+                (small, b_small), (large, b_large) = pair
+                events = _cuda_model.scale_events(small.events, b_small, large.events, b_large,
+                                                  size)
+                return (_cuda_model.replay(events, preallocated=large.preallocated)
+                        .peak_reserved_bytes + self.unseen_bytes)
+        return self.model.peak_bytes(size) + self.overhead_bytes
 
     def method(self) -> str:
         """How the search went, in a sentence for the report."""
@@ -592,9 +641,11 @@ class _Search:
             return ("per-op model missed twice (memory not affine in the batch size here); "
                     "finished by bisection." + lowered)
         if self.model is not None:
+            replay = (" replayed through the CUDA caching allocator's model" if self.replays
+                      else "")
             return (f"per-op model fitted on sizes {self.model.batch_small} and "
-                    f"{self.model.batch_large} ({len(self.model.large.names)} ops), then "
-                    f"verified." + lowered)
+                    f"{self.model.batch_large} ({len(self.model.large.names)} ops){replay}, "
+                    f"then verified." + lowered)
         if len(sizes) >= 2:
             return (f"op sequences differ between sizes {sizes[-2]} and {sizes[-1]} "
                     f"(data-dependent shapes or unpadded lengths?): no per-op model, searched "
