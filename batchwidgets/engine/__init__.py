@@ -21,7 +21,8 @@ Private, in the order a newcomer meets them:
 - ``_loader_timing.py``  timing one DataLoader; workers always shut down
 - ``_loader_checks.py``  argument checks, unpicklable datasets, warnings with numbers
 
-A new engine module adds its line here; tests/test_<module>.py tests it.
+A new engine module adds its line here. Its tests go in tests/test_<public module it serves>.py
+(test_probe.py, test_loader.py, ...); the pure search policies have their own (test_search.py).
 """
 
 from ._batches import SyntheticBatches
