@@ -31,32 +31,33 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available()
 
 
-def tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a batch (tensor, mapping, list, tuple, nested), in order."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
+def _leaves(batch: Any) -> Iterator[Any]:
+    """What a batch holds below its mappings, lists and tuples (nested), in order: the same
+    containers that DataLoader's collate and pinning walk into
+    (``torch.utils.data._utils.pin_memory.pin_memory``)."""
+    if isinstance(batch, Mapping):
         for value in batch.values():
-            yield from tensors(value)
+            yield from _leaves(value)
     elif isinstance(batch, (list, tuple)):
         for value in batch:
-            yield from tensors(value)
+            yield from _leaves(value)
+    else:
+        yield batch
+
+
+def tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a batch (tensor, mapping, list, tuple, nested), in order."""
+    return (leaf for leaf in _leaves(batch) if isinstance(leaf, torch.Tensor))
+
+
+_NOT_PINNED = (torch.Tensor, str, bytes, int, float, bool, type(None))  # pinned, or nothing to pin
 
 
 def _unpinnable(batch: Any) -> Iterator[str]:
-    """Type names in a batch that DataLoader's pinning passes over unchanged (see
-    ``torch.utils.data._utils.pin_memory.pin_memory``: no ``pin_memory()`` method, not a
-    tensor, mapping or sequence)."""
-    if isinstance(batch, (torch.Tensor, str, bytes, int, float, bool, type(None))):
-        return
-    if isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _unpinnable(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _unpinnable(value)
-    elif not hasattr(batch, "pin_memory"):
-        yield type(batch).__qualname__
+    """Type names in a batch that DataLoader's pinning passes over unchanged: no
+    ``pin_memory()`` method, not a tensor, mapping or sequence."""
+    return (type(leaf).__qualname__ for leaf in _leaves(batch)
+            if not isinstance(leaf, _NOT_PINNED) and not hasattr(leaf, "pin_memory"))
 
 
 def start_method(loader: DataLoader) -> str:

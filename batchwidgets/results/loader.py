@@ -87,7 +87,7 @@ class DataStallReport:
                 f"({self.data_wait_s * 1e3:.3g} ms of {self.step_time_s * 1e3:.3g} ms, "
                 f"{self.n_steps} steps on {self.device})")
 
-    def _rows(self) -> list[tuple[str, object]]:
+    def _summary_rows(self) -> list[tuple[str, object]]:
         return [("data stall", f"{self.stall_fraction:.1%} of the step time"),
                 ("step with the loader", f"{_html.format_number(self.step_time_s * 1e3)} ms"),
                 ("step on a replayed batch",
@@ -96,7 +96,7 @@ class DataStallReport:
                 ("steps timed", f"{self.n_steps} of each on {self.device}")]
 
     def _repr_html_(self) -> str:
-        return f"<div>{_html.table(self._rows(), caption='batchwidgets: data_stall')}</div>"
+        return f"<div>{_html.table(self._summary_rows(), caption='batchwidgets: data_stall')}</div>"
 
 
 # NOTE [ A LoaderReport holds no data ]
