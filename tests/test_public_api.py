@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import pkgutil
 
 import pytest
 import torch
@@ -174,6 +175,17 @@ def test_load_ext_registers_find_batch_and_accumulate():
 def test_the_command_line_entry_point_exists():
     main = importlib.import_module("batchwidgets.__main__")
     assert callable(main.main)
+
+
+# -- the map for newcomers ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("package", ["batchwidgets.engine", "batchwidgets.widgets"])
+def test_the_package_docstring_lists_every_module_a_line_each(package):
+    imported = importlib.import_module(package)
+    modules = [info.name for info in pkgutil.iter_modules(imported.__path__)]
+    listed = [name for name in modules if f"``{name}.py``" in imported.__doc__]
+    assert listed == modules
 
 
 # -- old import paths ---------------------------------------------------------------------------

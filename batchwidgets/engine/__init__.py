@@ -14,6 +14,7 @@ Private, in the order a newcomer meets them:
 - ``_batches.py``        batches of any size from a callable, Dataset, DataLoader or tensor
 - ``_search.py``         the probe's pure search policy: which batch size next
 - ``_meters.py``         memory backends: CUDA allocator peaks and cap, CPU/MPS tensor bytes
+- ``_trace.py``          the per-op memory trace of a step, the peak model fitted on two
 - ``_memory.py``         OOM detection, budget parsing, the tensor-memory tracker
 - ``_state.py``          bit-exact snapshot and restore of model, optimizer, RNGs, flags
 - ``_noise_estimate.py`` the NoiseTracker's estimators and their error bars
