@@ -7,6 +7,7 @@ import struct
 
 import ipywidgets as widgets
 import pytest
+from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 from matplotlib.figure import Figure
@@ -40,7 +41,8 @@ class Panel(ReportDisplay, widgets.VBox):
 
 @pytest.fixture(scope="module")
 def ip():
-    return start_ipython()
+    start_ipython()  # the shared test shell; returns it only on the first call
+    return get_ipython()
 
 
 def png_size(data: bytes) -> tuple[int, int]:

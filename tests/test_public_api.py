@@ -12,6 +12,7 @@ import pkgutil
 
 import pytest
 import torch
+from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 
 import batchwidgets as bw
@@ -165,11 +166,15 @@ def test_probe_and_noise_panel_attributes():
 
 
 def test_load_ext_registers_find_batch_and_accumulate():
-    ip = start_ipython()
+    start_ipython()  # the shared test shell; returns it only on the first call
+    ip = get_ipython()
     ip.run_line_magic("load_ext", "batchwidgets")
-    magics = ip.magics_manager.magics
-    assert "find_batch" in magics["line"]
-    assert "accumulate" in magics["cell"]
+    try:
+        magics = ip.magics_manager.magics
+        assert "find_batch" in magics["line"]
+        assert "accumulate" in magics["cell"]
+    finally:
+        ip.run_line_magic("unload_ext", "batchwidgets")
 
 
 def test_the_command_line_entry_point_exists():
