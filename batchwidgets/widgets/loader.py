@@ -17,7 +17,7 @@ import html
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import ipywidgets as widgets
 from torch.utils.data import DataLoader
@@ -32,6 +32,7 @@ from ..results.loader import with_data
 from ._panel import ReportDisplay, figure_png, name_parts
 from ._runner import Runner, Task
 
+JobKind = Literal["measure", "tune"]
 PREFETCH_FACTORS = (1, 2, 4, 8)  # the choices offered besides DataLoader's default (None: 2)
 CLOSE_TIMEOUT_S = 60.0  # close() waits this long for the measurement in flight to stop
 
@@ -40,7 +41,7 @@ class _Job:
     """One thing for the background runner to do: measure ``settings``, or auto-tune from them
     (its ``key``: the same job asked for again while it runs is not started twice)."""
 
-    def __init__(self, kind: str, settings: dict[str, Any]) -> None:
+    def __init__(self, kind: JobKind, settings: dict[str, Any]) -> None:
         self.kind, self.settings = kind, settings
         self.key = (kind, tuple(settings.items()))
 
