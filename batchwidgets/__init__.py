@@ -10,34 +10,47 @@ import importlib
 
 __version__ = "0.1.0"
 
+# Every public name -> the module that defines it (or re-exports it), imported on first use.
 _LAZY = {
+    # find_batch: the largest batch that trains
     "find_batch": "batchwidgets.engine.probe",
     "NoBatchSizeFits": "batchwidgets.engine.probe",
-    "BudgetExceededError": "batchwidgets.engine._memory",
-    "track_tensor_memory": "batchwidgets.engine._memory",
-    "SyntheticBatches": "batchwidgets.engine._batches",
-    "accumulate": "batchwidgets.engine.accumulate",
-    "measure_noise": "batchwidgets.engine.noise",
-    "NoiseReport": "batchwidgets.results",
-    "NoiseTracker": "batchwidgets.engine.noise_tracker",
-    "NoiseTrackerReport": "batchwidgets.results",
-    "AccumulationReport": "batchwidgets.results",
-    "BatchwidgetsWarning": "batchwidgets._warnings",
-    "Attempt": "batchwidgets.results",
     "BatchSizeReport": "batchwidgets.results",
-    "MemoryModel": "batchwidgets.results",
+    "Attempt": "batchwidgets.results",
     "plot_probe": "batchwidgets.plots",
     "ProbePanel": "batchwidgets.widgets",
+    # accumulate: past the largest batch that fits
+    "accumulate": "batchwidgets.engine.accumulate",
+    "AccumulationReport": "batchwidgets.results",
+    "plot_accumulate": "batchwidgets.plots",
+    # measure_noise, NoiseTracker: how noisy the batches are
+    "measure_noise": "batchwidgets.engine.noise",
+    "NoiseReport": "batchwidgets.results",
+    "plot_noise": "batchwidgets.plots",
+    "NoiseTracker": "batchwidgets.engine.noise_tracker",
+    "NoiseTrackerReport": "batchwidgets.results",
+    "plot_noise_tracker": "batchwidgets.plots",
     "NoisePanel": "batchwidgets.widgets",
+    # tune_loader: is the input pipeline keeping up
     "tune_loader": "batchwidgets.engine.loader",
     "measure_loader": "batchwidgets.engine.loader",
+    "make_loader": "batchwidgets.engine.loader",
     "data_stall": "batchwidgets.engine.loader",
     "LoaderReport": "batchwidgets.results",
     "LoaderTrial": "batchwidgets.results",
     "DataStallReport": "batchwidgets.results",
+    "plot_loader": "batchwidgets.plots",
     "LoaderPanel": "batchwidgets.widgets",
+    "BatchwidgetsWarning": "batchwidgets._warnings",
+    # Internals, importable from here as before but not part of the public set (``__all__``):
+    # use them from their modules.
+    "BudgetExceededError": "batchwidgets.engine._memory",
+    "track_tensor_memory": "batchwidgets.engine._memory",
+    "SyntheticBatches": "batchwidgets.engine._batches",
+    "MemoryModel": "batchwidgets.results",
 }
-__all__ = sorted(_LAZY)
+_INTERNAL = ("BudgetExceededError", "track_tensor_memory", "SyntheticBatches", "MemoryModel")
+__all__ = sorted(name for name in _LAZY if name not in _INTERNAL)
 
 
 def __getattr__(name):

@@ -170,6 +170,14 @@ def test_bad_arguments_are_one_line_errors():
         bw.measure_loader(SleepyDataset(n=0), device="cpu")
     with pytest.raises(TypeError, match="should be a DataLoader or a Dataset"):
         bw.measure_loader(42)
+    with pytest.raises(ValueError, match=r"prefetch_factor should be an int >= 1 or None, but "
+                                         r"got prefetch_factor=True; DataLoader's default is 2\."):
+        bw.measure_loader(SleepyDataset(), num_workers=1, prefetch_factor=True)
+    with pytest.raises(ValueError, match=r"max_workers should be an int >= 0 or None, but got "
+                                         r"max_workers=-1; None means the \d+ usable CPUs\."):
+        bw.tune_loader(SleepyDataset(), max_workers=-1)
+    with pytest.raises(ValueError, match=r"n_steps should be an int >= 1, but got n_steps=0\."):
+        bw.data_stall(SleepyDataset(), lambda batch: None, n_steps=0)
 
 
 # make_loader
@@ -306,7 +314,7 @@ def test_failed_worker_trials_count_as_zero_and_the_search_ends():
 def test_tune_loader_measures_a_few_settings_and_reports_the_fastest():
     seen = []
     report = bw.tune_loader(SleepyDataset(n=64, seconds=0.002), "cpu", batch_size=8,
-                            max_workers=2, duration_s=0.1, on_trial=seen.append)
+                            max_workers=2, duration_s=0.1, on_progress=seen.append)
     assert isinstance(report, LoaderReport)
     assert list(report.trials) == seen
     assert report.trials[0].num_workers == 0
@@ -510,7 +518,8 @@ def test_the_report_renders_as_escaped_html_with_a_plot_and_a_summary():
     assert report.summary() == ("best: 2 workers, prefetch 2 at 2.5e+03 samples/s, 2.5x no "
                                 "workers (4 of 9 settings tried in 3.2 s on cpu)")
     assert report == pickle.loads(pickle.dumps(report))
-    with pytest.raises(ValueError, match="source should be the loader or dataset measured"):
+    with pytest.raises(ValueError, match=r"call batchwidgets.make_loader\(data, "
+                                         r"\*\*report.best.settings\)"):
         report.make_loader()
 
 
@@ -533,7 +542,7 @@ def test_plot_loader_draws_samples_per_s_per_setting_with_the_best_highlighted()
 def test_loader_report_builds_a_panel_report_from_trials_measured_one_by_one():
     trials = report_for_display().trials
     report = loader_report(trials, current_index=-1, max_workers=2,
-                           source=TensorDataset(torch.zeros(4, 1)))
+                           data=TensorDataset(torch.zeros(4, 1)))
     assert (report.best_index, report.current_index) == (1, 3)
     assert report.grid_size == 18  # the trials copied to "cuda": pin_memory doubles the grid
     assert report.current.summary() == "4 workers, prefetch 2: failed: ValueError: <boom>"
@@ -542,3 +551,73 @@ def test_loader_report_builds_a_panel_report_from_trials_measured_one_by_one():
     assert report.make_loader().num_workers == 2
     with pytest.raises(ValueError, match="trials should hold at least one"):
         loader_report([])
+
+
+# Reports are plain data: no field holds the data measured (NOTE [ A LoaderReport holds no data ])
+
+
+class Marked(TensorDataset):
+    """A dataset whose pickle and deep copy would show: both are counted."""
+
+    copies = 0
+
+    def __reduce_ex__(self, protocol):
+        Marked.copies += 1
+        return super().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        Marked.copies += 1
+        return self
+
+
+def test_a_tuned_report_keeps_no_data_but_still_makes_its_loader():
+    data = Marked(torch.zeros(64, 4))
+    report = bw.tune_loader(data, "cpu", max_workers=0, duration_s=0.02)
+    assert [field.name for field in dataclasses.fields(report)] == [
+        "trials", "best_index", "current_index", "device", "grid_size", "search_time_s",
+        "warnings", "stall"]
+    Marked.copies = 0
+    as_dict = dataclasses.asdict(report)
+    pickled = pickle.dumps(report)
+    assert Marked.copies == 0  # neither copied nor pickled the data
+    assert len(pickled) < 5_000  # the 64x4 floats would be 1,024 bytes alone, plus the class
+    assert b"Marked" not in pickled
+    assert data not in as_dict.values()
+    loader = report.make_loader(batch_size=16)
+    assert loader.dataset is data
+    assert loader.batch_size == 16
+    assert bw.make_loader(data, **report.best.settings).num_workers == report.best.num_workers
+    assert report == pickle.loads(pickled)
+
+
+def test_a_report_without_its_data_says_to_call_bw_make_loader():
+    data = TensorDataset(torch.zeros(8, 1))
+    report = loader_report([trial_for(_loader_search.setting(0, False), 100.0)], data=data)
+    assert report.make_loader().dataset is data
+    for lost in (pickle.loads(pickle.dumps(report)), dataclasses.replace(report),
+                 LoaderReport(**{f.name: getattr(report, f.name)
+                                 for f in dataclasses.fields(report)})):
+        assert lost == report
+        with pytest.raises(ValueError, match="report should come from tune_loader") as error:
+            lost.make_loader()
+        assert "\n" not in str(error.value)
+        assert str(error.value).endswith("call batchwidgets.make_loader(data, "
+                                         "**report.best.settings).")
+    assert "data" not in repr(report).replace("DataStall", "")
+
+
+def test_make_loader_takes_the_data_positionally_and_only_known_settings():
+    data = TensorDataset(torch.zeros(8, 1))
+    assert bw.make_loader is make_loader
+    assert bw.make_loader(data, batch_size=4).batch_size == 4
+    with pytest.raises(TypeError, match="settings should be among"):
+        bw.make_loader(data, data=data)
+
+
+def test_on_trial_is_the_earlier_name_of_on_progress():
+    seen = []
+    report = bw.tune_loader(SleepyDataset(n=16, seconds=0), "cpu", max_workers=0,
+                            duration_s=0.01, on_trial=seen.append)
+    assert seen == list(report.trials)
+    with pytest.raises(TypeError, match="on_progress and on_trial should not both be given"):
+        bw.tune_loader(SleepyDataset(), "cpu", on_progress=print, on_trial=print)

@@ -3,6 +3,7 @@ tiny datasets, measured off the main thread; workers and shared memory never lef
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ from torch.utils.data import (
 
 import batchwidgets as bw
 from batchwidgets.datasets import SlowDataset
+from batchwidgets.engine.loader import loader_report
 from batchwidgets.results import LoaderReport
 from batchwidgets.widgets import WIDGET_VIEW
 
@@ -272,6 +274,44 @@ def test_autotune_sets_the_controls_to_the_best_setting_without_measuring_again(
     assert report.grid_size > len(report.trials)
     assert not panel.autotune.disabled
     assert multiprocessing.active_children() == []
+
+
+def agrees_with_its_report(panel) -> bool:
+    """The controls hold the report's current setting, which is its best, and the readout and
+    the status line show that setting's samples/s."""
+    report = panel.report
+    rate = f"{report.best.samples_per_s:,.0f}"
+    return (report.current_index == report.best_index
+            and panel.settings == {"batch_size": None, **report.best.settings}
+            and f">{rate}</span> samples/s" in panel.readout.value
+            and panel.status.value.startswith(f"{report.best.label}: {rate} samples/s; best "
+                                              f"so far: {report.best.label}, {rate}"))
+
+
+def test_after_autotune_the_controls_readout_and_report_show_the_same_best_setting(panels):
+    panel = panels(tiny(), start=False, duration_s=0.05, max_workers=1)
+    panel.num_workers.value = 1
+    panel.prefetch_factor.value = 8  # outside tune_loader's grid: kept in the panel's report
+    earlier = panel.wait(WAIT_S).current
+    panel.autotune.click()
+    report = panel.wait(WAIT_S)
+    assert earlier in report.trials
+    assert agrees_with_its_report(panel)
+
+
+def test_a_setting_measured_before_autotune_that_ran_faster_stays_the_best_shown(panels):
+    panel = panels(tiny(), start=False, duration_s=0.05, max_workers=1)
+    fast = dataclasses.replace(  # a setting tune_loader never tries, faster than any it does
+        bw.measure_loader(tiny(), device="cpu", max_batches=1), num_workers=1,
+        prefetch_factor=8, samples_per_s=1e12)
+    panel.render(loader_report([fast], max_workers=1))
+    panel.autotune.click()
+    report = panel.wait(WAIT_S)
+    assert len(report.trials) >= 3
+    assert report.best == fast
+    assert (panel.num_workers.value, panel.prefetch_factor.value) == (1, 8)
+    assert agrees_with_its_report(panel)
+    assert report.make_loader().prefetch_factor == 8
 
 
 def test_a_control_changed_during_autotune_stops_it_and_measures_the_new_setting(panels):

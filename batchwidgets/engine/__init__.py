@@ -1,4 +1,30 @@
-"""The measuring engine: pure PyTorch (never IPython, ipywidgets or matplotlib)."""
+"""The measuring engine: pure PyTorch (never IPython, ipywidgets or matplotlib), one module each.
+
+Public (each returns a report from ``batchwidgets.results``):
+
+- ``probe.py``           find_batch, NoBatchSizeFits     the largest batch that trains
+- ``accumulate.py``      accumulate                      gradient accumulation around a loop
+- ``noise.py``           measure_noise                   gradient noise from per-example grads
+- ``noise_tracker.py``   NoiseTracker                    noise and losses during training
+- ``loader.py``          tune_loader, measure_loader,    DataLoader settings, measured;
+                         make_loader, data_stall         how long a step waits on data
+
+Private, in the order a newcomer meets them:
+
+- ``_batches.py``        batches of any size from a callable, Dataset, DataLoader or tensor
+- ``_search.py``         the probe's pure search policy: which batch size next
+- ``_meters.py``         memory backends: CUDA allocator peaks and cap, CPU/MPS tensor bytes
+- ``_trace.py``          the per-op memory trace of a step, the peak model fitted on two
+- ``_memory.py``         OOM detection, budget parsing, the tensor-memory tracker
+- ``_state.py``          bit-exact snapshot and restore of model, optimizer, RNGs, flags
+- ``_noise_estimate.py`` the NoiseTracker's estimators and their error bars
+- ``_loader_search.py``  tune_loader's pure search policy: which setting next
+- ``_loader_timing.py``  timing one DataLoader; workers always shut down
+- ``_loader_checks.py``  argument checks, unpicklable datasets, warnings with numbers
+
+A new engine module adds its line here. Its tests go in tests/test_<public module it serves>.py
+(test_probe.py, test_loader.py, ...); the pure search policies have their own (test_search.py).
+"""
 
 from ._batches import SyntheticBatches
 from ._memory import BudgetExceededError, is_oom, parse_bytes, track_tensor_memory

@@ -1,6 +1,6 @@
-"""What can go wrong around DataLoader workers, found before or while measuring: a dataset the
-workers cannot unpickle (spawn/forkserver), and the warnings with numbers (/dev/shm, CPUs,
-pinning)."""
+"""What can go wrong around DataLoader workers, found before or while measuring: arguments out of
+range, a dataset the workers cannot unpickle (spawn/forkserver), and the warnings with numbers
+(/dev/shm, CPUs, pinning)."""
 
 from __future__ import annotations
 
@@ -31,32 +31,33 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available()
 
 
-def tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a batch (tensor, mapping, list, tuple, nested), in order."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
+def _leaves(batch: Any) -> Iterator[Any]:
+    """What a batch holds below its mappings, lists and tuples (nested), in order: the same
+    containers that DataLoader's collate and pinning walk into
+    (``torch.utils.data._utils.pin_memory.pin_memory``)."""
+    if isinstance(batch, Mapping):
         for value in batch.values():
-            yield from tensors(value)
+            yield from _leaves(value)
     elif isinstance(batch, (list, tuple)):
         for value in batch:
-            yield from tensors(value)
+            yield from _leaves(value)
+    else:
+        yield batch
+
+
+def tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a batch (tensor, mapping, list, tuple, nested), in order."""
+    return (leaf for leaf in _leaves(batch) if isinstance(leaf, torch.Tensor))
+
+
+_NOT_PINNED = (torch.Tensor, str, bytes, int, float, bool, type(None))  # pinned, or nothing to pin
 
 
 def _unpinnable(batch: Any) -> Iterator[str]:
-    """Type names in a batch that DataLoader's pinning passes over unchanged (see
-    ``torch.utils.data._utils.pin_memory.pin_memory``: no ``pin_memory()`` method, not a
-    tensor, mapping or sequence)."""
-    if isinstance(batch, (torch.Tensor, str, bytes, int, float, bool, type(None))):
-        return
-    if isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _unpinnable(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _unpinnable(value)
-    elif not hasattr(batch, "pin_memory"):
-        yield type(batch).__qualname__
+    """Type names in a batch that DataLoader's pinning passes over unchanged: no
+    ``pin_memory()`` method, not a tensor, mapping or sequence."""
+    return (type(leaf).__qualname__ for leaf in _leaves(batch)
+            if not isinstance(leaf, _NOT_PINNED) and not hasattr(leaf, "pin_memory"))
 
 
 def start_method(loader: DataLoader) -> str:
@@ -77,6 +78,41 @@ def _main_is_interactive() -> bool:
     import (a script's ``__main__`` they re-import from its file)."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     return main_file is None or "ipykernel" in main_file
+
+
+# Argument checks of measure_loader and tune_loader: one rule a line, in the STYLE message shape.
+
+
+def check_int(name: str, value: Any, minimum: int, *, optional: bool = False,
+              hint: str = "") -> None:
+    """One integer argument: an int (not a bool) >= ``minimum``, or None when ``optional``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"an int >= {minimum}{' or None' if optional else ''}"
+        raise ValueError(f"{name} should be {expected}, but got {name}={value!r}{hint}.")
+
+
+def check_measure_arguments(num_workers: Any, prefetch_factor: Any, batch_size: Any,
+                            duration_s: Any, max_batches: Any) -> None:
+    check_int("num_workers", num_workers, 0)
+    check_int("prefetch_factor", prefetch_factor, 1, optional=True,
+              hint="; DataLoader's default is 2")
+    check_int("batch_size", batch_size, 1, optional=True)
+    if not isinstance(duration_s, (int, float)) or duration_s <= 0:
+        raise ValueError(f"duration_s should be a positive number of seconds, but got "
+                         f"duration_s={duration_s!r}; 1.0 is a good start.")
+    check_int("max_batches", max_batches, 1, optional=True)
+
+
+def check_tune_arguments(max_workers: Any, duration_s: Any, threshold: Any,
+                         batch_size: Any) -> None:
+    check_int("max_workers", max_workers, 0, optional=True,
+              hint=f"; None means the {usable_cpus()} usable CPUs")
+    if not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+        raise ValueError(f"threshold should be in [0, 1), but got threshold={threshold!r}; "
+                         f"0.05 stops when a step gains under 5%.")
+    check_measure_arguments(0, None, batch_size, duration_s, None)
 
 
 class _Discard(io.RawIOBase):

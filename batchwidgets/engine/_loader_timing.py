@@ -56,6 +56,13 @@ def _size(batch: Any) -> tuple[int, int]:
     return next((t.shape[0] for t in found if t.dim() > 0), 1), n_bytes
 
 
+def _settings(loader: DataLoader) -> dict[str, Any]:
+    """The loader's settings, as a LoaderTrial names them (no prefetch_factor without workers)."""
+    return {"num_workers": loader.num_workers, "pin_memory": loader.pin_memory,
+            "prefetch_factor": loader.prefetch_factor if loader.num_workers else None,
+            "persistent_workers": loader.persistent_workers, "batch_size": loader.batch_size}
+
+
 def shutdown(iterator: Any) -> None:
     """Stop the iterator's workers now, persistent ones too (see NOTE [ Shut workers down ])."""
     shutdown = getattr(iterator, "_shutdown_workers", None)
@@ -120,10 +127,7 @@ def time_loader(loader: DataLoader, device: torch.device, duration_s: float,
         shutdown(iterator)
     rate = 1 / seconds if seconds > 0 else 0.0
     return LoaderTrial(
-        num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
-        persistent_workers=loader.persistent_workers, batch_size=loader.batch_size,
-        samples_per_s=n_samples * rate, batches_per_s=n_batches * rate,
+        **_settings(loader), samples_per_s=n_samples * rate, batches_per_s=n_batches * rate,
         bytes_per_s=n_bytes * rate, first_batch_s=first_batch_s, n_batches=n_batches,
         n_samples=n_samples, duration_s=seconds, device=str(device), n_epoch_ends=epoch_ends,
         cancelled=cancelled, warnings=tuple(notes))
@@ -140,8 +144,6 @@ def one_line(error: BaseException) -> str:
 
 def failed_trial(loader: DataLoader, device: torch.device, error: BaseException) -> LoaderTrial:
     return LoaderTrial(
-        num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
-        persistent_workers=loader.persistent_workers, batch_size=loader.batch_size,
-        samples_per_s=0.0, batches_per_s=0.0, bytes_per_s=0.0, first_batch_s=0.0, n_batches=0,
-        n_samples=0, duration_s=0.0, device=str(device), error=one_line(error))
+        **_settings(loader), samples_per_s=0.0, batches_per_s=0.0, bytes_per_s=0.0,
+        first_batch_s=0.0, n_batches=0, n_samples=0, duration_s=0.0, device=str(device),
+        error=one_line(error))

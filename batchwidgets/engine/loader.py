@@ -22,8 +22,16 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .._warnings import BatchwidgetsWarning
 from ..results import DataStallReport, LoaderReport, LoaderTrial
+from ..results.loader import with_data
 from . import _loader_search
-from ._loader_checks import check_workers_can_unpickle, has_accelerator, usable_cpus
+from ._loader_checks import (
+    check_int,
+    check_measure_arguments,
+    check_tune_arguments,
+    check_workers_can_unpickle,
+    has_accelerator,
+    usable_cpus,
+)
 from ._loader_timing import (
     Clock,
     ShouldStop,
@@ -35,8 +43,16 @@ from ._loader_timing import (
     time_loader,
 )
 
-OnTrial = Callable[[LoaderTrial], None]
-Step = Callable[[Any], Any]
+OnProgress = Callable[[LoaderTrial], None]
+TrainStep = Callable[[Any], Any]  # step(batch); the probe's Step is step(batch_size)
+
+# NOTE [ Progress callbacks ]
+# Every long measurement reports progress the same way: an optional keyword callback, called
+# on the measuring thread with the row the report will hold, as soon as it exists, and cheap to
+# call. ``find_batch(on_step=...)`` gets each ``Attempt``; ``tune_loader(on_progress=...)`` gets
+# each ``LoaderTrial`` (``on_trial=``, its earlier name, still works); a ``NoiseTracker``, which
+# lives across a whole training run, takes listeners instead (``add_listener``). Cancelling is
+# the other direction: ``should_stop()``, polled between units of work.
 
 DEFAULT_BATCH_SIZE = 32  # for a Dataset given without batch_size
 SETTINGS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "batch_size")
@@ -73,8 +89,9 @@ def _source_kwargs(source: Any) -> dict[str, Any]:
     return kwargs
 
 
-def make_loader(loader_or_dataset: DataLoader | Any, **settings: Any) -> DataLoader:
-    """A new DataLoader over the same data with some settings changed.
+def make_loader(loader_or_dataset: DataLoader | Any, /, **settings: Any) -> DataLoader:
+    """A new DataLoader over the same data with some settings changed:
+    ``bw.make_loader(data, **report.best.settings)`` builds what ``tune_loader`` found.
 
     Keeps the dataset, sampler (and so shuffling), batch_sampler, collate_fn, drop_last,
     worker_init_fn, generator, multiprocessing_context and timeout of a DataLoader; a Dataset
@@ -115,26 +132,6 @@ def make_loader(loader_or_dataset: DataLoader | Any, **settings: Any) -> DataLoa
         kwargs.update(num_workers=0, prefetch_factor=None, persistent_workers=False,
                       multiprocessing_context=None)
     return DataLoader(**kwargs)
-
-
-def _check_measure_arguments(num_workers: Any, prefetch_factor: Any, batch_size: Any,
-                             duration_s: Any, max_batches: Any) -> None:
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers should be an int >= 0, but got "
-                         f"num_workers={num_workers!r}.")
-    if prefetch_factor is not None and (not isinstance(prefetch_factor, int)
-                                        or prefetch_factor < 1):
-        raise ValueError(f"prefetch_factor should be an int >= 1 or None, but got "
-                         f"prefetch_factor={prefetch_factor!r}; DataLoader's default is 2.")
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size should be a positive int or None, but got "
-                         f"batch_size={batch_size!r}.")
-    if not isinstance(duration_s, (int, float)) or duration_s <= 0:
-        raise ValueError(f"duration_s should be a positive number of seconds, but got "
-                         f"duration_s={duration_s!r}; 1.0 is a good start.")
-    if max_batches is not None and (not isinstance(max_batches, int) or max_batches < 1):
-        raise ValueError(f"max_batches should be a positive int or None, but got "
-                         f"max_batches={max_batches!r}.")
 
 
 def measure_loader(loader_or_dataset: DataLoader | Any, *, num_workers: int = 0,
@@ -185,7 +182,7 @@ def measure_loader(loader_or_dataset: DataLoader | Any, *, num_workers: int = 0,
     >>> measure_loader(data, batch_size=16, max_batches=2).n_batches
     2
     """
-    _check_measure_arguments(num_workers, prefetch_factor, batch_size, duration_s, max_batches)
+    check_measure_arguments(num_workers, prefetch_factor, batch_size, duration_s, max_batches)
     loader = make_loader(loader_or_dataset, num_workers=num_workers, pin_memory=pin_memory,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          batch_size=batch_size)
@@ -197,24 +194,21 @@ def measure_loader(loader_or_dataset: DataLoader | Any, *, num_workers: int = 0,
     return trial
 
 
-def _check_tune_arguments(max_workers: Any, duration_s: Any, threshold: Any,
-                          batch_size: Any) -> None:
-    if max_workers is not None and (isinstance(max_workers, bool)
-                                    or not isinstance(max_workers, int) or max_workers < 0):
-        raise ValueError(f"max_workers should be an int >= 0 or None, but got "
-                         f"max_workers={max_workers!r}; None means the {usable_cpus()} usable "
-                         f"CPUs.")
-    if not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
-        raise ValueError(f"threshold should be in [0, 1), but got threshold={threshold!r}; "
-                         f"0.05 stops when a step gains under 5%.")
-    _check_measure_arguments(0, None, batch_size, duration_s, None)
+def _progress(on_progress: OnProgress | None, on_trial: OnProgress | None) -> OnProgress | None:
+    """``on_trial`` is the earlier name of ``on_progress`` (NOTE [ Progress callbacks ])."""
+    if on_progress is not None and on_trial is not None:
+        raise TypeError(f"on_progress and on_trial should not both be given (on_trial is the "
+                        f"earlier name of on_progress), but got on_progress={on_progress!r} and "
+                        f"on_trial={on_trial!r}; pass on_progress alone.")
+    return on_progress if on_progress is not None else on_trial
 
 
 def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str | None = None, *,
                 batch_size: int | None = None, max_workers: int | None = None,
-                duration_s: float = 1.0, threshold: float = 0.05, step: Step | None = None,
-                clock: Clock = time.perf_counter, on_trial: OnTrial | None = None,
-                should_stop: ShouldStop | None = None) -> LoaderReport:
+                duration_s: float = 1.0, threshold: float = 0.05, step: TrainStep | None = None,
+                clock: Clock = time.perf_counter, on_progress: OnProgress | None = None,
+                should_stop: ShouldStop | None = None,
+                on_trial: OnProgress | None = None) -> LoaderReport:
     """Find the fastest DataLoader settings by measuring a few, not the whole grid.
 
     The grid is num_workers in {0, 1, 2, 4, ..., max_workers} x pin_memory (True only with an
@@ -240,8 +234,10 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
         Smallest relative gain that is worth one more rung of workers.
     step : callable, optional
         ``step(batch)``, one training step: fills ``report.stall`` (see ``data_stall``).
-    clock, on_trial, should_stop : callable, optional
-        Time source; called with each ``LoaderTrial``; polled to cancel (returns what ran).
+    clock, on_progress, should_stop : callable, optional
+        Time source; called with each ``LoaderTrial`` as it is measured (``on_trial``: the
+        earlier name, still accepted; NOTE [ Progress callbacks ]); polled to cancel (returns
+        what ran).
 
     Returns
     -------
@@ -255,13 +251,14 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
     >>> report.best.num_workers in (0, 1)
     True
     """
-    _check_tune_arguments(max_workers, duration_s, threshold, batch_size)
+    check_tune_arguments(max_workers, duration_s, threshold, batch_size)
     target = resolve_device(device)
     accelerator = target.type not in ("cpu", "mps", "meta")  # where pinned memory helps
     max_workers = usable_cpus() if max_workers is None else max_workers
     if max_workers:  # fail before any measurement, with the fix (not once per setting)
         check_workers_can_unpickle(make_loader(loader_or_dataset, num_workers=max_workers,
                                                batch_size=batch_size))
+    report_progress = _progress(on_progress, on_trial)
     started = clock()
     trials: list[LoaderTrial] = []
     while (chosen := _loader_search.next_setting(trials, max_workers=max_workers,
@@ -274,25 +271,27 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
             if loader.num_workers == 0:
                 raise
             trials.append(failed_trial(loader, target, error))
-        if on_trial is not None:
-            on_trial(trials[-1])
+        if report_progress is not None:
+            report_progress(trials[-1])
         if trials[-1].cancelled:
             break
-    report = loader_report(trials, source=loader_or_dataset, max_workers=max_workers,
-                           search_time_s=clock() - started)
+    report = loader_report(trials, max_workers=max_workers, search_time_s=clock() - started)
     for note in report.warnings:
         warnings.warn(note, BatchwidgetsWarning, stacklevel=2)
     if step is not None and not trials[-1].cancelled:
         stall = data_stall(make_loader(loader_or_dataset, **report.best.settings), step,
                            device=target, clock=clock)
         report = dataclasses.replace(report, stall=stall)
-    return report
+    return with_data(report, loader_or_dataset)
 
 
 def loader_report(trials: Sequence[LoaderTrial], *, current_index: int | None = None,
-                  source: Any = None, max_workers: int | None = None,
+                  data: Any = None, max_workers: int | None = None,
                   search_time_s: float = 0.0) -> LoaderReport:
     """A LoaderReport over trials measured so far (``tune_loader``'s, or a panel's).
+
+    With ``data`` (the loader or dataset measured), ``report.make_loader()`` works; the report
+    keeps no field of it (NOTE [ A LoaderReport holds no data ]).
 
     ``best_index`` is the fastest trial that ran to the end (failed and cancelled ones rank
     last); ``current_index`` defaults to the best (a panel passes its latest, ``-1``); the
@@ -307,16 +306,17 @@ def loader_report(trials: Sequence[LoaderTrial], *, current_index: int | None = 
     device = trials[-1].device
     accelerator = torch.device(device).type not in ("cpu", "mps", "meta")
     workers = usable_cpus() if max_workers is None else max_workers
-    return LoaderReport(
+    report = LoaderReport(
         trials=tuple(trials), best_index=best,
         current_index=best if current_index is None else range(len(trials))[current_index],
         device=device, grid_size=_loader_search.grid_size(workers, accelerator),
         search_time_s=search_time_s,
-        warnings=tuple(dict.fromkeys(note for trial in trials for note in trial.warnings)),
-        source=source)
+        warnings=tuple(dict.fromkeys(note for trial in trials for note in trial.warnings)))
+    return report if data is None else with_data(report, data)
 
 
-def _replay(step: Step, batch: Any, n_steps: int, device: torch.device, clock: Clock) -> float:
+def _replay(step: TrainStep, batch: Any, n_steps: int, device: torch.device,
+            clock: Clock) -> float:
     started = clock()
     for _ in range(n_steps):
         step(batch)
@@ -324,7 +324,8 @@ def _replay(step: Step, batch: Any, n_steps: int, device: torch.device, clock: C
     return (clock() - started) / n_steps
 
 
-def data_stall(loader: DataLoader | Any, step: Step, *, device: torch.device | str | None = None,
+def data_stall(loader: DataLoader | Any, step: TrainStep, *,
+               device: torch.device | str | None = None,
                n_steps: int = 20, clock: Clock = time.perf_counter) -> DataStallReport:
     """The share of a training step spent waiting on the input pipeline.
 
@@ -359,8 +360,7 @@ def data_stall(loader: DataLoader | Any, step: Step, *, device: torch.device | s
     """
     if not callable(step):
         raise TypeError(f"step should be a callable step(batch), but got step={step!r}.")
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-        raise ValueError(f"n_steps should be a positive int, but got n_steps={n_steps!r}.")
+    check_int("n_steps", n_steps, 1)
     own = make_loader(loader)
     check_workers_can_unpickle(own)
     target = resolve_device(device)

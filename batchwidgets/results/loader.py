@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
 from .. import _html
 
@@ -87,7 +87,7 @@ class DataStallReport:
                 f"({self.data_wait_s * 1e3:.3g} ms of {self.step_time_s * 1e3:.3g} ms, "
                 f"{self.n_steps} steps on {self.device})")
 
-    def _rows(self) -> list[tuple[str, object]]:
+    def _summary_rows(self) -> list[tuple[str, object]]:
         return [("data stall", f"{self.stall_fraction:.1%} of the step time"),
                 ("step with the loader", f"{_html.format_number(self.step_time_s * 1e3)} ms"),
                 ("step on a replayed batch",
@@ -96,7 +96,26 @@ class DataStallReport:
                 ("steps timed", f"{self.n_steps} of each on {self.device}")]
 
     def _repr_html_(self) -> str:
-        return f"<div>{_html.table(self._rows(), caption='batchwidgets: data_stall')}</div>"
+        return f"<div>{_html.table(self._summary_rows(), caption='batchwidgets: data_stall')}</div>"
+
+
+# NOTE [ A LoaderReport holds no data ]
+# A report is plain data: compared with ==, pickled, turned into a dict by dataclasses.asdict.
+# The loader or dataset measured is none of that (asdict deep-copied it, pickle wrote it), so no
+# field holds it. ``report.make_loader()`` is still kept for convenience: ``with_data`` sets a
+# private instance attribute (``_data``, through object.__setattr__: the class is frozen) that
+# is no dataclass field, so ==, repr, asdict and dataclasses.replace never see it, and
+# ``__getstate__`` leaves it out of pickle and copy. It lives as long as the report, as the
+# DataLoader the user made does. A report without it (unpickled, copied, replaced, rebuilt)
+# says in one line to call ``batchwidgets.make_loader(data, **report.best.settings)``.
+_DATA = "_data"
+
+
+def with_data(report: LoaderReport, data: object) -> LoaderReport:
+    """``report``, able to ``make_loader()`` over ``data`` (see NOTE [ A LoaderReport holds no
+    data ]); returns the same object."""
+    object.__setattr__(report, _DATA, data)
+    return report
 
 
 @dataclass(frozen=True)
@@ -112,7 +131,7 @@ class LoaderReport:
     search_time_s: float
     warnings: tuple[str, ...] = ()
     stall: DataStallReport | None = None  # with tune_loader(step=...): for the best setting
-    source: object = dataclasses.field(default=None, compare=False, repr=False)  # for make_loader
+    # No field holds the data measured: see NOTE [ A LoaderReport holds no data ].
 
     @property
     def best(self) -> LoaderTrial:
@@ -139,15 +158,22 @@ class LoaderReport:
             return None
         return self.best.samples_per_s / base.samples_per_s
 
-    def make_loader(self, **overrides: object) -> object:
-        """A ``torch.utils.data.DataLoader`` over the same data with the best settings found;
-        ``overrides`` (e.g. ``num_workers=2``) replace single settings."""
-        if self.source is None:
-            raise ValueError("source should be the loader or dataset measured, but got "
-                             "source=None (a report rebuilt without it); call batchwidgets."
-                             "engine.loader.make_loader(data, **report.best.settings).")
-        engine = importlib.import_module("batchwidgets.engine.loader")  # results.py has no torch
-        return engine.make_loader(self.source, **{**self.best.settings, **overrides})
+    def make_loader(self, **overrides: object) -> Any:
+        """A ``torch.utils.data.DataLoader`` over the data measured with the best settings;
+        ``overrides`` (e.g. ``num_workers=2``) replace single settings. Same as
+        ``batchwidgets.make_loader(data, **report.best.settings)``, which also works on a
+        report that was pickled, copied or rebuilt (they keep no data)."""
+        data = self.__dict__.get(_DATA)
+        if data is None:
+            raise ValueError("report should come from tune_loader or a LoaderPanel in this "
+                             "process, but got a report without its data (pickled, copied or "
+                             "rebuilt; reports keep no data); call "
+                             "batchwidgets.make_loader(data, **report.best.settings).")
+        engine = importlib.import_module("batchwidgets.engine.loader")  # results has no torch
+        return engine.make_loader(data, **{**self.best.settings, **overrides})
+
+    def __getstate__(self) -> dict[str, Any]:  # pickle and copy: the fields, never the data
+        return {name: value for name, value in self.__dict__.items() if name != _DATA}
 
     def summary(self) -> str:
         best = self.best

@@ -3,13 +3,17 @@
 - ``probe.py``   ProbePanel   ``find_batch`` live: progress, memory and throughput plots, headroom
 - ``noise.py``   NoisePanel   per-batch losses and the gradient noise scale while training runs
 - ``loader.py``  LoaderPanel  DataLoader options as live toggles, throughput, auto-tune
+- ``_panel.py``  what every panel shares: live display with a static copy refreshed in place,
+  the plot's PNG at one resolution, CSS class names of the parts
+- ``_runner.py`` the background worker: the latest request wins, the one in flight is stopped
 
 Only widgets that ipywidgets 7.7 (Colab) and 8 both have, and no custom front-end code.
 """
 
 import importlib
 
-from .probe import WIDGET_VIEW, ProbePanel
+from ._panel import WIDGET_VIEW
+from .probe import ProbePanel
 
 _LAZY = {"NoisePanel": ".noise", "LoaderPanel": ".loader"}
 __all__ = ["WIDGET_VIEW", "LoaderPanel", "NoisePanel", "ProbePanel"]

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import io
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import ipywidgets as widgets
 from torch.utils.data import DataLoader
@@ -29,23 +28,22 @@ from ..engine._loader_timing import one_line
 from ..engine.loader import loader_report, make_loader, measure_loader, tune_loader, usable_cpus
 from ..plots import plot_loader
 from ..results import LoaderReport, LoaderTrial
-from .probe import ShowsReport
+from ..results.loader import with_data
+from ._panel import ReportDisplay, figure_png, name_parts
+from ._runner import Runner, Task
 
-PLOT_DPI = 80
+JobKind = Literal["measure", "tune"]
 PREFETCH_FACTORS = (1, 2, 4, 8)  # the choices offered besides DataLoader's default (None: 2)
 CLOSE_TIMEOUT_S = 60.0  # close() waits this long for the measurement in flight to stop
 
 
 class _Job:
-    """One thing for the background thread to do: measure ``settings``, or auto-tune."""
+    """One thing for the background runner to do: measure ``settings``, or auto-tune from them
+    (its ``key``: the same job asked for again while it runs is not started twice)."""
 
-    def __init__(self, kind: str, settings: dict[str, Any]) -> None:
+    def __init__(self, kind: JobKind, settings: dict[str, Any]) -> None:
         self.kind, self.settings = kind, settings
-        self.cancelled = False  # set once should_stop said yes: the result is partial
-
-    def same_as(self, other: _Job | None) -> bool:
-        return (other is not None and not other.cancelled and other.kind == self.kind
-                and other.settings == self.settings)
+        self.key = (kind, tuple(settings.items()))
 
 
 def _rate(trial: LoaderTrial) -> str:
@@ -71,17 +69,11 @@ def _status_line(job: _Job) -> str:
     return f"{what} " + ", ".join(f"{name}={value}" for name, value in job.settings.items())
 
 
-def _png(report: LoaderReport) -> bytes:
-    buffer = io.BytesIO()
-    plot_loader(report).savefig(buffer, format="png", dpi=PLOT_DPI)
-    return buffer.getvalue()
-
-
-class LoaderPanel(ShowsReport, widgets.VBox):
+class LoaderPanel(ReportDisplay, widgets.VBox):
     """Controls named after the DataLoader options; each change re-measures the loader in the
     background (``measure_loader``), shows samples/s, bytes/s to the device and the time to the
     first batch, and adds the setting to a chart. "Auto-tune" runs ``tune_loader`` and sets the
-    controls to the best setting it found.
+    controls to the best setting measured.
 
     Parameters
     ----------
@@ -105,7 +97,9 @@ class LoaderPanel(ShowsReport, widgets.VBox):
         latest of quick changes is measured. Without workers, ``prefetch_factor`` (None) and
         ``persistent_workers`` (False) are disabled, as DataLoader requires.
     autotune : ipywidgets.Button
-        Runs ``tune_loader`` in the background, then shows its best setting in the controls.
+        Runs ``tune_loader`` in the background, then shows the best setting measured in this
+        panel (tune's own, or an earlier one that ran faster) in the controls, the readout and
+        ``report`` (its ``current`` is then its ``best``).
     report : LoaderReport or None
         Every setting measured in this panel (the latest measurement of each); ``current`` is
         the one measured last, so ``report.samples_per_s`` is the latest samples/s.
@@ -135,11 +129,7 @@ class LoaderPanel(ShowsReport, widgets.VBox):
         self.error: Exception | None = None
         self._report: LoaderReport | None = None  # all panel state: every setting measured
         self._measuring_s = 0.0  # time spent measuring in this panel
-        self._cond = threading.Condition()  # guards _pending, _in_flight, _thread, _closed
-        self._pending: _Job | None = None  # the latest request, not started yet
-        self._in_flight: _Job | None = None
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._runner = Runner(on_error=self._show_error, name="batchwidgets-loader")
         self._quiet = threading.local()  # set while the panel itself changes its controls
         self._build(initial)
         if start:
@@ -185,13 +175,10 @@ class LoaderPanel(ShowsReport, widgets.VBox):
             widgets.HBox([self.autotune, self.status]),
             self.readout, self.chart, self.messages,
         ])
-        # CSS classes name the parts for stylesheets and browser tests (tests/browser)
-        self.add_class("batchwidgets-loader")
-        parts = [(self.autotune, "autotune"), (self.status, "status"), (self.readout, "readout"),
-                 (self.chart, "chart"), (self.messages, "warnings")]
-        parts += [(c, c.description.replace("_", "-")) for c in self._controls]
-        for widget, part in parts:
-            widget.add_class(f"batchwidgets-loader-{part}")
+        name_parts(self, "loader", {
+            "autotune": self.autotune, "status": self.status, "readout": self.readout,
+            "chart": self.chart, "warnings": self.messages,
+            **{control.description: control for control in self._controls}})
 
     @property
     def _controls(self) -> list[widgets.ValueWidget]:
@@ -246,36 +233,12 @@ class LoaderPanel(ShowsReport, widgets.VBox):
     def _post(self, job: _Job, again: bool = False) -> None:
         """Make ``job`` the next thing to do (cheap, from any thread): only the latest request
         runs, and the one in flight stops early unless it does the same already (or ``again``)."""
-        with self._cond:
-            if self._closed:
-                return
-            self._pending = None if job.same_as(self._in_flight) and not again else job
-            if self._pending is not None:
-                self.status.value = _status_line(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, daemon=True,
-                                                name="batchwidgets-loader")
-                self._thread.start()
-
-    def _should_stop(self, job: _Job) -> bool:
-        with self._cond:
-            job.cancelled = job.cancelled or self._closed or self._pending is not None
-            return job.cancelled
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                job = None if self._closed else self._pending
-                self._pending, self._in_flight = None, job
-                if job is None:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-            self._run(job)
+        if self._runner.submit(lambda task: self._run(job, task), key=job.key, again=again):
+            self.status.value = _status_line(job)
 
     # -- one request -> one engine call, in the background thread ------------------------------
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: _Job, task: Task) -> None:
         self.error = None
         self.autotune.disabled = job.kind == "tune"
         self.status.value = _status_line(job)
@@ -285,33 +248,38 @@ class LoaderPanel(ShowsReport, widgets.VBox):
         started = time.perf_counter()
         try:
             if job.kind == "tune":
-                self._tune(job)
+                self._tune(job, task)
             else:
-                self._measure(job)
-        except Exception as error:  # shown in the panel; the kernel and the panel live on
-            error.__traceback__ = None  # its frames would keep the loader alive
-            self.error = error
-            self.status.value = one_line(error)
-            self.readout.value = _readout(None)  # no numbers for the setting shown
+                self._measure(job, task)
         finally:
             self._measuring_s += time.perf_counter() - started
             self.autotune.disabled = False
 
-    def _measure(self, job: _Job) -> None:
+    def _show_error(self, error: Exception) -> None:
+        """What a measurement raised: shown in the panel; the kernel and the panel live on."""
+        self.error = error
+        self.status.value = one_line(error)
+        self.readout.value = _readout(None)  # no numbers for the setting shown
+
+    def _measure(self, job: _Job, task: Task) -> None:
         trial = measure_loader(self.source, **job.settings, device=self.device,
-                               duration_s=self.duration_s,
-                               should_stop=lambda: self._should_stop(job))
+                               duration_s=self.duration_s, should_stop=task.should_stop)
         if not trial.cancelled:  # a control changed meanwhile: its setting is measured next
             self.render(self._with(trial))
 
-    def _tune(self, job: _Job) -> None:
+    def _tune(self, job: _Job, task: Task) -> None:
         tuned = tune_loader(self.source, self.device, batch_size=job.settings["batch_size"],
                             max_workers=self.max_workers, duration_s=self.duration_s,
-                            on_trial=self._on_trial, should_stop=lambda: self._should_stop(job))
-        if job.cancelled:
+                            on_progress=self._on_trial, should_stop=task.should_stop)
+        if task.cancelled:
             return
-        self._set_controls(tuned.best.settings)
-        self.render(self._with(tuned.best, tuned.warnings))
+        # The best of everything this panel measured (tune's trials replaced earlier ones of the
+        # same setting): the controls, the readout and the report all show that one setting.
+        report = self._with(tuned.best, tuned.warnings)
+        report = with_data(dataclasses.replace(report, current_index=report.best_index),
+                           self.source)
+        self._set_controls(report.best.settings)
+        self.render(report)
 
     def _on_trial(self, trial: LoaderTrial) -> None:
         """Progress from ``tune_loader``: each setting joins the chart as it is measured."""
@@ -329,11 +297,11 @@ class LoaderPanel(ShowsReport, widgets.VBox):
             trials[same[0]] = trial
         else:
             trials.append(trial)
-        new = loader_report(trials, current_index=same[0] if same else -1, source=self.source,
+        new = loader_report(trials, current_index=same[0] if same else -1,
                             max_workers=self.max_workers, search_time_s=self._measuring_s)
         old_notes = report.warnings if report is not None else ()
-        return dataclasses.replace(
-            new, warnings=tuple(dict.fromkeys([*old_notes, *new.warnings, *notes])))
+        notes = tuple(dict.fromkeys([*old_notes, *new.warnings, *notes]))
+        return with_data(dataclasses.replace(new, warnings=notes), self.source)  # make_loader()
 
     def _set_controls(self, settings: dict[str, Any]) -> None:
         """Show ``settings`` in the controls without measuring them again."""
@@ -352,7 +320,7 @@ class LoaderPanel(ShowsReport, widgets.VBox):
         self._report = report
         current, best = report.current, report.best
         self.readout.value = _readout(current)
-        self.chart.value = _png(report)
+        self.chart.value = figure_png(plot_loader(report))
         self.messages.value = "".join(f"<p>&#9888; {html.escape(note)}</p>"
                                       for note in report.warnings)
         self.status.value = (f"{current.label}: {_rate(current)}; best so far: "
@@ -361,10 +329,12 @@ class LoaderPanel(ShowsReport, widgets.VBox):
     # -- waiting, measuring now, closing -------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> LoaderReport | None:
-        """Wait until nothing is measured or waiting to be; return ``report``. Raises nothing:
+        """Wait until nothing is measured or waiting to be; return ``report``, also written into
+        the static copy of the panel's displays (what a saved notebook shows). Raises nothing:
         an error is shown in the panel and kept in ``error``."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._thread is None, timeout)
+        self._runner.wait(timeout)
+        if threading.current_thread() is threading.main_thread():  # the kernel's, not a runner's
+            self.refresh_displays()
         return self._report
 
     def measure(self) -> LoaderReport | None:
@@ -374,7 +344,5 @@ class LoaderPanel(ShowsReport, widgets.VBox):
 
     def close(self) -> None:
         """Stop the measurement in flight (its workers shut down), then close the widgets."""
-        with self._cond:
-            self._closed, self._pending = True, None
-            self._cond.wait_for(lambda: self._thread is None, CLOSE_TIMEOUT_S)
+        self._runner.close(CLOSE_TIMEOUT_S)
         super().close()
