@@ -1,0 +1,132 @@
+"""The CUDA search without a GPU: find_batch on the simulated CUDA device (the caching
+allocator's rules, cuBLAS and cuDNN-like workspaces, a real torch.OutOfMemoryError at the cap)
+finds the device's boundary in a handful of sizes, predicting through the allocator's model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import batchwidgets as bw
+from batchwidgets.engine._cuda_sim import ProbeMeter, Workspaces, simulated_cuda
+
+MIB = 2**20
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, 64)
+        self.layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.embed(ids)).mean(1))
+
+
+def images(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 3, 16, 16), torch.randint(0, 10, (batch_size,))
+
+
+def token_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 1000, (batch_size, 32)), torch.randint(0, 10, (batch_size,))
+
+
+def fits_on_a_fresh_device(build, make_batch, batch_size: int, budget: int) -> bool:
+    """The oracle: a fresh simulated device, warmed up as the probe's is, two Adam steps."""
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.Adam(model.parameters())
+    meter = ProbeMeter("cpu", budget)
+    meter.warm_up()
+    model.train()
+    try:
+        with meter.measure(lambda: [*model.parameters(), *model.buffers()]):
+            for _ in range(2):
+                x, y = make_batch(batch_size)
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    except torch.OutOfMemoryError:
+        return False
+    return True
+
+
+CASES = {
+    "MLP": (mlp, images, 48 * MIB),
+    "CNN with BatchNorm, cuDNN-like workspaces": (cnn, images, 64 * MIB),
+    "transformer encoder": (Encoder, token_batch, 64 * MIB),
+}
+
+
+@pytest.mark.parametrize(("build", "make_batch", "budget"), CASES.values(), ids=CASES.keys())
+def test_on_the_simulated_cuda_device_the_boundary_takes_a_handful_of_sizes(build, make_batch,
+                                                                            budget):
+    torch.manual_seed(0)
+    model = build()
+    with simulated_cuda():
+        report = bw.find_batch(model, make_batch, loss_fn=F.cross_entropy,
+                               optimizer=torch.optim.Adam(model.parameters()), budget=budget)
+    assert report.n_attempts <= 5
+    assert report.n_ooms == 1
+    assert "caching allocator" in report.method
+    assert all(a.peak_reserved_bytes % (2 * MIB) == 0 for a in report.attempts if a.fits)
+    largest = report.max_batch_size
+    assert fits_on_a_fresh_device(build, make_batch, largest, budget)
+    edge = largest + 1
+    while fits_on_a_fresh_device(build, make_batch, edge, budget):  # the true edge, if above
+        edge += 1
+    assert largest >= 0.99 * (edge - 1)
+
+
+def test_the_simulated_device_raises_a_real_cuda_out_of_memory_error_at_the_cap():
+    meter = ProbeMeter("cpu", 8 * MIB, workspaces=Workspaces(cublas_bytes=0, conv_ratio=0.0))
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"), \
+            meter.measure(lambda: []):
+        torch.empty(16 * MIB, dtype=torch.uint8)
+
+
+def test_a_model_whose_memory_sits_in_workspaces_is_still_exact():
+    """With large convolution workspaces (8x the input) what runs out is mostly workspace, which
+    cuDNN sizes by the free memory: the probe still ends on a size that fits, one past it not."""
+    torch.manual_seed(0)
+    model = cnn()
+    with simulated_cuda(Workspaces(conv_ratio=8.0)):
+        report = bw.find_batch(model, images, loss_fn=F.cross_entropy,
+                               optimizer=torch.optim.Adam(model.parameters()), budget=64 * MIB)
+    assert report.first_oom_batch_size == report.max_batch_size + 1
+    assert report.n_attempts <= 8
+
+
+def test_the_user_state_is_unchanged_after_a_simulated_cuda_probe():
+    torch.manual_seed(0)
+    model = cnn()
+    optimizer = torch.optim.Adam(model.parameters())
+    x, y = images(4)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    before = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    with simulated_cuda():
+        bw.find_batch(model, images, loss_fn=F.cross_entropy, optimizer=optimizer,
+                      budget=64 * MIB)
+    after = (model.state_dict(), optimizer.state_dict())
+    for key, value in before[0].items():
+        assert torch.equal(value, after[0][key])
+    for param, state in before[1]["state"].items():
+        for key, value in state.items():
+            now = after[1]["state"][param][key]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(now))
