@@ -130,3 +130,35 @@ def test_the_user_state_is_unchanged_after_a_simulated_cuda_probe():
         for key, value in state.items():
             now = after[1]["state"][param][key]
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(now))
+
+
+@pytest.mark.parametrize(("build", "make_batch", "budget"), CASES.values(), ids=CASES.keys())
+def test_a_prediction_for_a_target_made_on_the_cpu_matches_the_simulated_devices_boundary(
+        build, make_batch, budget):
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.Adam(model.parameters())
+    planned = bw.find_batch(model, make_batch, loss_fn=F.cross_entropy, optimizer=optimizer,
+                            target=f"{budget // MIB}MiB")
+    assert planned.n_attempts == 2  # two small sizes traced, nothing near the edge run
+    assert planned.stop_reason.startswith("predicted for")
+    assert "predicted, not run" in planned.summary()
+    with simulated_cuda():
+        measured = bw.find_batch(model, make_batch, loss_fn=F.cross_entropy,
+                                 optimizer=optimizer, budget=budget)
+    assert planned.max_batch_size <= measured.max_batch_size  # never above the real edge
+    assert planned.max_batch_size >= 0.97 * measured.max_batch_size
+    low, high = planned.target_band
+    assert low == planned.max_batch_size <= high
+
+
+def test_named_targets_subtract_the_cuda_context_and_unknown_names_list_the_known_ones():
+    torch.manual_seed(0)
+    model = mlp()
+    t4 = bw.find_batch(model, images, loss_fn=F.cross_entropy, target="t4")
+    a100 = bw.find_batch(model, images, loss_fn=F.cross_entropy, target="A100 80GB")
+    assert (t4.target, a100.target) == ("T4", "A100-80GB")
+    assert 0 < t4.max_batch_size < a100.max_batch_size
+    assert t4.limit_bytes < 15_095 * MIB
+    with pytest.raises(ValueError, match="target should be one of T4, L4"):
+        bw.find_batch(model, images, loss_fn=F.cross_entropy, target="TPU")

@@ -350,3 +350,26 @@ def test_through_a_padding_dataloader_the_probe_sizes_for_the_longest_sample_and
 
     assert fits_oracle(model, worst, report.max_batch_size, budget)
     assert not fits_oracle(model, worst, report.max_batch_size + 1, budget)
+
+
+def test_what_if_rows_measured_equal_a_probe_with_the_change_and_predictions_match_them():
+    model = TokenModel()
+    make = functools.partial(tokens, seq_len=32)
+    budget = 6 * 2**20
+    report = bw.find_batch(model, make, loss_fn=lm_loss, budget=budget, what_if=True,
+                           optimizer=torch.optim.AdamW(model.parameters()))
+    rows = {(row.name, row.measured): row for row in report.what_if}
+    sgd = bw.find_batch(model, make, loss_fn=lm_loss, budget=budget,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=1e-3))
+    measured = rows["SGD without momentum (no optimizer state)", True]
+    assert measured.max_batch_size == sgd.max_batch_size
+    assert measured.samples_per_s is not None
+    predicted = rows["SGD without momentum (no optimizer state)", False]
+    assert abs(predicted.max_batch_size - measured.max_batch_size) <= 1
+    bf16 = bw.find_batch(model, make, loss_fn=lm_loss, budget=budget, amp="bf16",
+                         optimizer=torch.optim.AdamW(model.parameters()))
+    assert rows["bf16", True].max_batch_size == bf16.max_batch_size
+    assert {"fp16", "foreach=False"} <= {name for name, _ in rows}
+    assert any(name.startswith("checkpoint layer") for name, _ in rows)
+    assert all(row.cost for row in report.what_if)
+    assert "what if" in report._repr_html_()

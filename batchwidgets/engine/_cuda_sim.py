@@ -381,3 +381,11 @@ _SIMULATED: Workspaces | None = None
 
 def simulated_workspaces() -> Workspaces | None:
     return _SIMULATED
+
+
+def target_workspaces(name: str) -> Workspaces:
+    """The workspaces of a target: cuBLAS takes 32 MiB on Hopper (H100, H200), 8 MiB + 128 KiB
+    elsewhere (NOTE [ Workspaces of the simulated device ])."""
+    if name.startswith(("H100", "H200")):
+        return Workspaces(cublas_bytes=32 * MIB)
+    return Workspaces()

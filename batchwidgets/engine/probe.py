@@ -295,7 +295,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                on_step: OnStep | None = None,
                should_stop: Callable[[], bool] | None = None,
                seq_len: Sequence[int] | None = None,
-               what_if: bool = False) -> BatchSizeReport:
+               what_if: bool = False, target: str | int | None = None) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -346,6 +346,12 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         Sequence lengths: ``make_batch(batch_size, seq_len)`` is called, each length probed, and
         ``report.frontier`` maps each length to its largest batch size (the rest of the report
         is the longest length's probe).
+    target : str or int, optional
+        A GPU that is not here: ``"T4"``, ``"L4"``, ``"A10G"``, ``"V100-16GB"``, ``"A100-40GB"``,
+        ``"A100-80GB"``, ``"H100-80GB"``, ``"H200"``, or a size (``"24GiB"``). The step is traced
+        at two small sizes on the CPU and replayed through a model of the CUDA caching allocator
+        (workspaces included) under the target's memory less the CUDA context; the answer is
+        *predicted, not run*, and says so (``stop_reason``, ``summary()``, ``target_band``).
     what_if : bool
         Also probe with each change the user could make (bf16, fp16, SGD, ``foreach=False``) and
         list the largest batch under each in ``report.what_if``, measured. Rows the per-op model
@@ -379,6 +385,9 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                          on_step=on_step, should_stop=should_stop, what_if=what_if)
     budget_bytes = _memory.parse_bytes(budget, "budget")
     device = _resolve_device(model, device)
+    planned = _cuda_sim.parse_target(target) if target is not None else None
+    if planned is not None:  # see NOTE [ Planning for a GPU that is not here ]
+        device, budget_bytes = torch.device("cpu"), None
     is_module = isinstance(model, torch.nn.Module)
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
@@ -390,7 +399,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     home_state = TrainingState(model if is_module else None, optimizer, extras)
     moved = is_module and _resolve_device(model, None) != device
     home = _resolve_device(model, None) if is_module else device
-    meter = _make_meter(device, budget_bytes)
+    meter = (_cuda_sim.ProbeMeter(device, None, workspaces=_cuda_sim.target_workspaces(
+        planned[0])) if planned is not None else _make_meter(device, budget_bytes))
     make_batch_fn = as_batch_maker(make_batch) if is_module else None
     try:
         with meter.capped():
@@ -409,7 +419,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
             limit_bytes = _agree_limit(meter.limit_bytes)
             meter.warm_up()
             search = _Search(trainer, meter, start=start, multiple_of=multiple_of,
-                             ceiling=ceiling, limit_bytes=limit_bytes)
+                             ceiling=ceiling, limit_bytes=limit_bytes,
+                             traced_only=planned is not None)
             attempts = search.run(on_step, should_stop)
             limit_bytes = search.limit_bytes
     finally:
@@ -420,6 +431,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     report = _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
                      max_batch_size, ceiling, multiple_of, headroom, search,
                      getattr(make_batch_fn, "description", ""))
+    if planned is not None:
+        return _planned(report, search, *planned)
     rows = []
     if search.model is not None and limit_bytes is not None:
         modules = {name for name, _ in model.named_modules() if name} if is_module else ()
@@ -498,6 +511,38 @@ def _report(attempts: list[Attempt], device: torch.device, budget_bytes: int | N
     return report
 
 
+# NOTE [ Planning for a GPU that is not here ]
+# find_batch(..., target="T4") runs the step at two small sizes on the CPU, through the simulated
+# CUDA device (_cuda_sim.py: the caching allocator's rules, cuBLAS's workspace as the target
+# makes it, cuDNN-like convolution workspaces), and replays the trace, scaled to each size,
+# through the allocator's model under the target's memory less the CUDA context
+# (_cuda_model.largest_batch_size). That is the answer, marked predicted. The band's high end is
+# the same replay with the tensors alone (no convolution workspaces). What the CPU cannot show:
+# CUDA attention kernels (flash, memory-efficient) keep less than the CPU's math path, so for
+# attention-heavy models the prediction errs low; cuDNN may pick algorithms with larger
+# workspaces than the simulated ones when memory is free. benchmarks/results records the
+# prediction beside real boundaries where a GPU was lent.
+def _planned(report: BatchSizeReport, search: _Search, name: str,
+             usable_bytes: int) -> BatchSizeReport:
+    pair = search._event_pair()
+    if pair is None:
+        raise RuntimeError(f"find_batch could not trace two sizes of the same op sequence on the "
+                           f"CPU to predict for {name} (sizes tried: "
+                           f"{[a.batch_size for a in report.attempts]}); the step's shapes depend "
+                           f"on its data. Probe on a GPU instead.")
+    (small, b_small), (large, b_large) = pair
+    predict = functools.partial(_cuda_model.largest_batch_size, multiple_of=report.multiple_of,
+                                ceiling=SEARCH_CEILING, preallocated=large.preallocated)
+    low = predict(small.events, b_small, large.events, b_large, usable_bytes)
+    tensors_only = [[e for e in t.events if e[0] != "workspace"] for t in (small, large)]
+    high = predict(tensors_only[0], b_small, tensors_only[1], b_large, usable_bytes)
+    return dataclasses.replace(
+        report, max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
+        budget_bytes=None, stop_reason=f"predicted for {name}: not run", target=name,
+        target_band=(low, max(low, high)),
+        method=report.method.replace("then verified", "then replayed for the target"))
+
+
 def _make_meter(device: torch.device, budget_bytes: int | None) -> Any:
     workspaces = _cuda_sim.simulated_workspaces()
     if device.type == "cpu" and workspaces is not None:  # tests: see _cuda_sim.simulated_cuda
@@ -521,7 +566,7 @@ class _Search:
     it (see NOTE [ Predict, then verify ] in _search.py)."""
 
     def __init__(self, trainer: _Trainer, meter: Any, *, start: int, multiple_of: int,
-                 ceiling: int, limit_bytes: int | None) -> None:
+                 ceiling: int, limit_bytes: int | None, traced_only: bool = False) -> None:
         self.trainer, self.meter = trainer, meter
         self.start, self.multiple_of, self.ceiling = start, multiple_of, ceiling
         self.limit_bytes = limit_bytes
@@ -532,6 +577,7 @@ class _Search:
         self.attempts: list[Attempt] = []
         self.stopped = False
         self._lowered = False
+        self.traced_only = traced_only  # stop once two sizes are traced (target=)
         self.split: MemorySplit | None = None  # at the largest size that ran with a trace
 
     def run(self, on_step: OnStep | None, should_stop: Callable[[], bool] | None) -> list[Attempt]:
@@ -543,7 +589,7 @@ class _Search:
             size = _search.next_batch_size(
                 self.attempts, start=self.start, multiple_of=self.multiple_of,
                 ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
-            if size is None:
+            if size is None or (self.traced_only and self._event_pair() is not None):
                 break
             attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
             if predicted is not None:

@@ -160,6 +160,9 @@ class BatchSizeReport:
     seq_len: int | None = None
     what_if: tuple[WhatIf, ...] = ()
     target: str | None = None  # find_batch(..., target=): the GPU the answer is predicted for
+    # the predicted max_batch_size's band on the target: workspaces as the simulated device sizes
+    # them (the answer, the low end) up to tensors alone (the high end)
+    target_band: tuple[int, int] | None = None
 
     @property
     def frontier_tokens(self) -> dict[int, int] | None:
@@ -242,6 +245,11 @@ class BatchSizeReport:
 
     def summary(self) -> str:
         # one short line: the panel shows it beside its progress bar
+        if self.target is not None:
+            return (f"max_batch_size={self.max_batch_size} on {self.target} (predicted, not run; "
+                    f"band {self.target_band[0]}-{self.target_band[1]}), "
+                    f"recommended_batch_size={self.recommended_batch_size}, traced on "
+                    f"{self.device} in {self.n_attempts} tries")
         return (f"max_batch_size={self.max_batch_size}, "
                 f"recommended_batch_size={self.recommended_batch_size} ({self.device}, "
                 f"{self.n_attempts} tries, {self.n_ooms} OOM)")
@@ -249,6 +257,8 @@ class BatchSizeReport:
     def _summary_rows(self) -> list[tuple[str, object]]:
         model = self.memory_model
         return [
+            *([("target (predicted, not run)", f"{self.target}: band {self.target_band[0]}-"
+                                               f"{self.target_band[1]}")] if self.target else []),
             ("device", self.device),
             ("budget", _html.format_bytes(self.budget_bytes) if self.budget_bytes
              else "whole device"),
