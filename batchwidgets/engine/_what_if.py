@@ -14,7 +14,7 @@ Usage:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -53,10 +53,10 @@ def _checkpointed(trace: OpTrace, module: str) -> OpTrace:
 
 
 def predicted(model: PeakModel, limit_bytes: int, *, multiple_of: int, ceiling: int,
-              modules: Collection[str]) -> list[WhatIf]:
+              modules: Collection[str] | Mapping[str, str]) -> list[WhatIf]:
     """Rows predicted from the per-op model: no optimizer state (SGD without momentum), and
     activation checkpointing of each of the modules that save the most for backward (only
-    ``modules``, the model's own submodules, qualify)."""
+    ``modules``, the model's own submodules, qualify; a mapping gives their class names)."""
     small, large = model.small, model.large
     rows = []
     if any(large.parts.get("optimizer", ())):
@@ -66,7 +66,8 @@ def predicted(model: PeakModel, limit_bytes: int, *, multiple_of: int, ceiling: 
     for part in large.parts:
         module = part.removeprefix("activation of ")
         if part.startswith("activation of ") and module in modules:
-            rows.append(WhatIf(f"checkpoint {module}",
+            kind = f" ({modules[module]})" if isinstance(modules, Mapping) else ""
+            rows.append(WhatIf(f"checkpoint {module}{kind}",
                                _largest(_checkpointed(small, module), _checkpointed(large, module),
                                         model, limit_bytes, multiple_of, ceiling),
                                False, COSTS["checkpoint"]))

@@ -435,7 +435,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         return _planned(report, search, *planned)
     rows = []
     if search.model is not None and limit_bytes is not None:
-        modules = {name for name, _ in model.named_modules() if name} if is_module else ()
+        modules = ({name: type(module).__name__ for name, module in model.named_modules() if name}
+                   if is_module else {})
         rows += _what_if.predicted(search.model, limit_bytes - search.overhead_bytes,
                                    multiple_of=multiple_of, ceiling=ceiling, modules=modules)
     if what_if and is_module:
