@@ -60,7 +60,7 @@ def images(panel):
 def test_the_panel_redraws_in_place_while_the_loop_runs():
     # flush_every=1: the tracker reads each update from the device (and tells the panel) as it
     # comes, rather than 16 at a time
-    tracker = bw.NoiseTracker(warmup_updates=3, flush_every=1)
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     panel = NoisePanel(tracker, min_interval_s=0, clock=FakeClock())
     first = bytes(panel.plot.value)
     assert first.startswith(b"\x89PNG")
@@ -80,7 +80,7 @@ def test_redraws_are_throttled_by_min_interval_s():
     clock = FakeClock()
     # flush_every=1: the tracker reads each update from the device (and tells the panel) as it
     # comes, rather than 16 at a time
-    tracker = bw.NoiseTracker(warmup_updates=3, flush_every=1)
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     panel = NoisePanel(tracker, min_interval_s=0.5, clock=clock)
     shown = images(panel)
     train(tracker, clock=clock, step_s=0.1)
@@ -115,7 +115,7 @@ def test_slow_redraws_space_themselves_out():
 def test_status_and_advice_show_the_report():
     # flush_every=1: the tracker reads each update from the device (and tells the panel) as it
     # comes, rather than 16 at a time
-    tracker = bw.NoiseTracker(warmup_updates=3, flush_every=1)
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     panel = NoisePanel(tracker)
     assert "B_simple: the gradient noise scale is not measured" in panel.status.value
     assert "no losses yet" in panel.status.value
@@ -133,7 +133,7 @@ def test_status_and_advice_show_the_report():
 def test_static_view_is_the_report_table_and_the_current_picture():
     # flush_every=1: the tracker reads each update from the device (and tells the panel) as it
     # comes, rather than 16 at a time
-    tracker = bw.NoiseTracker(warmup_updates=3, flush_every=1)
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     panel = NoisePanel(tracker)
     train(tracker, updates=4)
     panel.refresh()

@@ -24,10 +24,29 @@ from .accumulate import AccumulationReport
 from .loader import DataStallReport, LoaderReport, LoaderTrial
 from .noise import LOSS_WINDOW, LayerNoise, NoiseReport, NoiseTrackerReport
 from .probe import FASTER_BY, Attempt, BatchSizeReport, MemoryModel, attempts_table
+from .schedule import BatchSchedule, ScheduleChange, accumulation_advice, plan_batch
 
 __all__ = [
-    "FASTER_BY", "LOSS_WINDOW", "AccumulationReport", "Attempt", "BatchSizeReport",
-    "DataStallReport", "LayerNoise", "LoaderReport", "LoaderTrial", "MemoryModel",
-    "NoiseReport", "NoiseTrackerReport", "attempts_table", "batch_variance",
-    "examples_over_min", "lr_scale", "noise_advice", "steps_over_min",
+    "FASTER_BY",
+    "LOSS_WINDOW",
+    "AccumulationReport",
+    "Attempt",
+    "BatchSchedule",
+    "BatchSizeReport",
+    "DataStallReport",
+    "LayerNoise",
+    "LoaderReport",
+    "LoaderTrial",
+    "MemoryModel",
+    "NoiseReport",
+    "NoiseTrackerReport",
+    "ScheduleChange",
+    "accumulation_advice",
+    "attempts_table",
+    "batch_variance",
+    "examples_over_min",
+    "lr_scale",
+    "noise_advice",
+    "plan_batch",
+    "steps_over_min",
 ]
