@@ -420,7 +420,8 @@ def test_backward_and_steps_from_another_thread_are_not_accumulated():
         optimizer.step()
         loss_fn(model(X[4:8]), Y[4:8]).backward()
         optimizer.step()
-    assert acc.report.micro_steps == 2 and len(acc.report.losses) == 2
+    assert acc.report.micro_steps == 2
+    assert len(acc.report.losses) == 2
     assert max_difference(reference, model) < 1e-10
     assert max_difference(reference, elsewhere) < 1e-10  # the other thread's step was real
 
@@ -449,3 +450,49 @@ def test_steps_inside_suspended_are_not_counted():
     reference, _, _ = train_big(lambda p: torch.optim.SGD(p, lr=0.1), batch=8, updates=1)
     assert max_difference(reference, model) < 1e-10
     assert max_difference(make_model(), probe) > 1e-5  # its 3 steps were real
+
+
+# ---- %%accumulate: the standard clip, and auto ------------------------------------------------
+
+@pytest.fixture
+def shell():
+    from IPython.testing.globalipapp import start_ipython
+
+    start_ipython()  # the shared test shell
+    ip = get_ipython()  # noqa: F821 (start_ipython installs it)
+    ip.run_line_magic("load_ext", "batchwidgets")
+    yield ip
+    ip.run_line_magic("unload_ext", "batchwidgets")
+    for name in ("clip_model", "clip_opt", "X", "Y", "loss_fn", "torch", "noise_tracker"):
+        ip.user_ns.pop(name, None)
+
+
+CLIP_LOOP = """
+for j in range(16):
+    loss_fn(clip_model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+    torch.nn.utils.clip_grad_norm_(clip_model.parameters(), 0.05)
+    clip_opt.step()
+    clip_opt.zero_grad()
+"""
+
+
+def test_a_clipping_accumulate_cell_equals_the_clipped_big_batch(shell):
+    big, _, _ = train_big(OPTIMIZERS["adam"], clip=0.05)
+    model = make_model()
+    shell.push({"clip_model": model, "clip_opt": OPTIMIZERS["adam"](model.parameters()),
+                "X": X, "Y": Y, "loss_fn": loss_fn, "torch": torch})
+    report = shell.run_cell_magic("accumulate", "4", CLIP_LOOP)
+    assert report.real_steps == 4
+    assert max_difference(big, model) < 1e-10
+
+
+def test_an_auto_accumulate_cell_follows_a_new_tracker(shell):
+    model = make_model()
+    shell.push({"clip_model": model, "clip_opt": torch.optim.SGD(model.parameters(), lr=0.1),
+                "X": X, "Y": Y, "loss_fn": loss_fn, "torch": torch})
+    report = shell.run_cell_magic("accumulate", "auto", CLIP_LOOP)
+    assert report.auto
+    assert report.steps == 2  # 16 micro-steps: too few updates to look at the schedule
+    assert report.real_steps == 8
+    assert isinstance(shell.user_ns["noise_tracker"], bw.NoiseTracker)
+    assert shell.user_ns["noise_tracker"].report.n_losses_seen == 16

@@ -37,7 +37,8 @@ def test_the_schedule_follows_b_simple_on_a_closed_form():
     # 64 samples = 8 micro-batches of 8; from 32 (4 x 8): eps ~ 1/(1 + 64/B): (1+2)/(1+1)
     assert (schedule.batch_size, schedule.steps, schedule.current_batch_size) == (64, 8, 32)
     assert schedule.lr_factor == pytest.approx(1.5)
-    assert schedule.changes and schedule.needs_accumulation
+    assert schedule.changes
+    assert schedule.needs_accumulation
     # B_simple = 90: 90/8 = 11.25 micro-batches, nearest power of two in log space: 8 (not 16)
     assert exact_tracker(90.0).report.schedule.batch_size == 64
     assert exact_tracker(200.0).report.schedule.batch_size == 256
@@ -74,9 +75,12 @@ def test_well_above_b_simple_the_reports_say_not_to_accumulate():
     report = exact_tracker(16.0, micro=16, n_micro=8).report
     advice = report.accumulation_advice
     assert "does not pay" in advice
-    assert "1.12× the fewest steps" in advice and "9× the fewest examples" in advice
-    assert advice in report.advice and advice in report._repr_html_()
-    assert report.schedule.steps == 1 and report.schedule.batch_size == 16
+    assert "1.12× the fewest steps" in advice
+    assert "9× the fewest examples" in advice
+    assert advice in report.advice
+    assert advice in report._repr_html_()
+    assert report.schedule.steps == 1
+    assert report.schedule.batch_size == 16
     # at the critical batch, nothing to say
     assert exact_tracker(32.0, micro=8, n_micro=4).report.accumulation_advice == ""
     assert accumulation_advice(16.0, 1.0, 16, 1) == ""  # no accumulation
@@ -115,7 +119,8 @@ def test_steps_auto_equals_a_hand_written_loop_with_the_same_schedule():
             scheduler.step()
             optimizer.zero_grad()
     report = acc.report
-    assert report.auto and report.schedule_changes, report
+    assert report.auto
+    assert report.schedule_changes, report
     assert all(c.steps_after > c.steps_before for c in report.schedule_changes)  # a ramp
     assert report.schedule_changes[-1].batch_size <= 32
     assert report.lr_factor == report.schedule_changes[-1].lr_factor
@@ -166,12 +171,16 @@ def test_steps_auto_needs_a_tracker_and_restores_the_learning_rate_on_error():
     with pytest.raises(ValueError, match="steps should be an int >= 1 or 'auto'"):
         bw.accumulate(optimizer, steps="often")
     x, y = regression_data(64)
-    with pytest.raises(RuntimeError, match="boom"), bw.accumulate(
-            optimizer, steps="auto", model=model, noise=bw.NoiseTracker()):
-        for j in range(8):
-            loss_of(model, x[j * 2:(j + 1) * 2], y[j * 2:(j + 1) * 2]).backward()
-            optimizer.step()
-        raise RuntimeError("boom")
+
+    def train_then_fail():
+        with bw.accumulate(optimizer, steps="auto", model=model, noise=bw.NoiseTracker()):
+            for j in range(8):
+                loss_of(model, x[j * 2:(j + 1) * 2], y[j * 2:(j + 1) * 2]).backward()
+                optimizer.step()
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train_then_fail()
     assert optimizer.param_groups[0]["lr"] == 0.1
 
 
@@ -224,7 +233,8 @@ def test_sampling_skips_updates_but_keeps_every_loss_and_says_so():
             optimizer.step()
             optimizer.zero_grad()
     report = tracker.report
-    assert report.n_losses_seen == 240 and report.n_updates_seen == 60
+    assert report.n_losses_seen == 240
+    assert report.n_updates_seen == 60
     # each timed piece of the tracker's work reads the clock twice: 1 ms of "cost" each
     every = report.sample_every
     assert every > 1
