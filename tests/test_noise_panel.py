@@ -283,3 +283,19 @@ def test_in_a_kernel_the_noise_panel_shows_live_and_keeps_the_final_static_pictu
     assert "<td>updates measured</td><td>16</td>" in panel.data["text/html"]
     assert "batchwidgets: accumulate" in report.data["text/html"]
     assert count[0].data["text/plain"] == "16"
+
+
+def test_the_panel_says_when_accumulating_does_not_pay_and_shows_the_schedule():
+    # exact norms: |G|^2 = 1, tr(Sigma) = 16, so B_simple = 16 against a batch of 8 x 16 = 128
+    tracker = bw.NoiseTracker(warmup_updates=2, overhead_target=None)
+    panel = NoisePanel(tracker, min_interval_s=0.0)
+    for _ in range(3):
+        tracker.update(small_sq_norms=[2.0] * 8, big_sq_norm=1 + 16 / 128, micro_batch_size=16,
+                       n_micro=8)
+    tracker.observe_step_time(0.2, 0.05)
+    panel.refresh()
+    assert "Accumulating to this batch does not pay" in panel.advice.value
+    assert "9× the fewest examples" in panel.advice.value
+    assert "Schedule: batch size 16 samples" in panel.advice.value
+    assert "waiting for data 25% of each step" in panel.status.value
+    panel.close()
