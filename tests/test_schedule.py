@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import batchwidgets as bw
-from batchwidgets.engine._schedule import UpdateSampler
+from batchwidgets.engine._schedule import CALIBRATION, UpdateSampler
 from batchwidgets.results import (
     AccumulationReport,
     BatchSizeReport,
@@ -203,7 +203,7 @@ def test_the_sampler_measures_one_update_in_k_from_the_measured_cost():
     sampler = UpdateSampler(0.02, clock=clock)
     sampler.start()
     measured = []
-    for _ in range(40):
+    for _ in range(CALIBRATION + 40):
         if sampler.measuring:  # the tracker's share: 10 ms on a 100 ms update (10%)
             started = clock()
             clock.now += 0.010
@@ -211,15 +211,16 @@ def test_the_sampler_measures_one_update_in_k_from_the_measured_cost():
         clock.now += 0.100
         measured.append(sampler.end_update())
     assert sampler.every == math.ceil(0.10 / 0.02)  # 5
-    assert all(measured[:7])  # the calibration measures every update
-    tail = measured[20:]
+    assert all(measured[:CALIBRATION - 1])  # the calibration measures every update
+    tail = measured[CALIBRATION + 10:]
     assert sum(tail) == len(tail) // 5
     assert sampler.overhead == pytest.approx(0.02)
     assert UpdateSampler(None, clock=clock).every == 1
 
 
 def test_sampling_skips_updates_but_keeps_every_loss_and_says_so():
-    x, y = regression_data(2 * 4 * 60)
+    updates = CALIBRATION + 60
+    x, y = regression_data(2 * 4 * updates)
     model = regression_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     tracker = bw.NoiseTracker(warmup_updates=2, overhead_target=0.02)
@@ -227,18 +228,19 @@ def test_sampling_skips_updates_but_keeps_every_loss_and_says_so():
     tracker.sampler = UpdateSampler(0.02, clock=clock)  # the tracker's cost, as a fake clock
 
     with bw.accumulate(optimizer, steps=4, model=model, noise=tracker):
-        for j in range(4 * 60):
+        for j in range(4 * updates):
             loss_of(model, x[j * 2:(j + 1) * 2], y[j * 2:(j + 1) * 2]).backward()
             clock.now += 0.01  # every micro-step takes 10 ms
             optimizer.step()
             optimizer.zero_grad()
     report = tracker.report
-    assert report.n_losses_seen == 240
-    assert report.n_updates_seen == 60
+    assert report.n_losses_seen == 4 * updates
+    assert report.n_updates_seen == updates
     # each timed piece of the tracker's work reads the clock twice: 1 ms of "cost" each
     every = report.sample_every
     assert every > 1
-    assert 8 + (60 - 8) // every - 1 <= report.n_updates <= 8 + (60 - 8) // every + 1
+    expected = CALIBRATION + (updates - CALIBRATION) // every
+    assert expected - 1 <= report.n_updates <= expected + 1
     assert f"1 update in {every} to stay under 2%" in report.sampling
     assert "updates measured" in report._repr_html_()
     with pytest.raises(ValueError, match="overhead_target should be"):

@@ -14,7 +14,8 @@ from ..results import ScheduleChange, plan_batch
 # NOTE [ Sampling updates to keep the tracker cheap ]
 # The tracker's cost per measured update (gradient hooks, norms, the deferred stack) is timed
 # with perf_counter around its own code, and the rest of the update (forward, backward, step,
-# data) as the update's wall time minus that. After _CALIBRATION measured updates, 1 update in
+# data) as the update's wall time minus that. The first CALIBRATION updates are all measured
+# (the estimate needs them most, and short runs stay exact); after them, 1 update in
 # k = ceil(cost / (rest * target)) is measured, so the tracker's share of the time stays under
 # the target; both are moving averages, so k follows a change of step time. On a GPU the timed
 # cost is the host's (launches, Python hooks): the kernels are memory-bound norms of the
@@ -24,7 +25,7 @@ from ..results import ScheduleChange, plan_batch
 # measured updates (wider for the same wall time, which the report states with
 # ``sample_every``). Under DDP every rank must measure the same updates (an all_gather), so
 # sampling is off there; with track_grad_norms=True the hooks run anyway, so it is off too.
-_CALIBRATION = 8  # measured updates before the first k > 1
+CALIBRATION = 32  # measured updates before the first k > 1
 _SMOOTH = 0.8  # weight of the past in the two moving averages of seconds
 MAX_SAMPLE_EVERY = 1000
 
@@ -68,7 +69,7 @@ class UpdateSampler:
                 self._cost_avg = self._cost_s if self._cost_avg is None else (
                     _SMOOTH * self._cost_avg + (1 - _SMOOTH) * self._cost_s)
         self._last, self._cost_s = now, 0.0
-        if (self.target is not None and self._n_measured >= _CALIBRATION
+        if (self.target is not None and self._n_measured >= CALIBRATION
                 and self._cost_avg is not None and self._rest_avg):
             share = self._cost_avg / self._rest_avg  # at every = 1
             self.every = min(max(1, math.ceil(share / self.target)), MAX_SAMPLE_EVERY)

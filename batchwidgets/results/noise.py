@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import _html
 from ._noise_theory import (
@@ -177,7 +177,7 @@ class NoiseTrackerReport:
     # sampling (NoiseTracker(overhead_target=...)): 1 update in ``sample_every`` measured, the
     # tracker's measured cost at that rate (a share of the step time) and the target it keeps
     sample_every: int = 1
-    overhead: float | None = None
+    overhead: float | None = field(default=None, compare=False)  # a timing: never equal twice
     overhead_target: float | None = None
     n_updates_seen: int | None = None  # updates in all, measured or not; None: n_updates
     # per optimizer step, the share of its wall time spent waiting for data (trainer callbacks)
