@@ -254,9 +254,10 @@ def write(results: list[dict], seeds: int, elapsed: float) -> None:
         f"micro-batches of {MICRO} (B = {MICRO * STEPS}), read when that run reaches the target; "
         f"measure_noise: exact per-example gradients over the training set at those weights.",
         "",
-        "| task | examples | target loss | B_noise (fit) | tracker B_simple | "
-        "measure_noise B_simple | tracker / fit | measure_noise / fit |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | examples | target loss | B_noise (fit) | tracker B_simple | tracker's own "
+        "error bars (measurable) | measure_noise B_simple | tracker / fit | "
+        "measure_noise / fit |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         fit = r["b_noise"][0]
@@ -266,7 +267,11 @@ def write(results: list[dict], seeds: int, elapsed: float) -> None:
 
         lines.append(
             f"| {r['task']} | {r['n_examples']} | {r['target_loss']} | {number(r['b_noise'])} "
-            f"| {number(r['tracker_b_simple'])} | {number(r['measure_noise_b_simple'])} "
+            f"| {number(r['tracker_b_simple'])} | "
+            + ", ".join(f"±{e:.2g}" for e in r.get("tracker_error_per_seed", []))
+            + f" ({sum(r.get('tracker_measurable_per_seed', []))} of "
+            f"{len(r.get('tracker_measurable_per_seed', []))} seeds) "
+            f"| {number(r['measure_noise_b_simple'])} "
             f"| {ratio(r['tracker_b_simple'])} | {ratio(r['measure_noise_b_simple'])} |")
     lines += ["", "Steps to target at each batch size (per seed) and the learning rate used:", ""]
     for r in results:
@@ -284,7 +289,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 seeds, 5 sizes: a try-out")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=4000)
+    parser.add_argument("--rewrite", action="store_true",
+                        help="write the .md and .png again from the .json, without training")
     args = parser.parse_args()
+    if args.rewrite:
+        results = json.loads((RESULTS / "critical_batch_cpu.json").read_text())
+        for r in results:  # JSON keeps the batch sizes of these maps as strings
+            r["steps"] = {int(b): v for b, v in r["steps"].items()}
+            r["learning_rate"] = {int(b): v for b, v in r["learning_rate"].items()}
+        write(results, len(results[0]["b_noise_per_seed"]), sum(r["seconds"] for r in results))
+        return
     torch.set_num_threads(1)
     seeds = 2 if args.quick else args.seeds
     sizes = (8, 32, 128, 512, 1024) if args.quick else BATCH_SIZES

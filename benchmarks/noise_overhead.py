@@ -65,6 +65,7 @@ from batchwidgets.engine._noise_estimate import (
     grad_sq_norm,
     group_by_device_and_dtype,
 )
+from batchwidgets.engine._schedule import CALIBRATION
 
 RESULTS = Path(__file__).parent / "results"
 STEPS = 4  # micro-steps per update
@@ -258,7 +259,7 @@ def measure(work: Workload, device: torch.device, rounds: int, repeat: int) -> l
     names = list(contenders)
     for name in names:  # warm-up every path (allocator, kernels, AdamW state)
         contenders[name](model, optimizer, data)
-    for _ in range(5):  # the sampled tracker's calibration: 8 measured updates
+    for _ in range(CALIBRATION // 2 + 2):  # the sampled tracker's calibration (2 updates each)
         contenders[SAMPLED](model, optimizer, data)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
