@@ -66,7 +66,8 @@ def test_tracker_matches_the_closed_form_of_linear_regression(estimator):
     # 4 micro-batches of 8 fresh samples per update, seed 0 (ema=0.99: ~200 updates averaged)
     track_grad_norms, updates, ema = ESTIMATORS[estimator]
     delta = torch.tensor([1.0, -0.5, 0.5, 0.0], dtype=torch.float64)
-    tracker = bw.NoiseTracker(overhead_target=None, ema=ema, warmup_updates=5, every_micro_batch=track_grad_norms)
+    tracker = bw.NoiseTracker(overhead_target=None, ema=ema, warmup_updates=5,
+                              every_micro_batch=track_grad_norms)
     regression_run(delta, tracker, updates=updates, track_grad_norms=track_grad_norms)
     report = tracker.report
     grad_norm_sq = float(delta @ delta)
@@ -583,7 +584,8 @@ def test_a_noise_panel_redraws_during_a_long_loop_every_flush_every_updates():
     pytest.importorskip("ipywidgets")
     from batchwidgets.widgets.noise import NoisePanel
 
-    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=16, clock=FakeClock())
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=16,
+                              clock=FakeClock())
     panel_clock = FakeClock()
     panel = NoisePanel(tracker, min_interval_s=0.5, clock=panel_clock)
     drawn_at = []  # the update the loop had reached at each redraw
