@@ -245,3 +245,12 @@ def test_sampling_skips_updates_but_keeps_every_loss_and_says_so():
     assert "updates measured" in report._repr_html_()
     with pytest.raises(ValueError, match="overhead_target should be"):
         bw.NoiseTracker(overhead_target=2)
+
+
+def test_the_noise_scale_plot_marks_the_schedule():
+    from batchwidgets.plots import plot_noise_panel
+
+    figure = plot_noise_panel(exact_tracker(64.0).report)
+    labels = [t.get_text() for t in figure.axes[2].get_legend().get_texts()]
+    assert "schedule from here 64" in labels
+    assert "current batch 32" in labels

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -480,12 +479,11 @@ class Accumulator:
             if not grads:
                 return torch.tensor(0.0)
             norm_type = float(args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0))
-            with torch.no_grad():
-                norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().cpu()
+            with torch.no_grad():  # no host sync: the norm stays on the device
+                device = grads[0].device
+                norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().to(device)
                                      for g in grads])
-                total = norms.max() if math.isinf(norm_type) else torch.linalg.vector_norm(
-                    norms, norm_type)
-            return total / (self._pending + 1)
+                return torch.linalg.vector_norm(norms, norm_type) / (self._pending + 1)
         return clip_grad_norm_
 
     def _close_micro_batch(self) -> None:
@@ -658,10 +656,10 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int | str = 4,
         Micro-steps per real optimizer step (or derived from ``batch_size``). ``"auto"``
         follows the schedule of ``noise`` (``tracker.report.schedule``, bounded by the
         tracker's ``max_batch_size``): from 2 micro-batches (the fewest that measure the noise),
-        every 16 updates it ramps up to the schedule's micro-batches per update, and scales the
-        optimizer's learning rates for each update by the schedule's factor (on top of any
-        scheduler; put back after each step). ``acc.report.schedule_changes`` lists every
-        change. See NOTE [ The batch-size schedule ].
+        every 16 updates (one host sync) it ramps up to the schedule's micro-batches per update,
+        and scales the optimizer's learning rates for each update by the schedule's factor (on
+        top of any scheduler; put back after each step). ``acc.report.schedule_changes`` lists
+        every change. See NOTE [ The batch-size schedule ].
     model : torch.nn.Module, optional
         Needed for DDP (to skip all-reduces), the BatchNorm warning and the micro-batch size.
     scaler : torch.amp.GradScaler, optional
