@@ -407,7 +407,7 @@ def test_backward_and_steps_from_another_thread_are_not_accumulated():
         for p in reference.parameters():
             p -= 0.1 * p.grad
 
-    def other_thread():  # a loss and the same optimizer's step on another thread: untouched
+    def other_thread():  # a backward and a step on another thread, inside the block: untouched
         loss = loss_fn(elsewhere(X[:8]), Y[:8])
         loss.backward()
         other_optimizer.step()

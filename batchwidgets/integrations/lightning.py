@@ -84,7 +84,10 @@ class NoiseCallback(Callback):
         self._feed.loss(loss.detach() * trainer.accumulate_grad_batches)
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        self._feed.after_backward(self._micro)
+        if trainer.accumulate_grad_batches > 1:  # else no estimate: nothing to read
+            self._feed.after_backward(self._micro)
+        else:
+            self._feed.n_micro = 1
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Lightning divides each loss by k = accumulate_grad_batches, also in an epoch's

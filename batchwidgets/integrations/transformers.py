@@ -85,7 +85,7 @@ class NoiseCallback(TrainerCallback):
             self._hook_last_micro_batch()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._feed.after_backward(self._micro)
+        self._feed.n_micro = self._micro + 1  # the last micro-batch: nothing to read from .grad
         norms: list[torch.Tensor] | None = None
         if self._clips:  # .grad is clipped by now: the norms the hooks took before, or none
             norms, self._last_norms = self._last_norms, []
