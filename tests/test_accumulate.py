@@ -3,6 +3,7 @@ the oracle), with schedulers, GradScaler, clipping, remainders and DDP handled."
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -496,3 +497,28 @@ def test_an_auto_accumulate_cell_follows_a_new_tracker(shell):
     assert report.real_steps == 8
     assert isinstance(shell.user_ns["noise_tracker"], bw.NoiseTracker)
     assert shell.user_ns["noise_tracker"].report.n_losses_seen == 16
+
+
+def test_an_accumulate_cell_says_when_accumulating_does_not_pay(shell):
+    # a tracker that has measured B_simple = 16 exactly (|G|^2 = 1, tr(Sigma) = 16) on updates
+    # of 8 micro-batches of 6 = 48, three times B_simple
+    tracker = bw.NoiseTracker(warmup_updates=2, overhead_target=None)
+    for _ in range(200):
+        tracker.update(small_sq_norms=[1 + 16 / 6] * 8, big_sq_norm=1 + 16 / 48,
+                       micro_batch_size=6, n_micro=8)
+    model = make_model()
+    shell.push({"clip_model": model, "clip_opt": torch.optim.SGD(model.parameters(), lr=0.1),
+                "X": X, "Y": Y, "loss_fn": loss_fn, "torch": torch, "noise_tracker": tracker})
+    report = shell.run_cell_magic("accumulate", "8 --noise noise_tracker", """
+for j in range(16):
+    loss_fn(clip_model(X[j * 6:(j + 1) * 6]), Y[j * 6:(j + 1) * 6]).backward()
+    clip_opt.step()
+    clip_opt.zero_grad()
+""")
+    assert "Accumulating to this batch does not pay: B = 48 samples (8 micro-batches)" in (
+        report.advice)
+    # the cell's own two updates moved the estimate a little off 16
+    assert re.search(r"B_simple ≈ 1[67](\.\d)? ± .*E_min·\(1 \+ B/B_simple\) = 3\.\d+× the "
+                     r"fewest examples", report.advice), report.advice
+    assert report.advice in report._repr_html_()
+    assert report.advice in report.summary()
