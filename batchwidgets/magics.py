@@ -161,6 +161,10 @@ def _micro_batch(shell: Any, args: argparse.Namespace) -> dict[str, int]:
     return {"batch_size": args.batch_size, "micro_batch_size": probe.recommended_batch_size}
 
 
+def _steps_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
+
+
 @magics_class
 class BatchMagics(Magics):
     """``%find_batch`` and ``%%accumulate``; registered by ``%load_ext batchwidgets``."""
@@ -234,8 +238,9 @@ class BatchMagics(Magics):
 
 
     @magic_arguments()
-    @argument("steps", metavar="N", nargs="?", type=positive_int,
-              help="micro-steps per optimizer update (default: 4)")
+    @argument("steps", metavar="N", nargs="?", type=_steps_or_auto,
+              help="micro-steps per optimizer update (default: 4), or auto: follow the noise "
+                   "tracker's batch-size schedule (implies --noise)")
     @argument("--optimizer", metavar="NAME",
               help="the optimizer the cell steps (default: the only one in the notebook)")
     @argument("--scaler", metavar="NAME",
@@ -280,9 +285,17 @@ class BatchMagics(Magics):
           %%accumulate --batch-size 4096 --probe report
           %%accumulate 4 --noise
           %%accumulate 4 --noise noise_tracker
+          %%accumulate auto --noise noise_tracker
+
+        ``auto`` (``accumulate(steps="auto", noise=tracker)``) ramps the micro-batches per
+        update up to the tracker's schedule (``noise_tracker.report.schedule``) and scales the
+        learning rate with it; the report lists every change. When the batch is well above the
+        measured critical batch size, the report says that accumulating does not pay.
         """
         line, silenced = _without_semicolon(line)
         args = parse(self.accumulate, line)
+        if args.steps == "auto" and args.noise is None:
+            args.noise = ""  # the schedule needs a tracker: a new one
         optimizer = find_one(self.shell, args.optimizer, "--optimizer", True)
         options = _micro_batch(self.shell, args)
         options.update(

@@ -188,6 +188,9 @@ def _draw_noise_scale(ax: Axes, report: NoiseTrackerReport) -> None:
     if points and report.current_batch_size:
         ax.axhline(report.current_batch_size, color="tab:gray", linestyle="--",
                    label=f"current batch {report.current_batch_size}")
+    if points and report.measurable and report.schedule.changes:
+        ax.axhline(report.schedule.batch_size, color="tab:green", linestyle=":",
+                   label=f"schedule from here {report.schedule.batch_size}")
     if points:
         ax.legend(fontsize="small", loc="lower right")
     ax.set_xlabel("update")

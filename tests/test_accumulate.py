@@ -3,6 +3,7 @@ the oracle), with schedulers, GradScaler, clipping, remainders and DDP handled."
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -335,3 +336,189 @@ def test_ddp_accumulation_equals_the_big_batch_with_fewer_allreduces(tmp_path):
             assert (p - q).abs().max().item() < 1e-10
     assert results["True-0"]["calls"] * steps == results["False-0"]["calls"]
     assert results["True-0"]["calls"] > 0
+
+
+# ---- issue 13: the standard clip_grad_norm_ inside the block ----------------------------------
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_standard_clip_grad_norm_clips_the_big_batch_gradient_once(name):
+    big, _, _ = train_big(OPTIMIZERS[name], clip=0.05)
+    model = make_model()
+    optimizer = OPTIMIZERS[name](model.parameters())
+    with bw.accumulate(optimizer, steps=4):
+        for j in range(16):
+            loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert max_difference(big, model) < 1e-10
+    # without the block, clipping every micro-step's partial sum trains another model
+    unblocked = make_model()
+    optimizer = OPTIMIZERS[name](unblocked.parameters())
+    for j in range(16):
+        (loss_fn(unblocked(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]) / 4).backward()
+        torch.nn.utils.clip_grad_norm_(unblocked.parameters(), 0.05)
+        if j % 4 == 3:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert max_difference(big, unblocked) > 1e-4
+    assert torch.nn.utils.clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_
+
+
+def test_clipping_on_a_micro_step_changes_nothing_and_a_remainder_is_clipped():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with bw.accumulate(optimizer, steps=4):
+        loss_fn(model(X[:4]), Y[:4]).backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-6)
+        assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+        expected = torch.linalg.vector_norm(torch.stack([b.norm() for b in before]))
+        assert norm.item() == pytest.approx(expected.item())
+        optimizer.step()
+        loss_fn(model(X[4:8]), Y[4:8]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+    # the block ended after 2 of 4 micro-steps: the remainder step is the clipped batch of 8
+    big, _, _ = train_big(lambda p: torch.optim.SGD(p, lr=0.1), batch=8, updates=1, clip=0.05)
+    assert max_difference(big, model) < 1e-10
+
+
+def test_clip_grad_norm_of_other_parameters_passes_through():
+    model, other = make_model(), nn.Linear(5, 1).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with bw.accumulate(optimizer, steps=4):
+        other(X[:4]).sum().backward()
+        torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)
+    assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in other.parameters()])
+                                    ).item() == pytest.approx(1e-3, rel=1e-4)
+
+
+# ---- issue 12: only the thread that entered, never batchwidgets' own steps ---------------------
+
+def test_backward_and_steps_from_another_thread_are_not_accumulated():
+    import threading
+
+    model, elsewhere = make_model(), make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other_optimizer = torch.optim.SGD(elsewhere.parameters(), lr=0.1)
+    reference = make_model()
+    loss_fn(reference(X[:8]), Y[:8]).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+
+    def other_thread():  # a backward and a step on another thread, inside the block: untouched
+        loss = loss_fn(elsewhere(X[:8]), Y[:8])
+        loss.backward()
+        other_optimizer.step()
+
+    with bw.accumulate(optimizer, steps=2) as acc:
+        loss_fn(model(X[:4]), Y[:4]).backward()
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        optimizer.step()
+        loss_fn(model(X[4:8]), Y[4:8]).backward()
+        optimizer.step()
+    assert acc.report.micro_steps == 2
+    assert len(acc.report.losses) == 2
+    assert max_difference(reference, model) < 1e-10
+    assert max_difference(reference, elsewhere) < 1e-10  # the other thread's step was real
+
+
+def test_steps_inside_suspended_are_not_counted():
+    from batchwidgets.engine.accumulate import _suspended
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = make_model()
+    probe_optimizer = torch.optim.SGD(probe.parameters(), lr=0.1)
+    with bw.accumulate(optimizer, steps=2, track_grad_norms=True) as acc:
+        loss_fn(model(X[:4]), Y[:4]).backward()
+        optimizer.step()
+        with _suspended():  # what find_batch's probe steps run in
+            for _ in range(3):
+                loss_fn(probe(X[:8]), Y[:8]).backward()
+                torch.nn.utils.clip_grad_norm_(probe.parameters(), 1e-3)
+                probe_optimizer.step()
+                probe_optimizer.zero_grad()
+        loss_fn(model(X[4:8]), Y[4:8]).backward()
+        optimizer.step()
+    report = acc.report
+    assert (report.micro_steps, report.real_steps, len(report.losses)) == (2, 1, 2)
+    assert len(report.grad_norms) == 2
+    reference, _, _ = train_big(lambda p: torch.optim.SGD(p, lr=0.1), batch=8, updates=1)
+    assert max_difference(reference, model) < 1e-10
+    assert max_difference(make_model(), probe) > 1e-5  # its 3 steps were real
+
+
+# ---- %%accumulate: the standard clip, and auto ------------------------------------------------
+
+@pytest.fixture
+def shell():
+    from IPython.testing.globalipapp import start_ipython
+
+    start_ipython()  # the shared test shell
+    ip = get_ipython()  # noqa: F821 (start_ipython installs it)
+    ip.run_line_magic("load_ext", "batchwidgets")
+    yield ip
+    ip.run_line_magic("unload_ext", "batchwidgets")
+    for name in ("clip_model", "clip_opt", "X", "Y", "loss_fn", "torch", "noise_tracker"):
+        ip.user_ns.pop(name, None)
+
+
+CLIP_LOOP = """
+for j in range(16):
+    loss_fn(clip_model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+    torch.nn.utils.clip_grad_norm_(clip_model.parameters(), 0.05)
+    clip_opt.step()
+    clip_opt.zero_grad()
+"""
+
+
+def test_a_clipping_accumulate_cell_equals_the_clipped_big_batch(shell):
+    big, _, _ = train_big(OPTIMIZERS["adam"], clip=0.05)
+    model = make_model()
+    shell.push({"clip_model": model, "clip_opt": OPTIMIZERS["adam"](model.parameters()),
+                "X": X, "Y": Y, "loss_fn": loss_fn, "torch": torch})
+    report = shell.run_cell_magic("accumulate", "4", CLIP_LOOP)
+    assert report.real_steps == 4
+    assert max_difference(big, model) < 1e-10
+
+
+def test_an_auto_accumulate_cell_follows_a_new_tracker(shell):
+    model = make_model()
+    shell.push({"clip_model": model, "clip_opt": torch.optim.SGD(model.parameters(), lr=0.1),
+                "X": X, "Y": Y, "loss_fn": loss_fn, "torch": torch})
+    report = shell.run_cell_magic("accumulate", "auto", CLIP_LOOP)
+    assert report.auto
+    assert report.steps == 2  # 16 micro-steps: too few updates to look at the schedule
+    assert report.real_steps == 8
+    assert isinstance(shell.user_ns["noise_tracker"], bw.NoiseTracker)
+    assert shell.user_ns["noise_tracker"].report.n_losses_seen == 16
+
+
+def test_an_accumulate_cell_says_when_accumulating_does_not_pay(shell):
+    # a tracker that has measured B_simple = 16 exactly (|G|^2 = 1, tr(Sigma) = 16) on updates
+    # of 8 micro-batches of 6 = 48, three times B_simple
+    tracker = bw.NoiseTracker(warmup_updates=2, overhead_target=None)
+    for _ in range(200):
+        tracker.update(small_sq_norms=[1 + 16 / 6] * 8, big_sq_norm=1 + 16 / 48,
+                       micro_batch_size=6, n_micro=8)
+    model = make_model()
+    shell.push({"clip_model": model, "clip_opt": torch.optim.SGD(model.parameters(), lr=0.1),
+                "X": X, "Y": Y, "loss_fn": loss_fn, "torch": torch, "noise_tracker": tracker})
+    report = shell.run_cell_magic("accumulate", "8 --noise noise_tracker", """
+for j in range(16):
+    loss_fn(clip_model(X[j * 6:(j + 1) * 6]), Y[j * 6:(j + 1) * 6]).backward()
+    clip_opt.step()
+    clip_opt.zero_grad()
+""")
+    assert "Accumulating to this batch does not pay: B = 48 samples (8 micro-batches)" in (
+        report.advice)
+    # the cell's own two updates moved the estimate a little off 16
+    assert re.search(r"B_simple ≈ 1[67](\.\d)? ± .*E_min·\(1 \+ B/B_simple\) = 3\.\d+× the "
+                     r"fewest examples", report.advice), report.advice
+    assert report.advice in report._repr_html_()
+    assert report.advice in report.summary()

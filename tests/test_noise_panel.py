@@ -60,7 +60,7 @@ def images(panel):
 def test_the_panel_redraws_in_place_while_the_loop_runs():
     # flush_every=1: the tracker reads each update from the device (and tells the panel) as it
     # comes, rather than 16 at a time
-    tracker = bw.NoiseTracker(warmup_updates=3, flush_every=1)
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     panel = NoisePanel(tracker, min_interval_s=0, clock=FakeClock())
     first = bytes(panel.plot.value)
     assert first.startswith(b"\x89PNG")
@@ -80,7 +80,7 @@ def test_redraws_are_throttled_by_min_interval_s():
     clock = FakeClock()
     # flush_every=1: the tracker reads each update from the device (and tells the panel) as it
     # comes, rather than 16 at a time
-    tracker = bw.NoiseTracker(warmup_updates=3, flush_every=1)
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     panel = NoisePanel(tracker, min_interval_s=0.5, clock=clock)
     shown = images(panel)
     train(tracker, clock=clock, step_s=0.1)
@@ -115,7 +115,7 @@ def test_slow_redraws_space_themselves_out():
 def test_status_and_advice_show_the_report():
     # flush_every=1: the tracker reads each update from the device (and tells the panel) as it
     # comes, rather than 16 at a time
-    tracker = bw.NoiseTracker(warmup_updates=3, flush_every=1)
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     panel = NoisePanel(tracker)
     assert "B_simple: the gradient noise scale is not measured" in panel.status.value
     assert "no losses yet" in panel.status.value
@@ -133,7 +133,7 @@ def test_status_and_advice_show_the_report():
 def test_static_view_is_the_report_table_and_the_current_picture():
     # flush_every=1: the tracker reads each update from the device (and tells the panel) as it
     # comes, rather than 16 at a time
-    tracker = bw.NoiseTracker(warmup_updates=3, flush_every=1)
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     panel = NoisePanel(tracker)
     train(tracker, updates=4)
     panel.refresh()
@@ -283,3 +283,19 @@ def test_in_a_kernel_the_noise_panel_shows_live_and_keeps_the_final_static_pictu
     assert "<td>updates measured</td><td>16</td>" in panel.data["text/html"]
     assert "batchwidgets: accumulate" in report.data["text/html"]
     assert count[0].data["text/plain"] == "16"
+
+
+def test_the_panel_says_when_accumulating_does_not_pay_and_shows_the_schedule():
+    # exact norms: |G|^2 = 1, tr(Sigma) = 16, so B_simple = 16 against a batch of 8 x 16 = 128
+    tracker = bw.NoiseTracker(warmup_updates=2, overhead_target=None)
+    panel = NoisePanel(tracker, min_interval_s=0.0)
+    for _ in range(3):
+        tracker.update(small_sq_norms=[2.0] * 8, big_sq_norm=1 + 16 / 128, micro_batch_size=16,
+                       n_micro=8)
+    tracker.observe_step_time(0.2, 0.05)
+    panel.refresh()
+    assert "Accumulating to this batch does not pay" in panel.advice.value
+    assert "9× the fewest examples" in panel.advice.value
+    assert "Schedule: batch size 16 samples" in panel.advice.value
+    assert "waiting for data 25% of each step" in panel.status.value
+    panel.close()

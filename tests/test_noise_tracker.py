@@ -66,7 +66,8 @@ def test_tracker_matches_the_closed_form_of_linear_regression(estimator):
     # 4 micro-batches of 8 fresh samples per update, seed 0 (ema=0.99: ~200 updates averaged)
     track_grad_norms, updates, ema = ESTIMATORS[estimator]
     delta = torch.tensor([1.0, -0.5, 0.5, 0.0], dtype=torch.float64)
-    tracker = bw.NoiseTracker(ema=ema, warmup_updates=5, every_micro_batch=track_grad_norms)
+    tracker = bw.NoiseTracker(overhead_target=None, ema=ema, warmup_updates=5,
+                              every_micro_batch=track_grad_norms)
     regression_run(delta, tracker, updates=updates, track_grad_norms=track_grad_norms)
     report = tracker.report
     grad_norm_sq = float(delta @ delta)
@@ -227,7 +228,7 @@ def test_listeners_hear_every_loss_and_update_and_a_broken_one_is_dropped_with_a
 # ---- issue 5: error bars in the history, measuring without micro-batches, loaders, advice ------
 
 def test_history_keeps_the_standard_error_of_each_b_simple():
-    tracker = bw.NoiseTracker(ema=0.9, warmup_updates=5)
+    tracker = bw.NoiseTracker(overhead_target=None, ema=0.9, warmup_updates=5)
     regression_run(torch.tensor([1.0, -0.5, 0.5, 0.0], dtype=torch.float64), tracker,
                    updates=30)
     report = tracker.report
@@ -570,9 +571,9 @@ def test_without_a_listener_the_device_is_read_only_when_the_report_is():
 
 
 def test_deferred_updates_give_the_numbers_of_reading_every_update():
-    deferred = bw.NoiseTracker(warmup_updates=3)
+    deferred = bw.NoiseTracker(overhead_target=None, warmup_updates=3)
     classifier_run(deferred, updates=40)
-    each = bw.NoiseTracker(warmup_updates=3, flush_every=1)
+    each = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     each.add_listener(lambda t: None)  # a listener and flush_every=1: read after each update
     classifier_run(each, updates=40)
     assert deferred.report == each.report  # every float equal, the history too
@@ -583,7 +584,8 @@ def test_a_noise_panel_redraws_during_a_long_loop_every_flush_every_updates():
     pytest.importorskip("ipywidgets")
     from batchwidgets.widgets.noise import NoisePanel
 
-    tracker = bw.NoiseTracker(warmup_updates=3, flush_every=16, clock=FakeClock())
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=16,
+                              clock=FakeClock())
     panel_clock = FakeClock()
     panel = NoisePanel(tracker, min_interval_s=0.5, clock=panel_clock)
     drawn_at = []  # the update the loop had reached at each redraw

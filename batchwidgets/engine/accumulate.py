@@ -14,9 +14,11 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,10 +33,35 @@ from ._noise_estimate import (
     group_by_device_and_dtype,
     loss_scale,
 )
+from ._schedule import AutoSteps
 from .noise_tracker import NoiseTracker
 
 REMAINDERS = ("apply", "drop")
 _FLUSH_EVERY = 256  # device scalars kept before one host sync converts them to floats
+SCHEDULE_EVERY = 16  # steps="auto": updates between two looks at the tracker's schedule
+_LOCAL = threading.local()  # _LOCAL.suspended: depth of _suspended() blocks on this thread
+
+# NOTE [ What accumulate intercepts, and from whom ]
+# The patches are process-wide (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_) or on
+# objects other code may share, but only the thread that entered the block is accumulating:
+# calls from other threads (a data-loading or logging thread, a panel) pass straight through,
+# and so do batchwidgets' own steps run inside _suspended() (find_batch's probe steps inside an
+# accumulate block, which would otherwise count as micro-steps and leave gradients behind).
+
+
+@contextlib.contextmanager
+def _suspended() -> Iterator[None]:
+    """Inside, on this thread, every accumulate block lets the calls through untouched (see
+    NOTE [ What accumulate intercepts, and from whom ]); for batchwidgets' own probe steps."""
+    _LOCAL.suspended = getattr(_LOCAL, "suspended", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.suspended -= 1
+
+
+def _is_suspended() -> bool:
+    return getattr(_LOCAL, "suspended", 0) > 0
 
 # NOTE [ How accumulate intercepts an unchanged loop ]
 # Inside the block, the optimizer's (and scaler's, scheduler's) own instance methods are shadowed:
@@ -103,7 +130,7 @@ class Accumulator:
                  model: torch.nn.Module | None, scaler: Any, scheduler: Any,
                  remainder: str, track_grad_norms: bool, batch_size: int | None = None,
                  micro_batch_size: int | None = None, *,
-                 noise: NoiseTracker | None = None) -> None:
+                 noise: NoiseTracker | None = None, auto: bool = False) -> None:
         self.optimizer, self.steps, self.model = optimizer, steps, model
         self.scaler, self.scheduler, self.remainder = scaler, scheduler, remainder
         self.noise = noise
@@ -111,6 +138,15 @@ class Accumulator:
         # per-micro-batch norms from hooks; see NOTE [ What the noise tracker costs accumulate ]
         self._hooked = track_grad_norms or (noise is not None and (
             noise.every_micro_batch or self._is_ddp()))
+        # NOTE [ Sampling updates to keep the tracker cheap ] (_schedule.py)
+        self._sampler = noise.sampler if noise is not None and not (
+            track_grad_norms or self._is_ddp() or noise.overhead_target is None) else None
+        self._measuring = noise is not None  # whether this update feeds the tracker
+        self._auto = AutoSteps(noise, steps, SCHEDULE_EVERY) if auto else None
+        self._thread: int | None = None  # the thread that entered the block
+        self._clip: tuple[Any, ...] | None = None  # a clip called on a micro-step, for a remainder
+        self._param_ids: set[int] = set()
+        self._grad_hooks: list[Any] = []
         self.batch_size, self.planned_micro_batch_size = batch_size, micro_batch_size
         self._pending = 0  # micro-steps since the last real step
         self._micro_steps = self._real_steps = self._skipped = 0
@@ -147,12 +183,26 @@ class Accumulator:
         (after ``scaler.unscale_(optimizer)`` with AMP)."""
         if not self.is_sync_step:
             return None
+        params = self._params() if parameters is None else parameters
+        return self._clip_now(self._clip_original, params, max_norm, norm_type=norm_type)
+
+    def _clip_now(self, original: Callable, params: Any, *args: Any, **kwargs: Any) -> Any:
+        """Average the accumulated gradient, take |G_big|^2 for the tracker, then clip."""
         self._average(self._pending + 1)
-        if self.noise is not None:  # before clipping changes the accumulated gradient
+        if self._measuring and self._big_sq is None:  # before clipping changes the gradient
+            started = self._tick()
             self._big_sq = grad_sq_norm(self._params(), self.scaler, self.optimizer,
                                         self._param_groups)
-        params = self._params() if parameters is None else parameters
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+            self._charge(started)
+        self._clip = None
+        return original(params, *args, **kwargs)
+
+    @property
+    def _clip_original(self) -> Callable:
+        for owner, name, _had_own, own in self._patches:
+            if owner is torch.nn.utils and name == "clip_grad_norm_":
+                return own
+        return torch.nn.utils.clip_grad_norm_
 
     @property
     def report(self) -> AccumulationReport:
@@ -165,7 +215,24 @@ class Accumulator:
             micro_batch_size=self._micro_batch_size or self.planned_micro_batch_size,
             world_size=world, target_batch_size=self.batch_size,
             skips_allreduce=self._is_ddp() and self.steps > 1,
-            losses=self._losses.flush(), grad_norms=self._grad_norms.flush())
+            losses=self._losses.flush(), grad_norms=self._grad_norms.flush(),
+            auto=self._auto is not None,
+            schedule_changes=tuple(self._auto.changes) if self._auto else (),
+            lr_factor=self._auto.lr_factor if self._auto else 1.0,
+            advice=self.noise.report.accumulation_advice if self.noise is not None else "")
+
+    # ---- who is accumulating; what the tracker costs ---------------------------------------
+    def _ours(self) -> bool:
+        """Whether an intercepted call belongs to the block (NOTE [ What accumulate intercepts,
+        and from whom ])."""
+        return threading.get_ident() == self._thread and not _is_suspended()
+
+    def _tick(self) -> float:
+        return self._sampler.clock() if self._sampler is not None else 0.0
+
+    def _charge(self, started: float) -> None:
+        if self._sampler is not None:
+            self._sampler.charge(started)
 
     # ---- the intercepted calls ------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -186,10 +253,12 @@ class Accumulator:
         self._pending += 1
         self._close_micro_batch()
         if self._pending < self.steps:
-            if self.noise is not None and not self._hooked and self._pending == 1:
+            if self._measuring and not self._hooked and self._pending == 1:
                 # .grad holds the first micro-batch's gradient: NOTE [ The prefix-sum estimator ]
+                started = self._tick()
                 with torch.no_grad():
                     self._first_norms = grad_norms(self._param_groups)
+                self._charge(started)
             self._set_ddp_sync(self._pending == self.steps - 1)
             return None
         return self._real_step(real)
@@ -199,23 +268,61 @@ class Accumulator:
         if self.noise is not None:
             self._feed_noise_tracker()
         self._in_real_step = True
+        saved = self._scale_lr()
         try:
             result = real()
         finally:
             self._in_real_step = False
-        self._pending, self._averaged = 0, False
+            for group, lr in zip(self.optimizer.param_groups, saved):
+                group["lr"] = lr
+        self._pending, self._averaged, self._clip = 0, False, None
         self._real_steps += 1
         self._scheduler_due += 1
         self._scheduler_swallowed = 0
+        if self._auto is not None:
+            self.steps = self._auto.after_update(self._real_steps, self._micro_batch_size)
+        if self._sampler is not None:
+            self._measuring = self._sampler.end_update()
+            if self._hooked:
+                self._set_grad_hooks(self._measuring)
         self._set_ddp_sync(self.steps == 1)
         return result
+
+    def _scale_lr(self) -> list[Any]:
+        """steps="auto": the schedule's learning-rate factor on the optimizer's learning rates
+        for this update (whatever a scheduler set them to); the saved values, to put back."""
+        groups = self.optimizer.param_groups
+        saved = [group.get("lr") for group in groups] if self._auto is not None else []
+        factor = self._auto.lr_factor if self._auto is not None else 1.0
+        if factor != 1.0:
+            for group in groups:
+                if isinstance(group.get("lr"), (int, float)):
+                    group["lr"] = group["lr"] * factor
+                elif isinstance(group.get("lr"), torch.Tensor):
+                    group["lr"] = group["lr"] * factor  # a new tensor; the saved one goes back
+        return saved
+
+    def _set_grad_hooks(self, on: bool) -> None:
+        if on and not self._grad_hooks:
+            self._grad_hooks = [p.register_hook(self._grad_hook) for p in self._params()
+                                if p.requires_grad]
+        elif not on:
+            for hook in self._grad_hooks:
+                hook.remove()
+            self._grad_hooks = []
 
     # ---- the noise tracker --------------------------------------------------------------------
     def _feed_noise_tracker(self) -> None:
         """Hand the tracker this update's losses and squared norms as one device tensor: no
         host sync (see NOTE [ What the noise tracker costs accumulate ])."""
-        big = (self._big_sq if self._big_sq is not None
+        started = self._tick()  # the listeners (a panel's drawing) are not the tracker's cost
+        big = (self._big_sq if self._big_sq is not None or not self._measuring
                else grad_sq_norm(self._params(), self.scaler, self.optimizer, self._param_groups))
+        if not self._measuring:  # sampling left this update out: its losses only
+            self._big_sq, self._group_norms, self._first_norms = None, [], []
+            self._defer_losses()
+            self.noise._skip_update()
+            return
         losses, norms, first = self._group_losses, self._group_norms, self._first_norms
         self._group_losses, self._group_norms, self._first_norms = [], [], []
         self._big_sq = None
@@ -243,9 +350,18 @@ class Accumulator:
         device = scalars[-1].device
         with torch.no_grad():
             values = torch.stack([t if t.device == device else t.to(device) for t in scalars])
+        self._charge(started)
         self.noise._defer(values, DeferredUpdate(
             n_values=len(scalars), n_losses=len(losses), small=kind,
             micro_batch_size=self._micro_batch_size, n_micro=n_micro))
+
+    def _defer_losses(self) -> None:
+        if self._group_losses:
+            n_losses = len(self._group_losses)
+            self.noise._defer(torch.stack(self._group_losses), DeferredUpdate(
+                n_values=n_losses, n_losses=n_losses, small=None, micro_batch_size=None,
+                n_micro=0))
+            self._group_losses = []
 
     def _record_loss(self, loss: torch.Tensor) -> None:
         value = self._losses.append(loss)
@@ -256,7 +372,7 @@ class Accumulator:
     def _optimizer_step(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def step(*args: Any, **kwargs: Any) -> Any:
-            if self._in_real_step:
+            if self._in_real_step or not self._ours():
                 return original(*args, **kwargs)
             return self._micro_step(lambda: original(*args, **kwargs))
         return step
@@ -264,7 +380,7 @@ class Accumulator:
     def _optimizer_zero_grad(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def zero_grad(*args: Any, **kwargs: Any) -> None:
-            if self._pending == 0:
+            if self._pending == 0 or not self._ours():
                 original(*args, **kwargs)
         return zero_grad
 
@@ -272,7 +388,7 @@ class Accumulator:
         @functools.wraps(original)
         def scale(outputs: Any) -> Any:
             scaled = original(outputs)
-            if isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+            if isinstance(outputs, torch.Tensor) and outputs.dim() == 0 and self._ours():
                 self._record_loss(outputs)
                 self._scaled_loss_id = id(scaled)
             return scaled
@@ -281,14 +397,15 @@ class Accumulator:
     def _scaler_unscale(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def unscale_(optimizer: torch.optim.Optimizer) -> None:
-            if optimizer is not self.optimizer or self._in_real_step or self.is_sync_step:
+            if (optimizer is not self.optimizer or self._in_real_step or self.is_sync_step
+                    or not self._ours()):
                 original(optimizer)
         return unscale_
 
     def _scaler_step(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if optimizer is not self.optimizer or self._in_real_step:
+            if optimizer is not self.optimizer or self._in_real_step or not self._ours():
                 return original(optimizer, *args, **kwargs)
             result = self._micro_step(lambda: original(optimizer, *args, **kwargs))
             self._update_due = self._update_due or self._pending == 0
@@ -298,6 +415,9 @@ class Accumulator:
     def _scaler_update(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def update(*args: Any, **kwargs: Any) -> None:
+            if not self._ours():
+                original(*args, **kwargs)
+                return
             if not self._update_due:
                 return
             before = self.scaler.get_scale()
@@ -309,7 +429,9 @@ class Accumulator:
     def _scheduler_step(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def step(*args: Any, **kwargs: Any) -> None:
-            if self._scheduler_due > 0:
+            if not self._ours():
+                original(*args, **kwargs)
+            elif self._scheduler_due > 0:
                 self._scheduler_due -= 1
                 original(*args, **kwargs)
             else:
@@ -319,7 +441,7 @@ class Accumulator:
     def _tensor_backward(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            if tensor.dim() == 0 and id(tensor) != self._scaled_loss_id:
+            if tensor.dim() == 0 and id(tensor) != self._scaled_loss_id and self._ours():
                 self._record_loss(tensor)
             return original(tensor, *args, **kwargs)
         return backward
@@ -327,8 +449,42 @@ class Accumulator:
     def _grad_hook(self, grad: torch.Tensor) -> None:
         # one reduction per parameter here, combined in one go at the micro-step's end: the
         # hook runs once per parameter per micro-step, so every op in it counts
+        if not self._ours():
+            return
+        started = self._tick()
         wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
         self._norms_current.append(torch.linalg.vector_norm(grad, dtype=wide))
+        self._charge(started)
+
+    def _clip_grad_norm(self, original: Callable) -> Callable:
+        # NOTE [ Clipping inside accumulate ]: torch.nn.utils.clip_grad_norm_ on a micro-step
+        # would clip a partial sum, so the big batch's gradient would be clipped several times
+        # over, each time by a different, smaller norm. Inside the block, the standard call on
+        # the optimizer's parameters clips once: on the last micro-step, the averaged gradient
+        # (as the big batch's), at the real step; on the other micro-steps it changes nothing
+        # and returns the norm of the mean gradient so far. A block that ends on a micro-step
+        # applies the last clip asked for to its remainder step.
+        @functools.wraps(original)
+        def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not self._ours() or self._in_real_step:
+                return original(parameters, *args, **kwargs)
+            params = ([parameters] if isinstance(parameters, torch.Tensor)
+                      else list(parameters))
+            if not any(id(p) in self._param_ids for p in params):
+                return original(params, *args, **kwargs)
+            if self.is_sync_step:
+                return self._clip_now(original, params, *args, **kwargs)
+            self._clip = (original, params, args, kwargs)
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                return torch.tensor(0.0)
+            norm_type = float(args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0))
+            with torch.no_grad():  # no host sync: the norm stays on the device
+                device = grads[0].device
+                norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().to(device)
+                                     for g in grads])
+                return torch.linalg.vector_norm(norms, norm_type) / (self._pending + 1)
+        return clip_grad_norm_
 
     def _close_micro_batch(self) -> None:
         if not self._norms_current:
@@ -346,6 +502,8 @@ class Accumulator:
             self._group_norms.append(norm)
 
     def _record_batch_size(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._ours():
+            return
         size = _first_batch_dim(args, kwargs)
         if size is not None:
             self._micro_batch_size = size
@@ -392,11 +550,16 @@ class Accumulator:
             if self.scheduler is not None:
                 self._patch(self.scheduler, "step", self._scheduler_step)
             self._patch(torch.Tensor, "backward", self._tensor_backward)
+            for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+                self._patch(module, "clip_grad_norm_", self._clip_grad_norm)
+            self._thread = threading.get_ident()
+            self._param_ids = {id(p) for p in self._params()}
             self._param_groups = group_by_device_and_dtype(
                 [p for p in self._params() if p.requires_grad])
             if self._hooked:
-                self._hooks = [p.register_hook(self._grad_hook) for p in self._params()
-                               if p.requires_grad]
+                self._set_grad_hooks(True)
+            if self._sampler is not None:
+                self._sampler.start()
             if self.model is not None:
                 self._hooks.append(self.model.register_forward_pre_hook(
                     self._record_batch_size, with_kwargs=True))
@@ -414,11 +577,8 @@ class Accumulator:
         self._remainder_count = self._pending
         if self.remainder == "drop":
             self._remainder_done = "dropped"
-            if self.noise is not None and self._group_losses:
-                n_losses = len(self._group_losses)
-                self.noise._defer(torch.stack(self._group_losses), DeferredUpdate(
-                    n_values=n_losses, n_losses=n_losses, small=None, micro_batch_size=None,
-                    n_micro=0))
+            if self.noise is not None:
+                self._defer_losses()
             self._restore()
             self.optimizer.zero_grad()
             self._pending = 0
@@ -427,6 +587,17 @@ class Accumulator:
         if self._is_ddp():
             self._allreduce_pending()
         swallowed = self._scheduler_swallowed
+        if self._clip is not None:  # NOTE [ Clipping inside accumulate ]
+            original, params, args, kwargs = self._clip
+            if self.scaler is not None:  # the loop's unscale_ was skipped on this micro-step
+                self._in_real_step = True
+                try:
+                    self.scaler.unscale_(self.optimizer)
+                finally:
+                    self._in_real_step = False
+            self._pending -= 1  # _clip_now averages over _pending + 1
+            self._clip_now(original, params, *args, **kwargs)
+            self._pending += 1
         if self.scaler is not None:
             self._real_step(lambda: self.scaler.step(self.optimizer))
             self._update_due = True
@@ -439,6 +610,7 @@ class Accumulator:
         self.optimizer.zero_grad()
 
     def _restore(self) -> None:
+        self._set_grad_hooks(False)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -462,7 +634,7 @@ class Accumulator:
             self.noise.flush()  # the last updates, to the listeners (a live panel) too
 
 
-def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
+def accumulate(optimizer: torch.optim.Optimizer, steps: int | str = 4,
                model: torch.nn.Module | None = None, scaler: Any = None, scheduler: Any = None,
                *, remainder: str = "apply", track_grad_norms: bool = False,
                batch_size: int | None = None, micro_batch_size: int | None = None,
@@ -480,8 +652,14 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
     ----------
     optimizer : torch.optim.Optimizer
         The optimizer the loop calls ``step()``/``zero_grad()`` on.
-    steps : int
-        Micro-steps per real optimizer step (or derived from ``batch_size``).
+    steps : int or "auto"
+        Micro-steps per real optimizer step (or derived from ``batch_size``). ``"auto"``
+        follows the schedule of ``noise`` (``tracker.report.schedule``, bounded by the
+        tracker's ``max_batch_size``): from 2 micro-batches (the fewest that measure the noise),
+        every 16 updates (one host sync) it ramps up to the schedule's micro-batches per update,
+        and scales the optimizer's learning rates for each update by the schedule's factor (on
+        top of any scheduler; put back after each step). ``acc.report.schedule_changes`` lists
+        every change. See NOTE [ The batch-size schedule ].
     model : torch.nn.Module, optional
         Needed for DDP (to skip all-reduces), the BatchNorm warning and the micro-batch size.
     scaler : torch.amp.GradScaler, optional
@@ -517,16 +695,36 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
     >>> with accumulate(optimizer, steps=4, scheduler=scheduler) as acc:   # doctest: +SKIP
     ...     for x, y in loader:
     ...         loss = loss_fn(model(x), y); loss.backward()
-    ...         acc.clip_grad_norm_(1.0); optimizer.step(); scheduler.step()
-    ...         optimizer.zero_grad()
+    ...         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # once, per update
+    ...         optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    >>> tracker = NoiseTracker(max_batch_size=1024)                     # doctest: +SKIP
+    >>> with accumulate(optimizer, steps="auto", model=model,          # doctest: +SKIP
+    ...                 noise=tracker) as acc:
+    ...     train()
+    >>> acc.report.schedule_changes                                     # doctest: +SKIP
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer should be a torch.optim.Optimizer, but got "
                         f"optimizer={optimizer!r}; pass the optimizer your loop steps.")
+    auto = steps == "auto"
+    if auto:
+        if not isinstance(noise, NoiseTracker):
+            raise ValueError(f"steps='auto' follows a noise tracker's schedule, but got "
+                             f"noise={noise!r}; e.g. accumulate(optimizer, steps='auto', "
+                             f"model=model, noise=bw.NoiseTracker()).")
+        if batch_size is not None or micro_batch_size is not None:
+            raise ValueError(f"give steps='auto' or batch_size with micro_batch_size, not both, "
+                             f"but got batch_size={batch_size!r}; bound the schedule with "
+                             f"NoiseTracker(max_batch_size=...).")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("steps='auto' is not supported under DDP yet (every rank would "
+                             "have to change steps at the same update), but got a "
+                             "DistributedDataParallel model; pass an int steps.")
+        steps = AutoSteps.MIN_STEPS
     steps = _steps_for(steps, batch_size, micro_batch_size)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps should be an int >= 1, but got steps={steps!r}; e.g. steps=4 "
-                         f"makes each update use 4 micro-batches.")
+        raise ValueError(f"steps should be an int >= 1 or 'auto', but got steps={steps!r}; e.g. "
+                         f"steps=4 makes each update use 4 micro-batches.")
     if remainder not in REMAINDERS:
         raise ValueError(f"remainder should be one of {list(REMAINDERS)}, but got "
                          f"remainder={remainder!r}.")
@@ -536,7 +734,7 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int = 4,
         raise TypeError(f"noise should be a batchwidgets.NoiseTracker, but got noise={noise!r}; "
                         f"e.g. noise=bw.NoiseTracker().")
     return Accumulator(optimizer, steps, model, scaler, scheduler, remainder, track_grad_norms,
-                       batch_size, micro_batch_size, noise=noise)
+                       batch_size, micro_batch_size, noise=noise, auto=auto)
 
 
 def _steps_for(steps: int, batch_size: int | None, micro_batch_size: int | None) -> int:

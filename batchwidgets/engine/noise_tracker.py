@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .._warnings import BatchwidgetsWarning
-from ..results import NoiseTrackerReport
+from ..results import BatchSizeReport, NoiseTrackerReport
 from ._noise_estimate import (
     DeferredUpdate,
     WeightedMoments,
@@ -37,6 +37,7 @@ from ._noise_estimate import (
     uneven_loader_warning,
     unshuffled_loader_warning,
 )
+from ._schedule import UpdateSampler
 
 # See NOTE [ The two-batch-size estimator ] and NOTE [ The prefix-sum estimator ] in
 # _noise_estimate.py.
@@ -96,6 +97,15 @@ class NoiseTracker:
         ... or once this many seconds of ``clock`` have passed since the last read.
     clock : callable
         Seconds, for ``flush_interval_s``.
+    max_batch_size : int, optional
+        The largest batch ``report.schedule`` (and ``accumulate(steps="auto")``) may suggest.
+    fits : BatchSizeReport or int, optional
+        The largest batch that fits in memory (``find_batch``'s report: its
+        ``recommended_batch_size``): the schedule says whether its batch needs accumulation.
+    overhead_target : float or None
+        Under ``accumulate``, measure 1 update in k, with k from the measured cost of the
+        tracker, so that it takes at most this share of the training time (default 2%); None
+        measures every update. See NOTE [ Sampling updates to keep the tracker cheap ].
 
     Examples
     --------
@@ -109,7 +119,9 @@ class NoiseTracker:
                  every: int = 1, loader: DataLoader | None = None,
                  every_micro_batch: bool = True, flush_every: int = 16,
                  flush_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_batch_size: int | None = None, fits: BatchSizeReport | int | None = None,
+                 overhead_target: float | None = 0.02) -> None:
         if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
             raise ValueError(f"ema should be a number in [0, 1), but got ema={ema!r}; e.g. "
                              f"ema=0.9 averages over about the last 10 updates.")
@@ -121,6 +133,20 @@ class NoiseTracker:
                 or not flush_interval_s >= 0):
             raise ValueError(f"flush_interval_s should be a number >= 0, but got "
                              f"flush_interval_s={flush_interval_s!r}; e.g. 1.0.")
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(
+                max_batch_size, int) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size should be None or an int >= 1, but got "
+                             f"max_batch_size={max_batch_size!r}; e.g. 4096.")
+        if isinstance(fits, BatchSizeReport):
+            fits = fits.recommended_batch_size
+        if fits is not None and (isinstance(fits, bool) or not isinstance(fits, int) or fits < 1):
+            raise ValueError(f"fits should be a find_batch report or an int >= 1, but got "
+                             f"fits={fits!r}; e.g. fits=bw.find_batch(model, make_batch).")
+        if overhead_target is not None and (
+                isinstance(overhead_target, bool) or not isinstance(overhead_target, (int, float))
+                or not 0 < overhead_target < 1):
+            raise ValueError(f"overhead_target should be None or a share in (0, 1), but got "
+                             f"overhead_target={overhead_target!r}; e.g. 0.02 for 2%.")
         if loader is not None and not isinstance(loader, DataLoader):
             raise TypeError(f"loader should be a torch DataLoader, but got loader={loader!r}.")
         if not isinstance(every_micro_batch, bool):
@@ -130,6 +156,11 @@ class NoiseTracker:
         self.every_micro_batch = every_micro_batch
         self.flush_every, self.flush_interval_s = flush_every, float(flush_interval_s)
         self._clock = clock
+        self.max_batch_size, self.fits_batch_size = max_batch_size, fits
+        self.overhead_target = None if overhead_target is None else float(overhead_target)
+        self.sampler = UpdateSampler(self.overhead_target)  # accumulate's; see _schedule.py
+        self._n_skipped = 0  # updates sampling left unmeasured
+        self._stall_shares: deque[float] = deque(maxlen=max_losses)
         self._moments = WeightedMoments(self.ema)
         self._losses: deque[float] = deque(maxlen=max_losses)
         self._n_losses = 0
@@ -185,6 +216,24 @@ class NoiseTracker:
         with self._lock:
             self.flush()  # the deferred updates came first
             self._add_loss(value)
+
+    def observe_step_time(self, step_s: float, data_s: float) -> None:
+        """Record one optimizer step's wall time and the part of it spent waiting for data
+        (the trainer callbacks call this); the report keeps each step's share."""
+        if step_s > 0:
+            with self._lock:
+                self._stall_shares.append(min(max(data_s / step_s, 0.0), 1.0))
+
+    def _skip_update(self) -> None:
+        """An update that sampling left unmeasured (see UpdateSampler)."""
+        with self._lock:
+            self._n_skipped += 1
+
+    def _estimate(self) -> tuple[float | None, float | None, str]:
+        """B_simple, its error and why it is None, from all the updates so far."""
+        with self._lock:
+            self.flush()
+            return self._b_simple()
 
     def _add_examples(self, n: int, mean: float, m2: float) -> None:
         """Merge a batch's per-example count, mean and sum of squared deviations (Chan et al.
@@ -371,4 +420,9 @@ class NoiseTracker:
             warnings=self._warnings, n_examples=self._examples[0],
             example_loss_mean=self._examples[1] if self._examples[0] else None,
             example_loss_std=(math.sqrt(self._examples[2] / (self._examples[0] - 1))
-                              if self._examples[0] > 1 else None))
+                              if self._examples[0] > 1 else None),
+            max_batch_size=self.max_batch_size, fits_batch_size=self.fits_batch_size,
+            sample_every=self.sampler.every, overhead=self.sampler.overhead,
+            overhead_target=self.overhead_target,
+            n_updates_seen=self._n_updates + self._n_skipped,
+            data_stall_shares=tuple(self._stall_shares))

@@ -33,12 +33,14 @@ from .probe import (
     WhatIf,
     attempts_table,
 )
+from .schedule import BatchSchedule, ScheduleChange, accumulation_advice, plan_batch
 
 __all__ = [
     "FASTER_BY",
     "LOSS_WINDOW",
     "AccumulationReport",
     "Attempt",
+    "BatchSchedule",
     "BatchSizeReport",
     "DataStallReport",
     "LayerNoise",
@@ -49,11 +51,14 @@ __all__ = [
     "NoiseReport",
     "NoiseTrackerReport",
     "PeakSegment",
+    "ScheduleChange",
     "WhatIf",
+    "accumulation_advice",
     "attempts_table",
     "batch_variance",
     "examples_over_min",
     "lr_scale",
     "noise_advice",
+    "plan_batch",
     "steps_over_min",
 ]

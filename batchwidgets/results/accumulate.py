@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _html
+from .schedule import ScheduleChange
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,12 @@ class AccumulationReport:
     skips_allreduce: bool = False  # DDP all-reduce skipped on the first steps-1 micro-steps
     losses: tuple[float, ...] = ()  # per micro-batch, from loss.backward()
     grad_norms: tuple[float, ...] = ()  # L2 norm of each micro-batch's own gradient
+    # steps="auto": the micro-batches per update followed the noise tracker's schedule; every
+    # change, and the learning-rate factor in force at the end (1.0: the loop's own)
+    auto: bool = False
+    schedule_changes: tuple[ScheduleChange, ...] = ()
+    lr_factor: float = 1.0
+    advice: str = ""  # the noise tracker's: when accumulating to this batch does not pay
 
     @property
     def effective_batch_size(self) -> int | None:
@@ -31,9 +38,12 @@ class AccumulationReport:
         return self.micro_batch_size * self.steps * self.world_size
 
     def summary(self) -> str:
-        return (f"{self.micro_steps} micro-steps -> {self.real_steps} optimizer steps "
-                f"(steps={self.steps}, effective batch {self.effective_batch_size or '?'}, "
-                f"remainder {self.remainder})")
+        auto = (f", auto: {len(self.schedule_changes)} changes, learning rate "
+                f"×{_html.format_number(self.lr_factor)}" if self.auto else "")
+        text = (f"{self.micro_steps} micro-steps -> {self.real_steps} optimizer steps "
+                f"(steps={self.steps}{auto}, effective batch "
+                f"{self.effective_batch_size or '?'}, remainder {self.remainder})")
+        return f"{text}. {self.advice}" if self.advice else text
 
     def _repr_html_(self) -> str:
         rows = [
@@ -49,5 +59,13 @@ class AccumulationReport:
             ("DDP all-reduce on micro-steps", "skipped" if self.skips_allreduce else "-"),
             ("last loss", _html.format_number(self.losses[-1] if self.losses else None)),
         ]
+        if self.auto:
+            rows.append(("schedule (steps='auto')", "; ".join(
+                f"update {c.update}: {c.steps_before} -> {c.steps_after} micro-batches "
+                f"(B_simple {_html.format_number(c.b_simple)}, learning rate "
+                f"×{_html.format_number(c.lr_factor)})" for c in self.schedule_changes)
+                or "no change"))
+        if self.advice:
+            rows.append(("advice", self.advice))
         table = _html.table(rows, caption="batchwidgets: accumulate")
         return f"<div>{table}{_html.inline_plot(self)}</div>"

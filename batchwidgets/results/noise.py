@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import _html
 from ._noise_theory import (
@@ -13,6 +13,7 @@ from ._noise_theory import (
     noise_advice,
     steps_over_min,
 )
+from .schedule import BatchSchedule, accumulation_advice, plan_batch
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,54 @@ class NoiseTrackerReport:
     n_examples: int = 0
     example_loss_mean: float | None = None
     example_loss_std: float | None = None
+    # bounds of ``schedule`` (NoiseTracker(max_batch_size=..., fits=...)); see
+    # NOTE [ The batch-size schedule ] in results/schedule.py
+    max_batch_size: int | None = None
+    fits_batch_size: int | None = None
+    # sampling (NoiseTracker(overhead_target=...)): 1 update in ``sample_every`` measured, the
+    # tracker's measured cost at that rate (a share of the step time) and the target it keeps
+    sample_every: int = 1
+    overhead: float | None = field(default=None, compare=False)  # a timing: never equal twice
+    overhead_target: float | None = None
+    n_updates_seen: int | None = None  # updates in all, measured or not; None: n_updates
+    # per optimizer step, the share of its wall time spent waiting for data (trainer callbacks)
+    data_stall_shares: tuple[float, ...] = ()
+
+    @property
+    def schedule(self) -> BatchSchedule:
+        """The batch size to use from here and its learning-rate factor (NOTE [ The batch-size
+        schedule ]), bounded by the tracker's ``max_batch_size``; ``fits_batch_size`` says
+        whether it needs accumulation."""
+        return plan_batch(self.b_simple, self.b_simple_error,
+                          micro_batch_size=self.micro_batch_size, steps=self.n_micro or 1,
+                          max_batch_size=self.max_batch_size,
+                          fits_batch_size=self.fits_batch_size, reason=self.reason)
+
+    @property
+    def accumulation_advice(self) -> str:
+        """When the accumulated batch is well above B_simple: the steps it saves against the
+        examples it spends, with numbers; '' otherwise."""
+        return accumulation_advice(self.b_simple, self.b_simple_error, self.micro_batch_size,
+                                   self.n_micro)
+
+    @property
+    def data_stall_share(self) -> float | None:
+        """Mean share of a step's wall time spent waiting for data (trainer callbacks)."""
+        shares = self.data_stall_shares
+        return sum(shares) / len(shares) if shares else None
+
+    @property
+    def sampling(self) -> str:
+        """Which updates were measured, and why (the error bar is over those alone)."""
+        seen = self.n_updates_seen if self.n_updates_seen is not None else self.n_updates
+        if self.sample_every == 1 and self.overhead_target is None:
+            return f"every update ({self.n_updates} of {seen})"
+        cost = (f", measured cost {100 * self.overhead:.2g}% of the step time"
+                if self.overhead is not None else "")
+        target = (f" to stay under {100 * self.overhead_target:.2g}%"
+                  if self.overhead_target is not None else "")
+        return (f"1 update in {self.sample_every}{target}{cost} ({self.n_updates} of {seen} "
+                f"updates measured; B_simple's error bar is over those)")
 
     @property
     def n_losses_seen(self) -> int:
@@ -258,6 +307,9 @@ class NoiseTrackerReport:
         if self.measurable:
             text = noise_advice(self.b_simple, self.b_simple_error, self.unit, (),
                                 self.current_batch_size)
+            if self.accumulation_advice:
+                text = f"{self.accumulation_advice} {text}"
+            text += f" Schedule: {self.schedule.summary()}."
             if self.micro_batch_size is None:
                 text += " (The micro-batch size is unknown: pass model= to accumulate.)"
         else:
@@ -299,6 +351,10 @@ class NoiseTrackerReport:
              f"{_html.format_number(self.example_loss_std)} over {self.n_examples} examples"
              if self.n_examples else "-"),
             ("measured", self.measurement),
+            ("updates measured (sampling)", self.sampling),
+            ("schedule from here", self.schedule.summary() if self.measurable else "-"),
+            ("waiting for data (share of step)", f"{100 * self.data_stall_share:.3g}%"
+             if self.data_stall_share is not None else "-"),
             ("advice", self.advice),
         ]
         return _html.table(rows, caption="batchwidgets: NoiseTracker")

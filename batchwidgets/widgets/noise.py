@@ -45,8 +45,11 @@ def _status(report: NoiseTrackerReport) -> str:
     loss = (f"loss {number(report.loss_mean)} ± {number(report.loss_std, 2)} (mean ± std of "
             f"the last {LOSS_WINDOW} batches at most)" if report.loss_std is not None else
             "no losses yet")
+    stall = (f" · waiting for data {100 * report.data_stall_share:.3g}% of each step"
+             if report.data_stall_share is not None else "")
+    sampled = f" · 1 update in {report.sample_every} measured" if report.sample_every > 1 else ""
     return (f"<b>batchwidgets: noise</b> · {html.escape(report.summary())} · "
-            f"{html.escape(loss)} · {report.n_losses_seen} batches")
+            f"{html.escape(loss)} · {report.n_losses_seen} batches{sampled}{stall}")
 
 
 class NoisePanel(widgets.VBox):
@@ -56,7 +59,9 @@ class NoisePanel(widgets.VBox):
     standard deviation; the gradient variance against the batch size with the 1/B line (the
     tracker's two batch sizes, and every batch size of a ``measure_noise`` report if given);
     B_simple over the updates with a band of one standard error. Below them the advice:
-    critical batch size, steps-versus-examples trade-off, learning rate.
+    critical batch size, steps-versus-examples trade-off, learning rate, the batch-size
+    schedule from here, and, when the accumulated batch is well above B_simple, that
+    accumulating to it does not pay (with the steps saved and the examples spent).
 
     The panel listens to the tracker and redraws in place, synchronously, on the thread that
     trains (widget updates reach the front end while the cell still runs), at most every

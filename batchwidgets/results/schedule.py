@@ -1,0 +1,164 @@
+"""The batch-size schedule from the measured noise scale: ``BatchSchedule`` (what to use from here),
+``ScheduleChange`` (what ``accumulate(steps="auto")`` changed) and the rule behind both
+(``plan_batch``), plus when accumulating does not pay (``accumulation_advice``). Standard library.
+
+Usage:
+    >>> s = plan_batch(b_simple=70.0, b_simple_error=5.0, micro_batch_size=8, steps=2)
+    >>> s.batch_size, s.steps, round(s.lr_factor, 2)
+    (64, 8, 2.57)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _html
+from ._noise_theory import examples_over_min, lr_scale, steps_over_min
+
+# NOTE [ The batch-size schedule ]
+# McCandlish et al. 2018 (eq. 2.11): at batch B, training to a loss takes S_min(1 + B_noise/B)
+# steps and E_min(1 + B/B_noise) examples; B ~ B_noise spends 2x each, the knee of the trade-off.
+# B_noise (estimated by B_simple) grows as the loss falls, so the batch that balances the two
+# grows during training; following it (a batch-size warm-up) took 43% fewer steps for the same
+# loss in Merrill et al. 2025 ("Critical batch size revisited", Ai2). The rule here:
+# * the batch to use is B_simple, rounded in log space to the micro-batch times a power of two
+#   (within a factor sqrt(2) of B_simple, both costs within 2.5x of their minimum, and few
+#   changes: one each time B_simple doubles);
+# * bounded by the user's max_batch_size, and at least min_steps micro-batches (accumulate's
+#   "auto" keeps 2, the fewest that measure the noise);
+# * the learning rate follows eps_opt(B) ~ 1/(1 + B_simple/B) (their eq. 2.7; lr_scale in
+#   _noise_theory.py): linear scaling well below B_simple, flat above;
+# * accumulate(steps="auto") only ramps up (a warm-up, as in the paper): a B_simple that dips
+#   with the noise of its estimate does not shrink the batch back.
+# The largest batch that fits (find_batch) bounds the micro-batch, not the batch: above it, the
+# batch needs accumulation; below it, one batch of that size needs none (``needs_accumulation``).
+WELL_ABOVE = 2.0  # a batch this many times B_simple is "well above": E >= 3 E_min, S <= 1.5 S_min
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """The batch size to use from here, from the measured noise scale (NOTE [ The batch-size
+    schedule ]), in ``unit`` (samples, or micro-batches when their size is unknown)."""
+
+    batch_size: int  # the batch per update to use from here
+    steps: int  # micro-batches of micro_batch_size per update: accumulate(steps=...)
+    lr_factor: float  # multiply the learning rate by this when going to batch_size
+    current_batch_size: int | None  # the batch per update now
+    micro_batch_size: int | None  # the loop's micro-batch; None: unknown (unit micro-batches)
+    b_simple: float | None
+    b_simple_error: float | None
+    max_batch_size: int | None = None  # the user's bound
+    fits_batch_size: int | None = None  # the largest batch that fits in memory (find_batch)
+    unit: str = "samples"
+    reason: str = ""
+
+    @property
+    def changes(self) -> bool:
+        return self.batch_size != self.current_batch_size
+
+    @property
+    def needs_accumulation(self) -> bool:
+        """Whether ``batch_size`` needs accumulation: it does not fit in memory as one batch
+        (unknown without ``fits_batch_size``: then whenever it is several micro-batches)."""
+        if self.fits_batch_size is not None and self.unit == "samples":
+            return self.batch_size > self.fits_batch_size
+        return self.steps > 1
+
+    def summary(self) -> str:
+        micro = self.micro_batch_size or 1
+        how = (f"{self.steps} micro-batches of {micro}" if self.needs_accumulation else
+               f"one batch of {self.batch_size}, no accumulation needed")
+        return (f"batch size {self.batch_size} {self.unit} ({how}), learning rate "
+                f"×{_html.format_number(self.lr_factor)}: {self.reason}")
+
+    def _repr_html_(self) -> str:
+        number = _html.format_number
+        return _html.table([
+            ("batch size from here", f"{self.batch_size} {self.unit}"),
+            ("micro-batches per update (accumulate steps)", self.steps),
+            ("learning-rate factor", number(self.lr_factor)),
+            ("current batch size", self.current_batch_size or "-"),
+            ("B_simple", f"{number(self.b_simple)} ± {number(self.b_simple_error, 2)}"),
+            ("bounds: max / fits in memory", f"{self.max_batch_size or '-'} / "
+                                             f"{self.fits_batch_size or '-'}"),
+            ("why", self.reason),
+        ], caption="batchwidgets: batch-size schedule")
+
+
+@dataclass(frozen=True)
+class ScheduleChange:
+    """One change ``accumulate(steps="auto")`` made: at which update, from and to how many
+    micro-batches, the B_simple behind it and the learning-rate factor in force after it."""
+
+    update: int  # optimizer updates made before the change
+    steps_before: int
+    steps_after: int
+    batch_size: int | None  # samples per update after the change (None: micro-batch unknown)
+    b_simple: float
+    b_simple_error: float | None
+    lr_factor: float  # on the loop's learning rate, from this update on (cumulative)
+
+
+def _nearest_power_of_two(x: float) -> int:
+    return 2 ** max(0, round(math.log2(x))) if x >= 1 else 1
+
+
+def plan_batch(b_simple: float | None, b_simple_error: float | None, *,
+               micro_batch_size: int | None, steps: int, max_batch_size: int | None = None,
+               fits_batch_size: int | None = None, min_steps: int = 1,
+               reason: str = "") -> BatchSchedule:
+    """The schedule's batch from here (see NOTE [ The batch-size schedule ]): for a loop that
+    feeds micro-batches of ``micro_batch_size`` (None: sizes in micro-batches) ``steps`` at a
+    time, B_simple in the same unit. ``reason``: why B_simple is None, if it is."""
+    micro = micro_batch_size or 1
+    unit = "samples" if micro_batch_size is not None else "micro-batches"
+    current = micro * steps
+    common: dict[str, Any] = {
+        "current_batch_size": current, "micro_batch_size": micro_batch_size,
+        "b_simple": b_simple, "b_simple_error": b_simple_error,
+        "max_batch_size": max_batch_size, "fits_batch_size": fits_batch_size, "unit": unit}
+    if b_simple is None or not math.isfinite(b_simple) or b_simple <= 0:
+        return BatchSchedule(batch_size=current, steps=steps, lr_factor=1.0,
+                             reason=f"keep the batch: {reason or 'B_simple is not measured'}",
+                             **common)
+    target = max(_nearest_power_of_two(b_simple / micro), min_steps)
+    why = (f"B_simple ≈ {_html.format_number(b_simple)} {unit}, rounded to {micro} × a power "
+           f"of two")
+    if max_batch_size is not None and target * micro > max_batch_size:
+        target = max(max_batch_size // micro, 1)
+        why += f", bounded by max_batch_size={max_batch_size}"
+    batch = target * micro
+    return BatchSchedule(batch_size=batch, steps=target,
+                         lr_factor=lr_scale(b_simple, current, batch), reason=why, **common)
+
+
+def accumulation_advice(b_simple: float | None, b_simple_error: float | None,
+                        micro_batch_size: int | None, n_micro: int | None) -> str:
+    """When a batch made of ``n_micro`` micro-batches is well above B_simple (``WELL_ABOVE``):
+    the steps it saves against the examples it spends, in numbers; else ''."""
+    if b_simple is None or not n_micro or n_micro < 2 or not b_simple > 0:
+        return ""
+    micro = micro_batch_size or 1
+    unit = "samples" if micro_batch_size is not None else "micro-batches"
+    batch = micro * n_micro
+    if batch < WELL_ABOVE * b_simple:
+        return ""
+    number = _html.format_number
+    fewer = plan_batch(b_simple, b_simple_error, micro_batch_size=micro_batch_size,
+                       steps=n_micro).steps
+    alone = (f"; a micro-batch of {micro} alone (no accumulation): "
+             f"{number(steps_over_min(b_simple, micro), 3)}× the steps and "
+             f"{number(examples_over_min(b_simple, micro), 3)}× the examples"
+             if fewer > 1 and micro < WELL_ABOVE * b_simple else "")
+    return (f"Accumulating to this batch does not pay: B = {batch} {unit} ({n_micro} "
+            f"micro-batches) is {number(batch / b_simple)}× B_simple ≈ {number(b_simple)} ± "
+            f"{number(b_simple_error, 2)}, so it takes S_min·(1 + B_simple/B) = "
+            f"{number(steps_over_min(b_simple, batch), 3)}× the fewest steps for "
+            f"E_min·(1 + B/B_simple) = {number(examples_over_min(b_simple, batch), 3)}× the "
+            f"fewest examples. With {fewer} micro-batch{'es' if fewer > 1 else ''} (B = "
+            f"{fewer * micro}): {number(steps_over_min(b_simple, fewer * micro), 3)}× the steps "
+            f"and {number(examples_over_min(b_simple, fewer * micro), 3)}× the examples{alone}. "
+            f"Use fewer micro-batches per update (or none), and scale the learning rate by "
+            f"×{number(lr_scale(b_simple, batch, fewer * micro))}.")
