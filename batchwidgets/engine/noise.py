@@ -307,7 +307,7 @@ def _say_what_was_left_out(count: int, skipped: int, slow_ops: set[str], method:
         warnings.warn(f"measure_noise: {message}.", BatchwidgetsWarning, stacklevel=3)
     if slow_ops and method == "vmap":
         warnings.warn(f"measure_noise: torch.func.vmap has no batching rule for "
-                      f"{', '.join(sorted(slow_ops))} and ran it one example at a time inside "
+                      f"{', '.join(sorted(slow_ops))} and ran them one example at a time inside "
                       f"vmap (PyTorch's 'performance drop' warning, said once here); the "
                       f"numbers are exact, and method='loop' may be as fast.",
                       BatchwidgetsWarning, stacklevel=3)
