@@ -270,15 +270,16 @@ def forward_and_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | Non
         return _apply(loss_fn, call(**keywords), target, has_target, form)
     if isinstance(batch, (list, tuple)) and len(batch) >= 2:
         *inputs, target = batch
-        form = f"a {type(batch).__name__} of {len(batch)} (x, ..., y)"
+        form = f"an (x, ..., y) {type(batch).__name__} of {len(batch)}"
         if loss_fn is not None:
             return _apply(loss_fn, call(*inputs), target, True, form)
         if not _accepts(model, TARGET_KEY):
-            raise TypeError(f"loss_fn should be given for {form} batches, so that the target y "
-                            f"is used, but got loss_fn=None and {type(model).__name__}.forward "
-                            f"takes no labels=; pass e.g. loss_fn=torch.nn.functional."
-                            f"cross_entropy (called as loss_fn(model(x, ...), y)), or batches "
-                            f"without a target to train on the output's .loss.")
+            raise TypeError(f"loss_fn should be given for (x, ..., y) batches, so that the "
+                            f"target y is used, but got loss_fn=None and "
+                            f"{type(model).__name__}.forward takes no labels=; pass e.g. "
+                            f"loss_fn=torch.nn.functional.cross_entropy (called as "
+                            f"loss_fn(model(x, ...), y)), or batches without a target to train "
+                            f"on the output's .loss.")
         output = call(*inputs, **{TARGET_KEY: target})
         if _output_loss(output) is None:
             raise TypeError(f"loss_fn should be given: {type(model).__name__}(x, labels=y) "
