@@ -309,7 +309,7 @@ def _say_what_was_left_out(count: int, skipped: int, slow_ops: set[str], method:
         warnings.warn(f"measure_noise: torch.func.vmap has no batching rule for "
                       f"{', '.join(sorted(slow_ops))} and ran them one example at a time inside "
                       f"vmap (PyTorch's 'performance drop' warning, said once here); the "
-                      f"numbers are exact, and method='loop' may be as fast.",
+                      f"numbers are exact.",
                       BatchwidgetsWarning, stacklevel=3)
 
 
