@@ -213,7 +213,18 @@ def training_model(shell: Any, text: str | None, optimizer: Any) -> Any:
     found = _candidates(shell, "--model", trains)
     wrappers = {n: m for n, m in found.items()
                 if isinstance(m, torch.nn.parallel.DistributedDataParallel)}
-    return _only(wrappers or found, "--model", False)
+    return _only(wrappers or _outermost(found, trained), "--model", False)
+
+
+def _outermost(found: dict, trained: set[int]) -> dict:
+    """The models that are not a part of another one found (``m`` left by ``for m in
+    model.modules()`` is a part of ``model``), and of those the ones the optimizer trains
+    all of, when there are such."""
+    inner = {id(part) for module in found.values() for part in list(module.modules())[1:]}
+    outer = {n: m for n, m in found.items() if id(m) not in inner}
+    whole = {n: m for n, m in outer.items()
+             if {id(p) for p in m.parameters()} == trained}
+    return whole or outer
 
 
 NEW_TRACKER_NAME = "noise_tracker"  # where a bare --noise keeps the tracker it creates

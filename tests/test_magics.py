@@ -77,9 +77,12 @@ def test_make_batch_may_name_a_dataset_a_dataloader_or_a_tensor(ip, source):
     data = {"dataset": dataset, "loader": torch.utils.data.DataLoader(dataset, batch_size=8),
             "tensor": torch.randn(16)}[source]
     ip.push({"data": data})
-    by_magic = ip.run_line_magic("find_batch", "model data --optimizer opt --budget 256KiB")
+    # (x, y) items need the loss that reads y (issue 13); an example tensor has no target
+    loss = {} if source == "tensor" else {"loss_fn": ip.user_ns["loss_fn"]}
+    by_magic = ip.run_line_magic("find_batch", "model data --optimizer opt --budget 256KiB"
+                                 + (" --loss-fn loss_fn" if loss else ""))
     by_function = bw.find_batch(ip.user_ns["model"], data, optimizer=ip.user_ns["opt"],
-                                budget=BUDGET)
+                                budget=BUDGET, **loss)
     assert measured(by_magic) == measured(by_function)
     ip.user_ns.pop("data")
 
@@ -152,23 +155,26 @@ def test_errors_from_the_users_model_propagate_with_their_traceback(ip, capsys):
             raise ValueError("shapes do not match in my model")
     ip.push({"boom": Broken(16, 4)})
     with pytest.raises(ValueError, match="shapes do not match"):
-        ip.run_line_magic("find_batch", "boom make_batch --budget 256KiB")
-    result = ip.run_cell("%find_batch boom make_batch --budget 256KiB")
+        ip.run_line_magic("find_batch", "boom make_batch --loss-fn loss_fn --budget 256KiB")
+    result = ip.run_cell("%find_batch boom make_batch --loss-fn loss_fn --budget 256KiB")
     assert isinstance(result.error_in_exec, ValueError)
     assert "def forward" in capsys.readouterr().out  # the full traceback, into the user's code
 
 
 def test_the_report_is_the_value_and_is_kept_in_underscore(ip, capsys):
-    result = ip.run_cell("%find_batch model make_batch --optimizer opt --budget 256KiB")
+    result = ip.run_cell("%find_batch model make_batch --optimizer opt --loss-fn loss_fn "
+                         "--budget 256KiB")
     assert isinstance(result.result, BatchSizeReport)
     assert ip.user_ns["_"] is result.result
     assert "BatchSizeReport(max_batch_size=" in capsys.readouterr().out  # a terminal: no widgets
-    ip.run_cell("report = %find_batch model make_batch --optimizer opt --budget 256KiB -q")
+    ip.run_cell("report = %find_batch model make_batch --optimizer opt --loss-fn loss_fn "
+                "--budget 256KiB -q")
     assert measured(ip.user_ns["report"]) == measured(result.result)
 
 
 def test_a_trailing_semicolon_silences_the_output_and_skips_the_parser(ip, capsys):
-    result = ip.run_cell("%find_batch model make_batch --optimizer opt --budget 256KiB;")
+    result = ip.run_cell("%find_batch model make_batch --optimizer opt --loss-fn loss_fn "
+                         "--budget 256KiB;")
     assert result.error_in_exec is None
     assert isinstance(result.result, BatchSizeReport)
     assert "BatchSizeReport" not in capsys.readouterr().out

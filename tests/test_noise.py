@@ -234,7 +234,9 @@ def test_larger_data_is_measured_on_a_stated_evenly_spaced_sample():
 @pytest.mark.parametrize(("kwargs", "error", "name"), [
     ({"model": "model"}, TypeError, "model"),
     ({"data": torch.zeros(4, 5)}, TypeError, "data"),
-    ({"loss_fn": None}, TypeError, "loss_fn"),
+    ({"loss_fn": None}, TypeError, "loss_fn"),  # (x, y) items and a model that takes no labels=
+    ({"loss_fn": "mse"}, TypeError, "loss_fn"),
+    ({"data": iter(make_data(10))}, TypeError, "data"),
     ({"batch_sizes": 8}, TypeError, "batch_sizes"),
     ({"batch_sizes": (0, 2)}, ValueError, "batch_sizes"),
     ({"batch_sizes": ()}, ValueError, "batch_sizes"),
@@ -255,10 +257,65 @@ def test_bad_arguments_raise_one_line_errors_naming_the_argument(kwargs, error, 
     assert "\n" not in message
 
 
-def test_items_that_are_not_pairs_are_a_type_error():
-    data = TensorDataset(torch.zeros(4, 5), torch.zeros(4), torch.zeros(4))
-    with pytest.raises(TypeError, match="data should yield"):
-        bw.measure_noise(make_mlp(), data, loss_fn, batch_sizes=(1, 2))
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 3).double()
+
+    def forward(self, x, scale):
+        return self.linear(x) * scale[:, None]
+
+
+@pytest.mark.parametrize("method", ["vmap", "loop"])
+def test_items_x_z_y_feed_the_model_x_and_z_and_the_loss_y(method):
+    x, y = make_data(9).tensors
+    scale = torch.linspace(0.5, 2, 9, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = TwoInputs()
+    report = bw.measure_noise(model, TensorDataset(x, scale, y), loss_fn, batch_sizes=(1,),
+                              method=method)
+    losses = [loss_fn(model(x[i:i + 1], scale[i:i + 1]), y[i:i + 1]) for i in range(9)]
+    assert_close(report.loss_mean, torch.stack(losses).mean().item())
+
+
+class DictModel(nn.Module):
+    """Keyword inputs and a loss inside the output when given labels (as Hugging Face models)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = make_mlp()
+
+    def forward(self, features, labels=None):
+        logits = self.mlp(features)
+        loss = None if labels is None else loss_fn(logits, labels)
+        return {"logits": logits, "loss": loss}
+
+
+class Dicts(torch.utils.data.Dataset):
+    def __init__(self, data, with_labels=True):
+        self.data, self.with_labels = data, with_labels
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return {"features": x, "labels": y} if self.with_labels else {"features": x}
+
+
+@pytest.mark.parametrize("method", ["vmap", "loop"])
+def test_dict_items_use_the_models_own_loss_or_loss_fn_on_their_labels(method):
+    data = make_data(11)
+    g, _, _ = oracle_gradients(make_mlp(), data)
+    own = bw.measure_noise(DictModel(), Dicts(data), batch_sizes=(1,), method=method)
+    given = bw.measure_noise(DictModel(), Dicts(data), lambda out, y: loss_fn(out["logits"], y),
+                             batch_sizes=(1,), method=method)
+    for report in (own, given):
+        assert report.method == method
+        assert_close(report.trace_cov, trace_cov(g))
+        assert_close(report.grad_norm_sq, g.mean(0).square().sum().item())
+    with pytest.raises(TypeError, match="loss_fn should be given"):  # no labels, no .loss
+        bw.measure_noise(DictModel(), Dicts(data, with_labels=False), batch_sizes=(1,))
 
 
 def test_report_is_plain_data_and_its_html_escapes_every_value():
@@ -326,3 +383,93 @@ def test_advice_at_the_loaders_batch_size_and_for_a_vanishing_gradient():
                        n_examples=4, n_available=4, sampled=False, batch_sizes=(1, 2))
     assert "is not finite" in flat.advice
     assert "<td>-</td><td>-</td>" in flat._repr_html_()
+
+
+# ---- issue 13: few examples, error bars, frozen models and NaN losses --------------------------
+
+def regression(n, offset, seed, dim=20):
+    """Linear regression at w* + offset: B_simple = ((d+1)|delta|^2 + d) / |delta|^2 for the
+    data (see test_linear_regression_matches_its_closed_form_noise); offset 0: pure noise."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=generator, dtype=torch.float64)
+    w = torch.randn(dim, 1, generator=generator, dtype=torch.float64)
+    y = x @ w + torch.randn(n, 1, generator=generator, dtype=torch.float64)
+    model = nn.Linear(dim, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_((w + offset * torch.randn(dim, 1, generator=generator,
+                                                     dtype=torch.float64)).T)
+    return model, TensorDataset(x, y)
+
+
+@pytest.mark.parametrize("n", [16, 32, 64])
+def test_few_examples_where_the_noise_dominates_are_not_measurable(n):
+    """Issue 13: B_simple came out close to N (15.4, 31.7, 63.2) with confident advice."""
+    model, data = regression(n, offset=0.0, seed=n)
+    report = bw.measure_noise(model, data, nn.functional.mse_loss, batch_sizes=(1,))
+    assert not report.measurable
+    assert report.reason.startswith(f"not measurable from {n} examples")
+    assert "noise floor" in report.reason
+    assert report.advice.startswith("critical batch size: not measurable")
+    assert "Learning rate" not in report.advice  # no confident advice
+    assert report.summary().startswith("B_simple: not measurable")
+    assert "(not measurable)" in report._repr_html_()
+
+
+def test_enough_examples_measure_b_simple_with_an_honest_error_bar():
+    """Across 16 seeds the spread of B_simple matches the reported standard error (within the
+    factor 2 a jackknife over 16 groups allows), and the true B_simple (22) lies inside."""
+    reports = [bw.measure_noise(*regression(512, offset=1.0, seed=s), nn.functional.mse_loss,
+                                batch_sizes=(1,), chunk_size=512) for s in range(16)]
+    assert all(r.measurable and r.reason == "" for r in reports)
+    values = torch.tensor([r.b_simple for r in reports], dtype=torch.float64)
+    errors = torch.tensor([r.b_simple_error for r in reports], dtype=torch.float64)
+    assert 0.5 < values.std().item() / errors.mean().item() < 2
+    assert abs(values.mean().item() - 21.0 * 512 / (512 + 21)) < 3 * errors.mean().item()
+    assert f"± {reports[0].b_simple_error:.2g}"[:4] in reports[0].summary()
+
+
+def test_the_error_bar_is_the_delete_a_group_jackknife_of_the_examples():
+    model, data = make_mlp(), make_data(40)
+    g, _, _ = oracle_gradients(model, data)
+    report = bw.measure_noise(model, data, loss_fn, batch_sizes=(1,), chunk_size=7)
+    groups = [torch.arange(40)[torch.arange(40) % 16 != k] for k in range(16)]
+
+    def statistics(rows):
+        n, mean = len(rows), rows.mean(0)
+        trace = (rows - mean).square().sum(1).mean().item()
+        g2 = mean.square().sum().item()
+        return g2 - trace / (n - 1), trace / g2
+
+    left_out = torch.tensor([statistics(g[rows]) for rows in groups], dtype=torch.float64)
+    expected = (15 / 16 * (left_out - left_out.mean(0)).square().sum(0)).sqrt()
+    assert report.grad_norm_sq_error == pytest.approx(expected[0].item(), rel=1e-6)
+    assert report.b_simple_error == pytest.approx(expected[1].item(), rel=1e-6)
+
+
+def test_a_frozen_model_is_a_one_line_error_with_the_fix():
+    model = make_mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="model") as caught:
+        bw.measure_noise(model, make_data(8), loss_fn, batch_sizes=(1,))
+    message = str(caught.value)
+    assert message.startswith("model should have trainable parameters")
+    assert "requires_grad_(True)" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("method", ["vmap", "loop"])
+def test_examples_with_a_nan_loss_are_left_out_with_a_warning(method):
+    x, y = make_data(12).tensors
+    x = x.clone()
+    x[3] = math.nan
+    model = make_mlp()
+    with pytest.warns(BatchwidgetsWarning, match="1 of 12 examples had a non-finite loss"):
+        report = bw.measure_noise(model, TensorDataset(x, y), loss_fn, batch_sizes=(1,),
+                                  method=method)
+    keep = [i for i in range(12) if i != 3]
+    clean = bw.measure_noise(model, TensorDataset(x[keep], y[keep]), loss_fn, batch_sizes=(1,))
+    assert report.n_examples == 11
+    assert_close(report.trace_cov, clean.trace_cov)
+    assert math.isfinite(report.b_simple)
+    x[:] = math.nan
+    with pytest.raises(ValueError, match="data should give finite losses"):
+        bw.measure_noise(model, TensorDataset(x, y), loss_fn, batch_sizes=(1,))

@@ -3,8 +3,10 @@ and the convention for feeding them to a model and a loss."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,16 +33,60 @@ class SyntheticBatches:
         return inputs, torch.randint(0, self.num_classes, (batch_size,))
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
+def as_keywords(batch: Any) -> dict[str, Any] | None:
+    """A dict, ``BatchEncoding`` or dataclass batch as the keywords it is fed with; else None."""
     if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+        return dict(batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return None
+
+
+def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """``batch`` with ``function`` applied to every tensor in it, its containers rebuilt
+    (dict-like, dataclass, namedtuple, list, tuple; anything else is left as it is)."""
+    if isinstance(batch, torch.Tensor):
+        return function(batch)
+    if isinstance(batch, Mapping):
+        items = {k: map_tensors(function, v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return items
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: map_tensors(function, getattr(batch, f.name))
+                                             for f in dataclasses.fields(batch) if f.init})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
+        return type(batch)(*(map_tensors(function, v) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
+        return type(batch)(map_tensors(function, v) for v in batch)
     return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    return map_tensors(lambda t: t.to(device), batch)
+
+
+def batch_length(batch: Any, name: str = "batch") -> int:
+    """The number of examples: the first dimension its tensors share (0-d ones skipped)."""
+    sizes: set[int] = set()
+
+    def note(tensor: torch.Tensor) -> None:
+        if tensor.dim():
+            sizes.add(tensor.shape[0])
+
+    map_tensors(note, batch)
+    if len(sizes) != 1:
+        found = "no tensor with a batch dimension" if not sizes else f"sizes {sorted(sizes)}"
+        raise TypeError(f"{name} should hold tensors whose first dimension is the examples, but "
+                        f"got {found} in a {type(batch).__name__}; pass (x, y) tensors or a dict "
+                        f"of tensors of one batch size.")
+    return sizes.pop()
+
+
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Examples ``start:stop`` of a batch (tensors without a batch dimension are kept whole)."""
+    return map_tensors(lambda t: t[start:stop] if t.dim() else t, batch)
 
 
 def _nbytes(sample: Any) -> int:
@@ -122,18 +168,117 @@ def as_batch_maker(make_batch: Any) -> Callable[[int], Any]:
                                            and hasattr(make_batch, "__len__")
                                            and not callable(make_batch)):
         return _dataset_maker(make_batch, _default_collate)
+    if isinstance(make_batch, Iterator):
+        raise TypeError(f"make_batch should be a DataLoader, a Dataset, a callable "
+                        f"make_batch(batch_size) or an example tensor, but got an iterator "
+                        f"({type(make_batch).__name__}), which gives batches of one size only "
+                        f"and is used up; pass the DataLoader itself: find_batch(model, loader), "
+                        f"not iter(loader).")
     if callable(make_batch):
         return make_batch
     raise TypeError(f"make_batch should be a callable make_batch(batch_size), a Dataset, a "
                     f"DataLoader or an example tensor, but got {type(make_batch).__name__}.")
 
 
-def _default_loss(output: Any) -> torch.Tensor:
+# NOTE [ The batch convention ]
+# One rule for find_batch, measure_noise, NoiseTracker.measure (and the loader, which only moves
+# batches): a batch is fed to the model by its shape, and its target, when it has one, is
+# always used.
+#   tensor x                 model(x); loss_fn(output), else the output's .loss
+#   (x, ..., y) tuple/list   model(x, ...); loss_fn(output, y). Without loss_fn, y goes in as
+#                            model(x, ..., labels=y) when forward takes `labels` (Hugging Face)
+#                            and the output's .loss is the loss; otherwise the call is refused,
+#                            since a target nobody reads would be a silent wrong answer.
+#   dict / BatchEncoding /   model(**batch) and the output's .loss. With loss_fn, "labels" is
+#   dataclass                taken out first and loss_fn(model(**rest), labels) is the loss (as
+#                            the Hugging Face Trainer does with a custom loss); without "labels",
+#                            loss_fn(output).
+# loss_fn always sees the model's whole output (a ModelOutput for Hugging Face models, so
+# loss_fn=lambda output, labels: F.cross_entropy(output.logits, labels) for a classifier).
+# The probe alone may train a model without any loss on the mean of its outputs (same memory,
+# no target to ignore); the noise measurements need a real loss.
+TARGET_KEY = "labels"
+
+
+def _signature(model: Any) -> inspect.Signature | None:
+    inner = getattr(model, "_orig_mod", model)  # torch.compile
+    inner = getattr(inner, "module", inner) if isinstance(
+        inner, torch.nn.parallel.DistributedDataParallel) else inner
+    try:
+        return inspect.signature(inner.forward)
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _accepts(model: Any, keyword: str) -> bool:
+    signature = _signature(model)
+    return signature is not None and keyword in signature.parameters
+
+
+def _check_keywords(model: Any, keywords: Mapping[str, Any]) -> None:
+    signature = _signature(model)
+    if signature is None or any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        return
+    unknown = [k for k in keywords if k not in signature.parameters]
+    if unknown:
+        raise TypeError(f"the batch's keys should be arguments of {type(model).__name__}.forward"
+                        f"{signature}, but got {unknown[0]!r}; rename it (Hugging Face models "
+                        f"take 'labels') or leave it out of the batch.")
+
+
+def _takes_one_argument(loss_fn: Callable) -> bool:
+    try:
+        inspect.signature(loss_fn).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read: let the call decide
+        return True
+    return True
+
+
+def _is_tensor_loss(loss_fn: Any) -> bool:
+    """PyTorch's own losses, which take tensors only (torch.nn.functional.* and nn.*Loss)."""
+    return (isinstance(loss_fn, torch.nn.modules.loss._Loss)
+            or getattr(loss_fn, "__module__", None) == "torch.nn.functional")
+
+
+def _apply(loss_fn: Callable, output: Any, target: Any, has_target: bool, form: str) -> Any:
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    if not isinstance(output, torch.Tensor) and _is_tensor_loss(loss_fn):
+        fix = ("leave loss_fn out to use the output's .loss" if hasattr(output, "loss")
+               else f"pass e.g. loss_fn=lambda output, {'labels' if has_target else 'batch'}: "
+                    f"{name}(output.logits, ...)")
+        raise TypeError(f"loss_fn should take the model's whole output, but got loss_fn={name}, "
+                        f"which takes tensors, and the model returns a {type(output).__name__}; "
+                        f'{fix} (see "Batches and losses" in the README).')
+    if has_target:
+        return loss_fn(output, target)
+    if not _takes_one_argument(loss_fn):
+        raise TypeError(f"batch should be an (inputs, target) tuple or a dict with a "
+                        f"'{TARGET_KEY}' entry for loss_fn={name}(output, target), but got "
+                        f"{form}, which has no target; add the target to the batch, or pass a "
+                        f"loss_fn(output) of one argument.")
+    return loss_fn(output)
+
+
+def _output_loss(output: Any) -> torch.Tensor | None:
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
     if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
+    return None
+
+
+def _default_loss(output: Any, surrogate: bool, form: str) -> torch.Tensor:
+    loss = _output_loss(output)
+    if loss is not None:
+        return loss
+    if not surrogate:
+        raise TypeError(f"loss_fn should be given, since the model's output "
+                        f"({type(output).__name__}) has no .loss; pass loss_fn(output, target) "
+                        f"with {form}, or put '{TARGET_KEY}' in dict batches of a Hugging Face "
+                        f"model so that it computes its own loss.")
     tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0]
                if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not tensors:
@@ -142,19 +287,43 @@ def _default_loss(output: Any) -> torch.Tensor:
     return sum(t.float().mean() for t in tensors)
 
 
-def forward_and_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> torch.Tensor:
-    """``(x, ..., y)`` -> ``loss_fn(model(x, ...), y)``; dict -> ``model(**batch)``; tensor ->
-    ``model(x)``. Without ``loss_fn``: the output's ``.loss``, or the mean of its outputs."""
-    target = None
-    if isinstance(batch, Mapping):
-        output = model(**batch)
-    elif isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) >= 2:
-        output = model(*batch[:-1])
-        target = batch[-1]
-    elif isinstance(batch, Sequence) and not isinstance(batch, str) and len(batch) == 1:
-        output = model(batch[0])
-    else:
-        output = model(batch)
+def forward_and_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *,
+                     call: Callable | None = None, surrogate: bool = True) -> torch.Tensor:
+    """The loss of one batch by NOTE [ The batch convention ]. ``call`` runs the model (a
+    ``functional_call`` for per-example gradients; default ``model``); ``surrogate`` lets a
+    model without any loss train on the mean of its outputs (the probe) instead of refusing."""
+    call = model if call is None else call
+    keywords = as_keywords(batch)
+    if keywords is not None:
+        form = f"a {type(batch).__name__} batch with keys {list(keywords)}"
+        if loss_fn is None:
+            _check_keywords(model, keywords)
+            return _default_loss(call(**keywords), surrogate, form)
+        has_target = TARGET_KEY in keywords
+        target = keywords.pop(TARGET_KEY, None)
+        _check_keywords(model, keywords)
+        return _apply(loss_fn, call(**keywords), target, has_target, form)
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        *inputs, target = batch
+        form = f"an (x, ..., y) {type(batch).__name__} of {len(batch)}"
+        if loss_fn is not None:
+            return _apply(loss_fn, call(*inputs), target, True, form)
+        if not _accepts(model, TARGET_KEY):
+            raise TypeError(f"loss_fn should be given for (x, ..., y) batches, so that the "
+                            f"target y is used, but got loss_fn=None and "
+                            f"{type(model).__name__}.forward takes no labels=; pass e.g. "
+                            f"loss_fn=torch.nn.functional.cross_entropy (called as "
+                            f"loss_fn(model(x, ...), y)), or batches without a target to train "
+                            f"on the output's .loss.")
+        output = call(*inputs, **{TARGET_KEY: target})
+        if _output_loss(output) is None:
+            raise TypeError(f"loss_fn should be given: {type(model).__name__}(x, labels=y) "
+                            f"returned no .loss; pass loss_fn(output, y).")
+        return _output_loss(output)
+    if isinstance(batch, (list, tuple)) and len(batch) == 1:
+        batch = batch[0]
+    form = f"a {type(batch).__name__} alone"
+    output = call(batch)
     if loss_fn is None:
-        return _default_loss(output)
-    return loss_fn(output) if target is None else loss_fn(output, target)
+        return _default_loss(output, surrogate, form)
+    return _apply(loss_fn, output, None, False, form)

@@ -12,6 +12,7 @@ import torch
 from torch.func import functional_call
 from torch.utils.data import DataLoader, SequentialSampler
 
+from ._batches import batch_length, forward_and_loss, slice_batch
 from ._state import RngState
 
 # NOTE [ The two-batch-size estimator ]
@@ -247,12 +248,12 @@ def _sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     ).double().square() for g in grads]).sum()
 
 
-def split_sq_norms(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
-                   inputs: torch.Tensor, targets: Any, parts: int) -> tuple[list[float], float]:
+def split_sq_norms(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                   batch: Any, parts: int) -> tuple[list[float], float]:
     """Squared gradient norms of ``parts`` equal parts of a batch and of their mean, from
     ``torch.autograd.grad`` on detached aliases of the weights: no ``.grad``, parameter hook,
     buffer (BatchNorm statistics) or random generator of the user's changes."""
-    size = inputs.shape[0] // parts
+    size = batch_length(batch) // parts
     weights = {name: p.detach().requires_grad_(True) for name, p in model.named_parameters()
                if p.requires_grad}
     buffers = [b.detach().clone() for b in model.buffers()]
@@ -261,11 +262,12 @@ def split_sq_norms(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.T
         total, squares = None, []
         with torch.enable_grad():
             for i in range(parts):
-                part = slice(i * size, (i + 1) * size)
-                part_targets = targets[part] if isinstance(targets, torch.Tensor) else targets
-                output = functional_call(model, weights, (inputs[part],))
-                grads = torch.autograd.grad(loss_fn(output, part_targets),
-                                            list(weights.values()), allow_unused=True)
+                def call(*args: Any, **kwargs: Any) -> Any:
+                    return functional_call(model, weights, args, kwargs)
+
+                loss = forward_and_loss(model, slice_batch(batch, i * size, (i + 1) * size),
+                                        loss_fn, call=call, surrogate=False)
+                grads = torch.autograd.grad(loss, list(weights.values()), allow_unused=True)
                 grads = [torch.zeros_like(w) if g is None else g
                          for g, w in zip(grads, weights.values())]
                 squares.append(_sq_norm(grads))
@@ -278,23 +280,3 @@ def split_sq_norms(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.T
             for buffer, saved in zip(model.buffers(), buffers):
                 buffer.copy_(saved)
     return values[:-1], values[-1]
-
-
-def check_measure(model: Any, loss_fn: Any, batch: Any, parts: Any) -> tuple[Any, Any]:
-    """NoiseTracker.measure's arguments checked: its (inputs, targets)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn should be a callable loss_fn(output, target) -> scalar, but "
-                        f"got loss_fn={loss_fn!r}; e.g. torch.nn.functional.cross_entropy.")
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 2:
-        raise ValueError(f"parts should be an int >= 2, but got parts={parts!r}; e.g. parts=2.")
-    if (not isinstance(batch, (tuple, list)) or len(batch) != 2
-            or not isinstance(batch[0], torch.Tensor)):
-        raise TypeError(f"batch should be an (inputs, targets) pair with a tensor of inputs, "
-                        f"but got batch of type {type(batch).__name__}; e.g. "
-                        f"tracker.measure(model, loss_fn, (x, y)).")
-    if batch[0].dim() == 0 or batch[0].shape[0] < parts:
-        raise ValueError(f"the batch should hold at least parts={parts} examples, but its inputs "
-                         f"have shape {tuple(batch[0].shape)}; use fewer parts.")
-    return batch[0], batch[1]

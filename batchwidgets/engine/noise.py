@@ -15,35 +15,45 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from .._warnings import BatchwidgetsWarning
-from ..results import LayerNoise, NoiseReport
-from ._batches import to_device
+from ..results import NoiseReport
+from ._batches import as_keywords, batch_length, forward_and_loss, slice_batch, to_device
+from ._noise_moments import Moments
 from ._state import TrainingState
 from .noise_tracker import unshuffled_loader_warning
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _METHODS = ("auto", "vmap", "loop")
+# PyTorch's warning when vmap runs an op without a batching rule example by example
+_SLOW_VMAP = re.compile(r"performance drop because we have not yet implemented the batching "
+                        r"rule for (\S+)")
 
 
 def _check_arguments(model: Any, data: Any, loss_fn: Any, batch_sizes: Any, max_examples: Any,
                      chunk_size: Any, method: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
+    if isinstance(data, Iterator):
+        raise TypeError(f"data should be a torch Dataset or DataLoader, but got an iterator "
+                        f"({type(data).__name__}); pass the DataLoader itself, not iter(loader).")
     if not isinstance(data, (Dataset, DataLoader)):
-        raise TypeError(f"data should be a torch Dataset or DataLoader of (input, target) pairs, "
-                        f"but got data={type(data).__name__}; wrap tensors as "
+        raise TypeError(f"data should be a torch Dataset or DataLoader of examples ((x, y) "
+                        f"pairs or dicts), but got data={type(data).__name__}; wrap tensors as "
                         f"torch.utils.data.TensorDataset(x, y).")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn should be a callable loss_fn(output, target) -> scalar, but got "
-                        f"loss_fn={loss_fn!r}; e.g. loss_fn=torch.nn.functional.cross_entropy.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn should be a callable loss_fn(output, target) -> scalar or None "
+                        f"(the output's .loss), but got loss_fn={loss_fn!r}; e.g. "
+                        f"loss_fn=torch.nn.functional.cross_entropy.")
     if (isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Iterable)
             or not all(isinstance(b, int) and not isinstance(b, bool) for b in batch_sizes)):
         raise TypeError(f"batch_sizes should be a sequence of ints, but got "
@@ -75,39 +85,44 @@ def _examples(data: Dataset | DataLoader, max_examples: int) -> tuple[list, int 
     return [dataset[i * size // count] for i in range(count)], size
 
 
-def _pair(item: Any) -> tuple[Any, Any]:
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
-        shape = f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""
-        raise TypeError(f"data should yield (input, target) pairs, but an item is "
-                        f"{type(item).__name__}{shape}; map it to (input, target) first.")
-    return item[0], item[1]
+def _plain(batch: Any) -> Any:
+    """A collated batch as a pytree vmap can split: dict-likes and dataclasses become dicts."""
+    keywords = as_keywords(batch)
+    return batch if keywords is None else keywords
 
 
-def _vmap_chunk(model: torch.nn.Module, params: dict[str, torch.Tensor], loss_fn: LossFn,
-                inputs: Any, targets: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Per-example gradients and losses of one chunk: ``loss_fn`` sees one-example batches."""
+def _vmap_chunk(model: torch.nn.Module, params: dict[str, torch.Tensor], loss_fn: LossFn | None,
+                batch: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per-example gradients and losses of one chunk: the loss sees one-example batches."""
     buffers = dict(model.named_buffers())
+    in_dims = tree_map(lambda v: 0 if isinstance(v, torch.Tensor) and v.dim() else None, batch)
+    dims = tree_flatten(in_dims)[0]
 
-    def loss_one(weights: dict[str, torch.Tensor], x: Any, y: Any) -> torch.Tensor:
-        x1, y1 = _unsqueeze(x), _unsqueeze(y)
-        return loss_fn(functional_call(model, (weights, buffers), (x1,)), y1)
+    def loss_one(weights: dict[str, torch.Tensor], example: Any) -> torch.Tensor:
+        leaves, spec = tree_flatten(example)
+        one = tree_unflatten([v.unsqueeze(0) if d == 0 else v for v, d in zip(leaves, dims)],
+                             spec)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(model, (weights, buffers), args, kwargs)
+
+        return forward_and_loss(model, one, loss_fn, call=call, surrogate=False)
 
     # randomness="different": dropout draws its own mask per example, as it would in a loop.
-    per_example = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0), randomness="different")
-    grads, losses = per_example(params, inputs, targets)
-    return grads, losses
+    per_example = vmap(grad_and_value(loss_one), in_dims=(None, in_dims), randomness="different")
+    return per_example(params, batch)
 
 
-def _loop_chunk(model: torch.nn.Module, params: dict[str, torch.Tensor], loss_fn: LossFn,
-                inputs: Any, targets: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _loop_chunk(model: torch.nn.Module, params: dict[str, torch.Tensor], loss_fn: LossFn | None,
+                batch: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The same as ``_vmap_chunk`` with one autograd pass per example (any module works)."""
     # The module's own parameters (``params`` holds detached aliases for functional_call).
     live = dict(model.named_parameters())
     names, tensors = list(params), [live[n] for n in params]
     grads: list[list[torch.Tensor]] = [[] for _ in names]
     losses = []
-    for i in range(_length(inputs)):
-        loss = loss_fn(model(_unsqueeze(_index(inputs, i))), _unsqueeze(_index(targets, i)))
+    for i in range(batch_length(batch, "data")):
+        loss = forward_and_loss(model, slice_batch(batch, i, i + 1), loss_fn, surrogate=False)
         parts = torch.autograd.grad(loss, tensors, allow_unused=True)
         for slot, part, tensor in zip(grads, parts, tensors):
             slot.append(torch.zeros_like(tensor) if part is None else part)
@@ -115,58 +130,20 @@ def _loop_chunk(model: torch.nn.Module, params: dict[str, torch.Tensor], loss_fn
     return {n: torch.stack(g) for n, g in zip(names, grads)}, torch.stack(losses)
 
 
-def _unsqueeze(value: Any) -> Any:
-    return value.unsqueeze(0) if isinstance(value, torch.Tensor) else value
-
-
-def _index(value: Any, i: int) -> Any:
-    return value[i] if isinstance(value, torch.Tensor) else value
-
-
-def _length(value: Any) -> int:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"data inputs should collate to tensors, but got {type(value).__name__}; "
-                        f"map each item to (input tensor, target).")
-    return value.shape[0]
-
-
-# NOTE [ Why the float64 sums are shifted ]
-# tr(cov) = (1/N) sum |g_i|^2 - |G|^2 cancels badly when the noise is small next to |G|^2. We
-# accumulate d_i = g_i - s for a shift s near G (the first chunk's mean gradient), so that
-# tr(cov) = (1/N) sum |d_i|^2 - |mean d|^2, exact for any s and well conditioned when s ~ G
-# (the "shifted data" algorithm; Chan, Golub & LeVeque 1983). Memory: one float64 copy of the
-# parameters for the shift and one for sum d_i, plus one chunk of per-example gradients.
-class _Moments:
-    """Running per-parameter sums of shifted per-example gradients, in float64 (see NOTE
-    [ Why the float64 sums are shifted ])."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.shift: dict[str, torch.Tensor] = {}
-        self.sum: dict[str, torch.Tensor] = {}
-        self.sum_sq: dict[str, torch.Tensor] = {}
-        self.losses: list[torch.Tensor] = []
-
-    def add(self, grads: dict[str, torch.Tensor], losses: torch.Tensor) -> None:
-        if not self.shift:
-            self.shift = {n: g.double().mean(0) for n, g in grads.items()}
-            self.sum = {n: torch.zeros_like(s) for n, s in self.shift.items()}
-            self.sum_sq = {n: s.new_zeros(()) for n, s in self.shift.items()}
-        for name, g in grads.items():
-            d = g.double() - self.shift[name]
-            self.sum[name] += d.sum(0)
-            self.sum_sq[name] += d.square().sum()
-        self.count += losses.shape[0]
-        self.losses.append(losses.detach().double().reshape(-1).cpu())
-
-    def layers(self) -> tuple[LayerNoise, ...]:
-        n, result = self.count, []
-        for name, total in self.sum.items():
-            mean_d = total / n
-            trace_cov = max((self.sum_sq[name] / n - mean_d.square().sum()).item(), 0.0)
-            grad_norm_sq = (self.shift[name] + mean_d).square().sum().item()
-            result.append(LayerNoise(name, trace_cov, grad_norm_sq))
-        return tuple(result)
+def _quiet_vmap(run: Callable[[], Any], slow_ops: set[str]) -> Any:
+    """``run()`` with PyTorch's per-call "performance drop" warnings of vmap collected in
+    ``slow_ops`` (measure_noise says it once) and every other warning passed on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run()
+    for warning in caught:
+        found = _SLOW_VMAP.search(str(warning.message))
+        if found:
+            slow_ops.add(found.group(1).rstrip("."))
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno)
+    return result
 
 
 def _batchnorm_in_training(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -174,7 +151,8 @@ def _batchnorm_in_training(model: torch.nn.Module) -> list[torch.nn.Module]:
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
 
 
-def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: LossFn,
+def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
+                  loss_fn: LossFn | None = None,
                   batch_sizes: Sequence[int] = (1, 2, 4, 8), *, replacement: bool = False,
                   max_examples: int = 1024, chunk_size: int = 64,
                   method: str = "auto") -> NoiseReport:
@@ -186,6 +164,8 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: L
     the variance (trace) of the mini-batch mean gradient: trace_cov / B with replacement, times
     (N - B) / (N - 1) without. The same for the loss, and a per-parameter breakdown. The model's
     weights, gradients, buffers, train/eval modes and the RNGs are restored afterwards.
+    ``report.measurable`` says whether N examples can resolve B_simple at all (see NOTE [ The
+    error bars of measure_noise ]); ``b_simple_error`` is its standard error.
 
     Parameters
     ----------
@@ -194,13 +174,17 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: L
         one-example batch has no batch statistics, so they use their running statistics
         (with a ``BatchwidgetsWarning``).
     data : Dataset or DataLoader
-        Items ``(input, target)``; a DataLoader's dataset is read item by item. Inputs are moved
+        Items ``(input, ..., target)``, dicts (e.g. ``{"input_ids", "attention_mask",
+        "labels"}``) or tensors, fed by the batch convention of ``find_batch`` (see "Batches
+        and losses" in the README); a DataLoader's dataset is read item by item. Inputs are moved
         to the model's device. A DataLoader's ``batch_size`` is the one the advice is given at;
         one that does not shuffle gives a ``BatchwidgetsWarning`` (its batches are not the
         random ones these numbers describe), kept in ``report.warnings``.
-    loss_fn : callable
+    loss_fn : callable, optional
         ``loss_fn(output, target) -> scalar``, called on one-example batches (``output`` and
         ``target`` keep a leading dimension of 1), so a mean reduction gives the example's loss.
+        For dict items the target is their ``"labels"``. Default: the output's ``.loss``, as
+        Hugging Face models return when the items hold ``labels``.
     batch_sizes : sequence of int
         The sizes B for ``grad_variance[B]`` and ``loss_variance_per_batch[B]``.
     replacement : bool
@@ -213,7 +197,8 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: L
         Examples per vmap call; memory is about ``chunk_size`` copies of the gradient.
     method : {"auto", "vmap", "loop"}
         "auto" tries ``torch.func.vmap`` and falls back to one backward pass per example for
-        modules vmap cannot handle (in-place updates, data-dependent control flow).
+        modules vmap cannot handle (in-place updates, data-dependent control flow). Examples
+        with a non-finite loss or gradient are left out with a ``BatchwidgetsWarning``.
 
     Returns
     -------
@@ -222,7 +207,8 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: L
     Raises
     ------
     TypeError, ValueError
-        For bad arguments, naming the argument and a fix.
+        For bad arguments, naming the argument and a fix; a model without trainable
+        parameters; a batch the convention cannot feed (naming the form that would work).
 
     Examples
     --------
@@ -234,6 +220,11 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: L
     """
     _check_arguments(model, data, loss_fn, batch_sizes, max_examples, chunk_size, method)
     batch_sizes = tuple(batch_sizes)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"model should have trainable parameters (requires_grad=True), but got "
+                         f"none in {type(model).__name__}; measure_noise measures their "
+                         f"gradients: unfreeze the ones you train, e.g. "
+                         f"p.requires_grad_(True).")
     items, n_available = _examples(data, max_examples)
     if len(items) < 2:
         raise ValueError(f"data should hold at least 2 examples, but got {len(items)}; a variance "
@@ -267,17 +258,17 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader, loss_fn: L
                                warnings=(unshuffled,) if unshuffled else ())
 
 
-def _accumulate(model: torch.nn.Module, items: list, loss_fn: LossFn, chunk_size: int,
-                method: str) -> tuple[_Moments, str]:
+def _accumulate(model: torch.nn.Module, items: list, loss_fn: LossFn | None, chunk_size: int,
+                method: str) -> tuple[Moments, str]:
     device = next(model.parameters(), torch.empty(0)).device
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    moments = _Moments()
+    moments, slow_ops, skipped = Moments(len(items)), set(), 0
     for start in range(0, len(items), chunk_size):
-        inputs, targets = default_collate([_pair(item) for item in items[start:start + chunk_size]])
-        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        batch = to_device(_plain(default_collate(items[start:start + chunk_size])), device)
         if method in ("auto", "vmap"):
             try:
-                grads, losses = _vmap_chunk(model, params, loss_fn, inputs, targets)
+                grads, losses = _quiet_vmap(
+                    lambda batch=batch: _vmap_chunk(model, params, loss_fn, batch), slow_ops)
             except Exception:  # vmap's limits surface as many types; the loop re-raises real bugs
                 if method == "vmap":
                     raise
@@ -285,16 +276,49 @@ def _accumulate(model: torch.nn.Module, items: list, loss_fn: LossFn, chunk_size
             else:
                 method = "vmap"
         if method == "loop":
-            grads, losses = _loop_chunk(model, params, loss_fn, inputs, targets)
-        moments.add(grads, losses)
+            grads, losses = _loop_chunk(model, params, loss_fn, batch)
+        grads, losses, dropped = _finite(grads, losses)
+        skipped += dropped
+        if losses.numel():
+            moments.add(grads, losses)
+    _say_what_was_left_out(moments.count, skipped, slow_ops, method)
     return moments, method
 
 
-def _report(moments: _Moments, n_available: int | None, batch_sizes: tuple[int, ...],
+def _finite(grads: dict[str, torch.Tensor], losses: torch.Tensor
+            ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+    """The examples whose loss and gradient are finite, and how many were not."""
+    keep = torch.isfinite(losses.detach().reshape(-1))
+    for g in grads.values():
+        keep &= torch.isfinite(g.reshape(g.shape[0], -1)).all(1)
+    if bool(keep.all()):
+        return grads, losses, 0
+    return ({n: g[keep] for n, g in grads.items()}, losses[keep],
+            int(keep.numel() - keep.sum()))
+
+
+def _say_what_was_left_out(count: int, skipped: int, slow_ops: set[str], method: str) -> None:
+    if skipped:
+        message = (f"{skipped} of {count + skipped} examples had a non-finite loss or gradient "
+                   f"(nan/inf) and were left out; check those inputs and targets (a Hugging Face "
+                   f"example whose labels are all -100 has a NaN loss)")
+        if count < 2:
+            raise ValueError(f"data should give finite losses, but {message}.")
+        warnings.warn(f"measure_noise: {message}.", BatchwidgetsWarning, stacklevel=3)
+    if slow_ops and method == "vmap":
+        warnings.warn(f"measure_noise: torch.func.vmap has no batching rule for "
+                      f"{', '.join(sorted(slow_ops))} and ran them one example at a time inside "
+                      f"vmap (PyTorch's 'performance drop' warning, said once here); the "
+                      f"numbers are exact.",
+                      BatchwidgetsWarning, stacklevel=3)
+
+
+def _report(moments: Moments, n_available: int | None, batch_sizes: tuple[int, ...],
             replacement: bool, method: str, eval_batchnorm: bool) -> NoiseReport:
     layers = moments.layers()
     losses = torch.cat(moments.losses)
     n = moments.count
+    grad_norm_sq_error, b_simple_error = moments.errors()
     return NoiseReport(
         trace_cov=math.fsum(layer.trace_cov for layer in layers),
         grad_norm_sq=math.fsum(layer.grad_norm_sq for layer in layers),
@@ -302,4 +326,5 @@ def _report(moments: _Moments, n_available: int | None, batch_sizes: tuple[int, 
         loss_variance=losses.var(correction=0).item(),
         n_examples=n, n_available=n_available, sampled=n_available != n,
         batch_sizes=batch_sizes, replacement=replacement, method=method, layers=layers,
-        eval_batchnorm=eval_batchnorm)
+        eval_batchnorm=eval_batchnorm, grad_norm_sq_error=grad_norm_sq_error,
+        b_simple_error=b_simple_error)

@@ -27,10 +27,10 @@ from torch.utils.data import DataLoader
 
 from .._warnings import BatchwidgetsWarning
 from ..results import BatchSizeReport, NoiseTrackerReport
+from ._batches import batch_length
 from ._noise_estimate import (
     DeferredUpdate,
     WeightedMoments,
-    check_measure,
     estimate,
     estimate_prefixes,
     split_sq_norms,
@@ -48,6 +48,26 @@ _SPLIT = ("or call tracker.measure(model, loss_fn, batch) in the loop, which spl
           "batch (NoiseTracker(every=K)) in parts at one extra forward+backward of that batch")
 NO_MICRO_BATCHES = ("the gradient noise scale is not measured without micro-batches: pass "
                     f"noise=tracker to accumulate(steps>=2), use DDP micro-batches, {_SPLIT}")
+
+
+def _check_measure(model: Any, loss_fn: Any, batch: Any, parts: Any) -> int:
+    """NoiseTracker.measure's arguments checked: the batch's number of examples."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn should be a callable loss_fn(output, target) -> scalar or "
+                        f"None (the output's .loss), but got loss_fn={loss_fn!r}; e.g. "
+                        f"torch.nn.functional.cross_entropy.")
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 2:
+        raise ValueError(f"parts should be an int >= 2, but got parts={parts!r}; e.g. parts=2.")
+    if batch is None:
+        raise TypeError("batch should be given: tracker.measure(model, loss_fn, (x, y)), or "
+                        "tracker.measure(model, batch) when the output carries .loss.")
+    size = batch_length(batch)
+    if size < parts:
+        raise ValueError(f"the batch should hold at least parts={parts} examples, but it holds "
+                         f"{size}; use fewer parts.")
+    return size
 
 
 class NoiseTracker:
@@ -326,13 +346,15 @@ class NoiseTracker:
         self._history_errors.append(error)
         self._notify()
 
-    def measure(self, model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
-                batch: tuple[Any, Any], *, parts: int = 2) -> bool:
+    def measure(self, model: torch.nn.Module,
+                loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, batch: Any = None, *,
+                parts: int = 2) -> bool:
         """Measure the noise scale from one batch when no micro-batches are at hand.
 
         On the first call and every ``every``-th after it, the batch's first ``parts * m``
-        examples (``m = len(batch) // parts``) are split into ``parts`` parts of ``m``, and each
-        part's gradient of ``loss_fn`` (mean-reduced) is computed with ``torch.autograd.grad``:
+        examples (``m`` = its examples // ``parts``) are split into ``parts`` parts of ``m``,
+        and each part's gradient of the loss (mean-reduced) is computed with
+        ``torch.autograd.grad``:
         part size ``m`` and the whole ``parts * m`` are the two batch sizes of the estimator.
         Cost: one extra forward and backward of the batch per measured step, about
         ``1/every`` of the training compute. The model's weights, ``.grad``, BatchNorm
@@ -343,10 +365,12 @@ class NoiseTracker:
         ----------
         model : torch.nn.Module
             The model (a DDP wrapper is measured through its ``.module``, without all-reduce).
-        loss_fn : callable
-            ``loss_fn(output, target) -> scalar``, the mean over the examples.
-        batch : (inputs, targets)
-            The training batch; ``inputs`` is a tensor split along its first dimension.
+        loss_fn : callable, optional
+            ``loss_fn(output, target) -> scalar``, the mean over the examples; None (or
+            ``measure(model, batch)``): the output's ``.loss`` (Hugging Face models).
+        batch : (x, ..., y), dict or BatchEncoding
+            The training batch, fed as ``find_batch`` feeds it (see "Batches and losses" in the
+            README) and split along the first dimension of its tensors.
         parts : int
             Parts of the batch, >= 2.
 
@@ -363,16 +387,18 @@ class NoiseTracker:
         ...     loss = loss_fn(model(x), y); loss.backward(); tracker.observe_loss(loss)
         ...     optimizer.step(); optimizer.zero_grad()
         """
-        inputs, targets = check_measure(model, loss_fn, batch, parts)
+        if batch is None and loss_fn is not None and not callable(loss_fn):
+            loss_fn, batch = None, loss_fn  # measure(model, batch)
+        size = _check_measure(model, loss_fn, batch, parts)
         self._n_calls += 1
         if (self._n_calls - 1) % self.every:
             return False
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
-        small, big = split_sq_norms(model, loss_fn, inputs, targets, parts)
+        small, big = split_sq_norms(model, loss_fn, batch, parts)
         self._measured_by = "split batches"
-        self.update(small_sq_norms=small, big_sq_norm=big,
-                    micro_batch_size=inputs.shape[0] // parts, n_micro=parts)
+        self.update(small_sq_norms=small, big_sq_norm=big, micro_batch_size=size // parts,
+                    n_micro=parts)
         return True
 
     def _b_simple(self) -> tuple[float | None, float | None, str]:

@@ -31,6 +31,9 @@ class LayerNoise:
 
 
 
+SIGNIFICANCE = 2.0  # |G|^2 - its noise floor must pass this many standard errors (as NoiseTracker)
+
+
 @dataclass(frozen=True)
 class NoiseReport:
     """What ``measure_noise`` found: gradient and loss noise over ``n_examples`` examples.
@@ -39,6 +42,11 @@ class NoiseReport:
     for sampling with replacement if ``replacement`` else without (as a shuffling DataLoader
     does); both variants are there as ``grad_variance_with_replacement`` and
     ``grad_variance_without_replacement`` (the latter only for B <= n_examples).
+
+    The N examples are a sample of the data, and |G|^2 of a sample carries a noise floor of
+    about tr(Sigma)/N: ``measurable`` is False (with the ``reason``) when ``grad_norm_sq`` is
+    not clearly above ``noise_floor``, where B_simple only reflects N. The errors are standard
+    errors over the examples (delete-a-group jackknife), None when not computed.
     """
 
     trace_cov: float  # (1/N) sum_i |g_i - G|^2, population-normalised
@@ -55,19 +63,51 @@ class NoiseReport:
     eval_batchnorm: bool = False  # BatchNorm layers in train mode were measured in eval mode
     batch_size: int | None = None  # the DataLoader's batch size, when data was one
     warnings: tuple[str, ...] = ()  # what makes these numbers less exact (e.g. no shuffling)
+    grad_norm_sq_error: float | None = None  # std. error of grad_norm_sq - noise_floor
+    b_simple_error: float | None = None  # std. error of b_simple
 
     @property
     def b_simple(self) -> float:
         return _ratio(self.trace_cov, self.grad_norm_sq)
 
     @property
+    def noise_floor(self) -> float:
+        """tr(cov) / (N - 1): what noise alone adds to |G|^2 of N examples, on average."""
+        return self.trace_cov / (self.n_examples - 1) if self.n_examples > 1 else math.inf
+
+    @property
+    def reason(self) -> str:
+        """Why B_simple is not measurable from these examples; '' when it is."""
+        if not math.isfinite(self.b_simple) or self.b_simple <= 0:
+            return (f"B_simple = {self.b_simple} is not finite (the mean gradient vanishes "
+                    f"here: a converged model, or too few examples)")
+        if self.grad_norm_sq_error is None:
+            return ""
+        signal = self.grad_norm_sq - self.noise_floor
+        if signal > SIGNIFICANCE * self.grad_norm_sq_error:
+            return ""
+        number = _html.format_number
+        return (f"not measurable from {self.n_examples} examples: |G|^2 = "
+                f"{number(self.grad_norm_sq)} is not clearly above the noise floor "
+                f"tr(cov)/(N-1) = {number(self.noise_floor)} that {self.n_examples} examples "
+                f"give by themselves (difference {number(signal)} ± "
+                f"{number(self.grad_norm_sq_error, 2)}), so B_simple ≈ "
+                f"{number(self.b_simple)} reflects N, not the noise; B_simple is larger than "
+                f"these examples resolve: measure more (max_examples, more data)")
+
+    @property
+    def measurable(self) -> bool:
+        return not self.reason
+
+    @property
     def advice(self) -> str:
         """The critical batch size, the steps-versus-examples trade-off at the loader's batch
         size (else at each of ``batch_sizes``), and the learning rate for another batch size."""
-        if not math.isfinite(self.b_simple) or self.b_simple <= 0:
-            return (f"critical batch size: B_simple = {self.b_simple} is not finite (the mean "
-                    f"gradient vanishes here: a converged model, or too few examples).")
-        text = noise_advice(self.b_simple, None, "examples", self.batch_sizes, self.batch_size)
+        if not self.measurable:
+            return " ".join([f"critical batch size: {self.reason}.",
+                             *(f"Warning: {w}." for w in self.warnings)])
+        text = noise_advice(self.b_simple, self.b_simple_error, "examples", self.batch_sizes,
+                            self.batch_size)
         return " ".join([text, *(f"Warning: {w}." for w in self.warnings)])
 
     def _per_batch(self, variance: float, replacement: bool) -> dict[int, float]:
@@ -92,14 +132,26 @@ class NoiseReport:
         return self._per_batch(self.loss_variance, self.replacement)
 
     def summary(self) -> str:
-        return (f"B_simple {_html.format_number(self.b_simple)} from {self.n_examples} examples "
+        if not self.measurable:
+            return f"B_simple: {self.reason}"
+        spread = (f" ± {_html.format_number(self.b_simple_error, 2)}"
+                  if self.b_simple_error is not None else "")
+        return (f"B_simple {_html.format_number(self.b_simple)}{spread} from {self.n_examples} "
+                f"examples "
                 f"(tr cov {_html.format_number(self.trace_cov)}, "
                 f"|G|^2 {_html.format_number(self.grad_norm_sq)})")
 
     def _repr_html_(self) -> str:
         sampling = "with replacement" if self.replacement else "without replacement"
         rows = [
-            ("B_simple = tr(cov) / |G|^2", _html.format_number(self.b_simple)),
+            ("B_simple = tr(cov) / |G|^2", _html.format_number(self.b_simple)
+             + (f" ± {_html.format_number(self.b_simple_error, 2)}"
+                if self.b_simple_error is not None else "")
+             + ("" if self.measurable else " (not measurable)")),
+            ("|G|^2 - noise floor tr(cov)/(N-1)",
+             f"{_html.format_number(self.grad_norm_sq - self.noise_floor)}"
+             + (f" ± {_html.format_number(self.grad_norm_sq_error, 2)}"
+                if self.grad_norm_sq_error is not None else "")),
             ("tr(cov) per example", _html.format_number(self.trace_cov)),
             ("|G|^2", _html.format_number(self.grad_norm_sq)),
             ("loss mean / variance", f"{_html.format_number(self.loss_mean)} / "
@@ -114,7 +166,7 @@ class NoiseReport:
         with_r = self.grad_variance_with_replacement
         without_r = self.grad_variance_without_replacement
         losses = self.loss_variance_per_batch
-        finite = math.isfinite(self.b_simple) and self.b_simple > 0
+        finite = self.measurable
         batches = _html.table(
             [(b, _html.format_number(with_r.get(b)), _html.format_number(without_r.get(b)),
               _html.format_number(losses.get(b)),
