@@ -522,3 +522,18 @@ for j in range(16):
                      r"fewest examples", report.advice), report.advice
     assert report.advice in report._repr_html_()
     assert report.advice in report.summary()
+
+
+def test_a_find_batch_inside_an_accumulate_block_is_not_counted_as_micro_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with bw.accumulate(optimizer, steps=2, model=model) as acc:
+        for _ in range(4):
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        report = bw.find_batch(torch.nn.Linear(8, 2), torch.randn(8), budget="64KiB")
+    assert report.n_attempts >= 3  # the probe ran real steps inside the block
+    assert (acc.report.micro_steps, acc.report.real_steps) == (4, 2)
+    assert len(acc.report.losses) == 4

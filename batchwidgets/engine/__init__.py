@@ -15,9 +15,14 @@ Private, in the order a newcomer meets them:
 - ``_search.py``         the probe's pure search policy: which batch size next
 - ``_meters.py``         memory backends: CUDA allocator peaks and cap, CPU/MPS tensor bytes
 - ``_trace.py``          the per-op memory trace of a step, the peak model fitted on two
+- ``_what_if.py``        the largest batch under a change: predicted from the trace, or measured
+- ``_cuda_model.py``     a model of PyTorch's CUDA caching allocator; replay of a step's trace
+- ``_cuda_sim.py``       a simulated CUDA device over CPU tensors; GPU targets (target="T4")
 - ``_memory.py``         OOM detection, budget parsing, the tensor-memory tracker
 - ``_state.py``          bit-exact snapshot and restore of model, optimizer, RNGs, flags
 - ``_noise_estimate.py`` the NoiseTracker's estimators and their error bars
+- ``_noise_moments.py``  measure_noise's running sums and the jackknife of its error bars
+- ``_schedule.py``       the batch-size schedule from the noise scale; sampling the tracker
 - ``_loader_search.py``  tune_loader's pure search policy: which setting next
 - ``_loader_timing.py``  timing one DataLoader; workers always shut down
 - ``_loader_checks.py``  argument checks, unpicklable datasets, warnings with numbers

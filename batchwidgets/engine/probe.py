@@ -26,6 +26,7 @@ from ._batches import as_batch_maker, forward_and_loss, to_device
 from ._meters import Reading, make_meter
 from ._state import TrainingState
 from ._trace import OpTrace, PeakModel
+from .accumulate import _suspended
 
 Step = Callable[[int], Any]
 OnStep = Callable[[Attempt], None]
@@ -211,7 +212,7 @@ class _Trainer:
         seconds, oom = None, False
         try:
             with self.meter.measure(self.tracked, trace=trace) as reading, \
-                    self.marks.trial(self.meter):
+                    self.marks.trial(self.meter), _suspended():  # not a user's micro-step
                 for _ in range(self.steps_per_trial):
                     before = self.meter.live_bytes()
                     self.meter.start_step()
