@@ -234,3 +234,40 @@ def test_top_level_names_are_the_objects_of_their_modules():
     from batchwidgets.widgets import LoaderPanel
     assert (bw.make_loader, bw.LoaderReport, bw.MemoryModel, bw.LoaderPanel) == (
         make_loader, LoaderReport, MemoryModel, LoaderPanel)
+
+
+# -- this round's contract additions (DESIGN.md, "Contract additions for the current round") ----
+
+def test_this_rounds_find_batch_options_and_report_fields():
+    assert {"seq_len", "target", "should_stop", "what_if"} <= set(parameters(bw.find_batch))
+    assert {"frontier", "memory_split", "what_if", "target", "peak_segments",
+            "stop_reason"} <= names(bw.BatchSizeReport)
+    from batchwidgets.results import MemorySplit, WhatIf
+    assert {"parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
+            "temporaries_bytes", "by_module"} <= names(MemorySplit)
+    assert {"name", "max_batch_size", "measured"} <= names(WhatIf)
+    for function in (bw.find_batch, bw.measure_noise, bw.NoiseTracker.measure):
+        assert inspect.signature(function).parameters["loss_fn"].default is None
+
+
+def test_sizes_as_people_write_them():
+    from batchwidgets.engine import parse_bytes
+    assert parse_bytes("512M") == 512 * 2**20
+    assert parse_bytes("1G") == 2**30
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("16GB") == 16 * 10**9
+
+
+def test_the_schedule_and_steps_auto():
+    assert "schedule" in names(bw.NoiseTrackerReport)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with bw.accumulate(optimizer, steps="auto", noise=bw.NoiseTracker(), model=model):
+        pass
+
+
+@pytest.mark.parametrize("integration", ["transformers", "lightning"])
+def test_the_trainer_callbacks_have_a_tracker(integration):
+    pytest.importorskip(integration)
+    module = importlib.import_module(f"batchwidgets.integrations.{integration}")
+    assert isinstance(module.NoiseCallback().tracker, bw.NoiseTracker)
