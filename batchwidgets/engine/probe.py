@@ -315,7 +315,9 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         when sizes vary); or one example tensor, repeated. A batch ``(x, ..., y)`` is fed as
         ``loss_fn(model(x, ...), y)``, a dict as ``model(**batch)``, a tensor as ``model(x)``.
     loss_fn : callable, optional
-        Default: the output's ``.loss``, the output itself if scalar, else its mean.
+        ``loss_fn(output, target)``; leave it out when the model's output carries ``.loss``
+        (Hugging Face models given labels). See NOTE [ The batch convention ] in _batches.py:
+        a target that is present is always used, or the call is refused with the fix.
     optimizer : torch.optim.Optimizer, optional
         Default: a fresh ``torch.optim.AdamW`` on the model's parameters (Adam-sized state).
         With a bare ``step``, pass the optimizer it uses: its parameters (weights, gradients)
