@@ -529,3 +529,96 @@ def test_the_traceback_ipython_keeps_holds_no_snapshot_and_no_batch(shell, failu
     assert _alive(_state.TrainingState) == snapshots_before
     assert _alive(_state._Saved) == saved_before
     assert [ref for ref in targets if ref() is not None] == []
+
+
+# ---- a probe in the background (ProbePanel's button) ---------------------------------------------
+
+class DropoutNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(),
+                                  nn.Dropout(0.5), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def background_panel(model: nn.Module, optimizer: torch.optim.Optimizer) -> bw.ProbePanel:
+    import functools
+    return bw.ProbePanel(probe=functools.partial(
+        bw.find_batch, model, lambda b: (torch.randn(b, 16), torch.randint(0, 4, (b,))),
+        loss_fn=nn.functional.cross_entropy, optimizer=optimizer, budget="512KiB"))
+
+
+def main_thread_uses(model: nn.Module, panels: list, x: torch.Tensor) -> tuple[list, list]:
+    """Seeded draws and eval-mode outputs on the main thread while the panels probe."""
+    draws, outputs = [], []
+    while any(p.thread.is_alive() for p in panels):
+        torch.manual_seed(0)
+        time.sleep(0.002)  # as between two lines of a cell: the probe runs meanwhile
+        draws.append(torch.randn(3))
+        time.sleep(0.002)
+        with torch.no_grad():
+            outputs.append(model(x))
+    return draws, outputs
+
+
+def test_the_main_thread_keeps_its_rng_and_a_usable_model_while_a_panel_probes():
+    model = DropoutNet().eval()
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(8, 16)
+    torch.manual_seed(0)
+    expected_draw = torch.randn(3)
+    with torch.no_grad():
+        expected_output = model(x)
+    weights = copy.deepcopy(model.state_dict())
+    panel = background_panel(model, optimizer)
+    panel.start()
+    draws, outputs = main_thread_uses(model, [panel], x)
+    assert panel.wait().max_batch_size > 0
+    assert draws
+    assert all(torch.equal(d, expected_draw) for d in draws)
+    assert all(torch.equal(o, expected_output) for o in outputs)
+    assert differences(weights, model.state_dict()) == []
+    assert not optimizer.state  # the probe trained a copy
+
+
+def test_two_panels_on_one_model_leave_modes_rng_and_weights_as_they_were():
+    model = DropoutNet()
+    model.body[1].eval()
+    optimizer = torch.optim.Adam(model.parameters())
+    training = Training.__new__(Training)
+    training.model, training.optimizer = model, optimizer
+    before = training.snapshot()
+    panels = [background_panel(model, optimizer) for _ in range(2)]
+    for panel in panels:
+        panel.start()
+    for panel in panels:
+        assert panel.wait().max_batch_size > 0
+    assert differences(before, training.snapshot()) == []
+
+
+def test_without_room_for_a_copy_the_model_is_held_and_one_probe_runs_at_a_time(monkeypatch):
+    from batchwidgets.engine import _memory
+    monkeypatch.setattr(_memory, "available_memory_bytes", lambda: 1024)  # no room for a copy
+    model = DropoutNet()
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(4, 16)
+    training = Training.__new__(Training)
+    training.model, training.optimizer = model, optimizer
+    before = training.snapshot()
+    first, second = background_panel(model, optimizer), background_panel(model, optimizer)
+    started = threading.Event()
+    first.on_step = lambda attempt, original=first.on_step: (started.set(), original(attempt))
+    first.start()
+    assert started.wait(60)
+    with pytest.raises(_state.ModelHeldError, match="being probed by a ProbePanel"):
+        model(x)
+    second.start()
+    with pytest.raises(_state.ModelHeldError, match="held by a ProbePanel"):
+        second.wait()
+    assert "ModelHeldError" in second.status.value
+    assert first.wait().max_batch_size > 0
+    assert differences(before, training.snapshot()) == []
+    model(x)  # free again
