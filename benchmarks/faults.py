@@ -22,76 +22,7 @@ from _machine import commit, device_name
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the storm is the one tests/test_reliability.py runs
 
-from test_reliability import run_storm  # noqa: E402
-
-KERNEL_SETUP = """
-import random, numpy as np, torch, batchwidgets as bw
-from torch import nn
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Dropout(0.1),
-                      nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4))
-opt = torch.optim.Adam(model.parameters())
-for _ in range(2):
-    nn.functional.cross_entropy(model(torch.randn(8, 256)), torch.randint(0, 4, (8,))).backward()
-    opt.step()
-def make(b):
-    return torch.randn(b, 256), torch.randint(0, 4, (b,))
-def fingerprint():
-    import hashlib, pickle, io
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "grads": [p.grad for p in model.parameters()],
-                "modes": [m.training for m in model.modules()],
-                "rng": torch.get_rng_state(), "py": random.getstate(),
-                "np": np.random.get_state()}, buffer)
-    return hashlib.sha256(buffer.getvalue()).hexdigest()
-before = fingerprint()
-"""
-KERNEL_PROBE = "bw.find_batch(model, make, nn.functional.cross_entropy, opt, budget='12MiB')"
-
-
-def kernel_storm(trials: int, seed: int = 0) -> dict:
-    """Each trial: a find_batch cell in a real ipykernel, 1 to 5 interrupts through
-    KernelManager.interrupt_kernel() (SIGINT, as the Stop button sends), then a cell comparing a
-    fingerprint of weights, grads, optimizer state, modes and RNGs with the one taken before."""
-    import random
-
-    from jupyter_client.manager import start_new_kernel
-
-    rng = random.Random(seed)
-    failures, interrupted, details = 0, 0, []
-    manager, client = start_new_kernel(kernel_name="python3")
-    try:
-        client.execute_interactive(KERNEL_SETUP, timeout=300)
-        started = time.perf_counter()
-        client.execute_interactive(KERNEL_PROBE, timeout=600)
-        probe_s = time.perf_counter() - started
-        for _ in range(trials):
-            client.execute_interactive("before = fingerprint()", timeout=300)
-            message_id = client.execute(KERNEL_PROBE)
-            time.sleep(rng.uniform(0, probe_s))
-            presses = rng.randint(1, 5)
-            for _ in range(presses):
-                manager.interrupt_kernel()
-                time.sleep(rng.uniform(0, 0.05))
-            reply = client._recv_reply(message_id, timeout=600)  # the probe cell's end
-            interrupted += reply["content"]["status"] == "error"
-            outputs: list = []
-            for _ in range(3):  # late interrupts may stop the check itself: ask again
-                outputs.clear()
-                result = client.execute_interactive(
-                    "print(fingerprint() == before)", timeout=300,
-                    output_hook=lambda m: outputs.append(m["content"].get("text", "")))
-                if result["content"]["status"] == "ok":
-                    break
-            same = "".join(outputs).strip() == "True"
-            failures += not same
-            details.append((presses, reply["content"]["status"], same))
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
-    return {"trials": trials, "failures": failures, "interrupted": interrupted,
-            "probe_s": probe_s, "details": details}
+from test_reliability import kernel_storm, run_storm  # noqa: E402
 
 
 def _shm_entries() -> int:

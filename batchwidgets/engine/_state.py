@@ -33,7 +33,8 @@ from ._memory import TensorMemoryTracker
 #
 # A KeyboardInterrupt raised inside a weak-reference callback (the memory tracker's, which runs
 # whenever a tensor dies) is printed as "Exception ignored" and lost; the handler re-arms the
-# signal instead, so it is raised by the next line outside the callback.
+# signal a millisecond later instead (re-arming it at once would run the handler again inside
+# the callback), so it is raised outside.
 _UNINTERRUPTIBLE: set = set()
 _WEAKREF_CALLBACKS = {code for code in TensorMemoryTracker._release.__code__.co_consts
                       if isinstance(code, types.CodeType)}  # the tracker's release()
@@ -56,14 +57,16 @@ class _Deferral:
         self.pending = False
 
     def handle(self, signum: int, frame: Any) -> None:
-        if frame is not None and _in_weakref_callback(frame.f_code):
-            _thread.interrupt_main(signum)  # raised there, it would be lost: come back later
-            return
+        in_callback = False
         while frame is not None:
             if frame.f_code in _UNINTERRUPTIBLE:
                 self.pending = True
                 return
+            in_callback = in_callback or _in_weakref_callback(frame.f_code)
             frame = frame.f_back
+        if in_callback:  # raised there, it would be lost: signal again in a millisecond
+            threading.Timer(0.001, _thread.interrupt_main, (signum,)).start()
+            return
         self.deliver(signum)
 
     def deliver(self, signum: int = signal.SIGINT) -> None:
