@@ -377,10 +377,10 @@ def _report(attempts: list[Attempt], device: torch.device, budget_bytes: int | N
         stop = "max_batch_size" if max_batch_size else "ceiling"
         if stop == "ceiling" and _memory.memory_stayed_flat(attempts):
             stop = f"ceiling: {_FLAT}"
-            warnings.warn(f"find_batch reached its ceiling of {ceiling} samples, but the step's "
-                          f"peak memory did not grow with the batch size: {_FLAT} (it must "
-                          f"return a batch of the size it is given), or the step allocates "
-                          f"nothing on {device}.", BatchwidgetsWarning, stacklevel=3)
+            warnings.warn(f"find_batch reached its ceiling of {ceiling} samples, but the "
+                          f"step's {_FLAT} (it must return a batch of the size it is given), "
+                          f"or the step allocates nothing on {device}.", BatchwidgetsWarning,
+                          stacklevel=3)
     else:
         stop = "boundary"
     report = BatchSizeReport(
