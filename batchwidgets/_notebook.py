@@ -158,6 +158,9 @@ def parse(magic: Callable, line: str) -> argparse.Namespace:
     """``parse_argstring``, naming the nearest flag when one is misspelt."""
     try:
         return parse_argstring(magic, line)
+    except ValueError as error:  # shlex: an unterminated quote
+        raise UsageError(f"the line should be valid shell words, but got {line.strip()!r}: "
+                         f"{error}; close the quote, or quote the name.") from None
     except UsageError as error:
         unknown = [word for word in str(error).split() if word.startswith("-")]
         if not str(error).startswith("unrecognized arguments") or not unknown:

@@ -14,7 +14,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import re
+import weakref
 from typing import Any
 
 import torch
@@ -37,6 +40,7 @@ from ._notebook import (
     training_model,
 )
 from .engine import SyntheticBatches, find_batch
+from .engine import probe as _probe_engine
 from .engine.accumulate import accumulate
 from .engine.noise_tracker import NoiseTracker
 from .results import AccumulationReport, BatchSizeReport
@@ -76,7 +80,32 @@ def _probe(shell: Any, args: argparse.Namespace) -> functools.partial:
                     for name, flag in _NAMED_OPTIONS.items() if getattr(args, name) is not None})
     if args.num_classes is not None:
         options.setdefault("loss_fn", torch.nn.functional.cross_entropy)
+    _check(model, make_batch, options)
     return functools.partial(find_batch, model, make_batch, **options)
+
+
+def _check(model: Any, make_batch: Any, options: dict[str, Any]) -> None:
+    """find_batch's own argument checks, before anything runs: a mistake is one line."""
+    multiple_of = options.get("multiple_of", 1)
+    try:
+        _probe_engine._check_arguments(
+            model, make_batch, options.get("amp"), options.get("max_batch_size"), multiple_of,
+            options.get("headroom", 0.9), options.get("steps_per_trial", 2), options.get("start"),
+            options.get("optimizer"))
+    except (TypeError, ValueError) as error:
+        raise UsageError(_flags(str(error))) from None
+
+
+def _flags(message: str) -> str:
+    """An engine message in the magic's words: max_batch_size=4 -> --max-batch-size 4."""
+    for name in _VALUE_OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        message = message.replace(f"{name}=", f"{flag} ")
+        if "_" in name:  # a plain word (device, budget) stays a word past the first one
+            message = re.sub(rf"(?<![\w-]){name}\b", flag, message)
+        elif message.startswith(f"{name} "):
+            message = flag + message[len(name):]
+    return message
 
 
 def _has_widgets(shell: Any) -> bool:
@@ -142,7 +171,8 @@ def _noise_panel(shell: Any, tracker: NoiseTracker | None) -> NoisePanel | None:
     return panel
 
 
-def _micro_batch(shell: Any, args: argparse.Namespace) -> dict[str, int]:
+def _micro_batch(shell: Any, args: argparse.Namespace, model: Any = None,
+                 probed: dict | None = None) -> dict[str, int]:
     """--batch-size B: the probe's recommended size is the micro-batch, N = ceil(B / micro)."""
     if args.batch_size is None:
         if args.probe is not None:
@@ -155,6 +185,11 @@ def _micro_batch(shell: Any, args: argparse.Namespace) -> dict[str, int]:
     probe = find_one(shell, args.probe, "--probe", False)
     if probe is None and isinstance(shell.user_ns.get("_"), BatchSizeReport):
         probe = shell.user_ns["_"]
+        probed_model = (probed or {}).get(id(probe), lambda: None)()
+        if model is not None and probed_model is not model:
+            raise UsageError("--batch-size takes the micro-batch from a find_batch report, but "
+                             "the last one (_) was not made by %find_batch for this cell's "
+                             "model; run %find_batch on it first, or pass --probe NAME.")
     if probe is None:
         raise UsageError("--batch-size needs a find_batch report to take the micro-batch from: "
                          "run %find_batch first, or pass --probe NAME.")
@@ -169,9 +204,19 @@ def _steps_or_auto(text: str) -> int | str:
 class BatchMagics(Magics):
     """``%find_batch`` and ``%%accumulate``; registered by ``%load_ext batchwidgets``."""
 
+    LIVE_PANELS = 3  # %find_batch panels kept live; older ones are closed (static report stays)
+
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.hide_once = _HideOnce(shell)
+        self.panels: collections.deque = collections.deque()
+        # id(report) -> the model it probed, for %%accumulate --batch-size taking _
+        self.probed: dict[int, weakref.ref] = {}
+
+    def _keep(self, panel: ProbePanel) -> None:
+        self.panels.append(panel)
+        while len(self.panels) > self.LIVE_PANELS:
+            self.panels.popleft().close()
 
     @magic_arguments()
     @argument("model", metavar="MODEL",
@@ -231,7 +276,14 @@ class BatchMagics(Magics):
         args = parse(self.find_batch, line)
         probe = _probe(self.shell, args)
         panel = not (args.quiet or silenced) and _has_widgets(self.shell)
-        report = ProbePanel(probe=probe).run() if panel else probe()
+        if panel:
+            self._keep(shown := ProbePanel(probe=probe))
+            report = shown.run()
+        else:
+            report = probe()
+        if isinstance(probe.args[0], torch.nn.Module):
+            self.probed = {key: ref for key, ref in self.probed.items() if ref() is not None}
+            self.probed[id(report)] = weakref.ref(probe.args[0])
         if panel or silenced:  # the panel shows the report already; ';' shows nothing
             self.hide_once.arm(report)
         return report
@@ -297,12 +349,13 @@ class BatchMagics(Magics):
         if args.steps == "auto" and args.noise is None:
             args.noise = ""  # the schedule needs a tracker: a new one
         optimizer = find_one(self.shell, args.optimizer, "--optimizer", True)
-        options = _micro_batch(self.shell, args)
+        model = training_model(self.shell, args.model, optimizer)
+        options = _micro_batch(self.shell, args, model, self.probed)
         options.update(
             scaler=find_one(self.shell, args.scaler, "--scaler", False),
             scheduler=find_one(self.shell, args.scheduler, "--scheduler", False,
                                 lambda v: getattr(v, "optimizer", None) is optimizer),
-            model=training_model(self.shell, args.model, optimizer),
+            model=model,
             remainder=args.remainder or "apply", track_grad_norms=args.track_grad_norms,
             noise=noise_tracker(self.shell, args.noise))
         code = compile(self.shell.transform_cell(cell), "<%%accumulate cell>", "exec")
@@ -329,3 +382,5 @@ def unload(ipython: Any) -> None:
         for name in names:
             ipython.magics_manager.magics[kind].pop(name, None)
     magics.hide_once.close()
+    while magics.panels:
+        magics.panels.popleft().close()

@@ -423,3 +423,54 @@ def test_accumulate_manual_explains_noise(ip, capsys):
     shown = capsys.readouterr().out
     assert "--noise [NAME]" in shown
     assert "noise_tracker" in shown
+
+
+# ---- one-line errors, panels closed, a stale _ refused (issue 12) ----------------------------
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("model make_batch --max-batch-size 4 --multiple-of 8",
+     "--max-batch-size should be an int >= --multiple-of (8), but got --max-batch-size 4; "
+     "raise it or lower --multiple-of."),
+    ("model make_batch --start 3 --multiple-of 2",
+     "--start should be a positive multiple of --multiple-of (2), but got --start 3."),
+    ("model make_batch --budget 'unterminated", "the line should be valid shell words"),
+    ("model make_batch --optimizer make_batch", "--optimizer should be a torch.optim.Optimizer"),
+])
+def test_argument_mistakes_caught_by_find_batch_are_one_line_usage_errors(ip, line, expected):
+    with pytest.raises(UsageError) as error:
+        ip.run_line_magic("find_batch", line)
+    assert str(error.value).startswith(expected)
+    assert "\n" not in str(error.value)
+
+
+def test_repeated_find_batch_panels_do_not_leave_widgets_open(ip):
+    ipywidgets = pytest.importorskip("ipywidgets")
+    from ipywidgets.widgets import widget
+    ip.kernel = object()  # a front end that shows widgets
+    try:
+        line = "model make_batch --optimizer opt --budget 64KiB --max-batch-size 8"
+        for _ in range(5):
+            ip.run_line_magic("find_batch", line)
+        open_after_5 = len(widget._instances)
+        for _ in range(20):
+            ip.run_line_magic("find_batch", line)
+        assert len(widget._instances) == open_after_5  # 31 more per call before
+    finally:
+        del ip.kernel
+        ip.run_line_magic("unload_ext", "batchwidgets")
+        ip.run_line_magic("load_ext", "batchwidgets")
+    assert isinstance(ipywidgets.Widget, type)
+
+
+def test_accumulate_batch_size_refuses_a_report_made_for_another_model(ip, data):
+    other = nn.Linear(16, 4)
+    ip.push({"other": other, "other_data": make_batch})
+    ip.user_ns["_"] = ip.run_line_magic("find_batch", "other other_data --budget 256KiB -q")
+    with pytest.raises(UsageError, match="was not made by %find_batch for this cell's model"):
+        ip.run_cell_magic("accumulate", "--batch-size 64", LOOP)
+    ip.user_ns["_"] = ip.run_line_magic("find_batch", "model make_batch --optimizer opt "
+                                                     "--budget 256KiB -q")
+    report = ip.run_cell_magic("accumulate", "--batch-size 64", LOOP)
+    assert report is not None
+    for name in ("other", "other_data"):
+        ip.user_ns.pop(name)

@@ -67,12 +67,33 @@ def test_budget_exceeded_error_is_a_torch_out_of_memory_error():
     assert issubclass(BudgetExceededError, torch.OutOfMemoryError)
 
 
-@pytest.mark.parametrize("message", OOM_MESSAGES.values(), ids=OOM_MESSAGES.keys())
-def test_find_batch_treats_each_backends_message_as_out_of_memory(message):
+# The device each backend's message comes from ("cuda" covers ROCm's HIP builds).
+MESSAGE_DEVICE = {"cuda caching allocator": "cuda", "cuda raw cudaMalloc": "cuda",
+                  "cublas": "cuda", "cudnn": "cuda", "cudnn workspace": "cuda", "hip": "cuda",
+                  "xpu": "xpu", "mps": "mps", "cpu linux": "cpu", "cpu windows": "cpu"}
+
+
+@pytest.mark.parametrize("backend", OOM_MESSAGES)
+def test_is_oom_trusts_a_message_only_from_the_device_that_prints_it(backend):
+    error = RuntimeError(OOM_MESSAGES[backend])
+    assert is_oom(error, MESSAGE_DEVICE[backend])
+    others = {"cuda", "xpu", "mps", "cpu"} - {MESSAGE_DEVICE[backend]}
+    assert not any(is_oom(error, device) for device in others)
+
+
+@pytest.mark.parametrize("backend", OOM_MESSAGES)
+def test_find_batch_on_the_cpu_takes_only_the_cpus_messages_as_out_of_memory(backend):
+    error = RuntimeError(OOM_MESSAGES[backend])
+
     def step(batch_size: int) -> None:
         if batch_size > 2:
-            raise RuntimeError(message)
+            raise error
 
+    if MESSAGE_DEVICE[backend] != "cpu":  # a user's error that reads like another device's OOM
+        with pytest.raises(RuntimeError) as info:
+            bw.find_batch(step, device="cpu", steps_per_trial=1)
+        assert info.value is error
+        return
     report = bw.find_batch(step, device="cpu", steps_per_trial=1)
     assert (report.max_batch_size, report.first_oom_batch_size) == (2, 3)
     failed = [a for a in report.attempts if not a.fits]
@@ -83,19 +104,33 @@ def test_find_batch_treats_each_backends_message_as_out_of_memory(message):
 @pytest.mark.parametrize(("text", "expected"), [
     ("512MB", 512 * 10**6), ("1.5GB", 1_500_000_000), ("16GiB", 16 * 2**30),
     (" 64 kib ", 64 * 2**10), ("100", 100), ("2TB", 2 * 10**12), (2**20, 2**20), (1e6, 10**6),
-    (None, None)])
+    (None, None),
+    # one letter is binary, as Docker, Slurm and PyTorch's messages write sizes
+    ("512M", 512 * 2**20), ("1G", 2**30), ("1.5g", 3 * 2**29), ("64k", 64 * 2**10),
+    ("2T", 2 * 2**40), ("1e9", 10**9), ("2.5e3MB", 2_500_000_000)])
 def test_parse_bytes_reads_sizes_and_units(text, expected):
     assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize(("value", "error_type"), [
     ("lots", ValueError), ("12 parsecs", ValueError), ("-5MB", ValueError), (0, ValueError),
-    (-1, ValueError), (True, TypeError), ([512], TypeError)])
+    (-1, ValueError), (True, TypeError), ([512], TypeError), (float("nan"), ValueError),
+    (float("inf"), ValueError), ("inf", ValueError), ("1e999", ValueError), ("5e", ValueError),
+    ("1MiBs", ValueError)])
 def test_parse_bytes_rejects_what_is_not_a_size_and_names_the_argument(value, error_type):
     with pytest.raises(error_type) as info:
         parse_bytes(value, "budget")
     assert f"budget={value!r}" in str(info.value)
     assert str(info.value).startswith("budget should be")
+    assert "\n" not in str(info.value)
+
+
+def test_the_size_error_says_which_units_are_binary_and_which_decimal():
+    with pytest.raises(ValueError, match="budget should be a size") as info:
+        parse_bytes("12 parsecs")
+    assert "KB, MB, GB, TB = 1000**n" in str(info.value)
+    assert "KiB, MiB, GiB, TiB = 1024**n" in str(info.value)
+    assert "K, M, G, T = 1024**n" in str(info.value)
 
 
 def test_tracker_counts_live_tensor_bytes_and_keeps_the_peak():
@@ -166,10 +201,10 @@ def test_after_an_oom_the_next_trial_and_the_caller_have_the_memory_back():
 def test_the_oom_error_recorded_in_an_attempt_is_its_first_line():
     def step(batch_size: int) -> None:
         if batch_size > 1:
-            raise RuntimeError(OOM_MESSAGES["cuda raw cudaMalloc"])
+            raise MemoryError("no room\nfor this step")
 
     report = bw.find_batch(step, device="cpu", steps_per_trial=1)
-    assert [a.error for a in report.attempts] == ["RuntimeError: CUDA error: out of memory", ""]
+    assert [a.error for a in report.attempts] == ["MemoryError: no room", ""]
 
 
 def test_views_and_in_place_ops_on_tensors_made_before_the_block_cost_nothing():

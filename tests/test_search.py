@@ -190,7 +190,8 @@ def test_max_batch_size_above_the_boundary_still_stops_at_the_boundary():
 def test_without_any_oom_the_search_stops_at_its_ceiling():
     report = bw.find_batch(ThresholdStep(2**30), device="cpu", steps_per_trial=1)
     assert sizes_tried(report) == [2**k for k in range(1, 25)]
-    assert (report.max_batch_size, report.stop_reason) == (2**24, "ceiling")
+    assert report.max_batch_size == 2**24
+    assert report.stop_reason.startswith("ceiling")
 
 
 @pytest.mark.parametrize(("start", "largest", "expected"), [

@@ -203,7 +203,7 @@ class TensorMeter:
     def _default_limit(self) -> int | None:
         if self.device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
             return int(torch.mps.recommended_max_memory())
-        available = _memory.available_ram_bytes()
+        available = _memory.available_memory_bytes()  # cgroup and ulimit included
         if available is None and hasattr(os, "sysconf"):
             try:
                 available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

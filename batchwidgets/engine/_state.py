@@ -3,14 +3,144 @@ optimizer state, scheduler, scaler, train/eval modes, RNGs, backend flags."""
 
 from __future__ import annotations
 
+import _thread
 import copy
+import functools
 import random
+import signal
 import sys
-from collections.abc import Iterator
+import threading
+import types
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._memory import TensorMemoryTracker
+
+# NOTE [ Restoring under Ctrl-C ]
+# A restore is many small writes (weights, grads, optimizer state and param_groups, RNGs, flags).
+# A KeyboardInterrupt between two of them leaves the user's objects half restored: a second
+# Ctrl-C landing inside the restore after the first left Adam's param_groups without 'betas'. So
+# while a probe runs on the main thread, SIGINT goes through ``_Deferral.handle``: it raises
+# KeyboardInterrupt as usual, except while a function marked ``@_uninterruptible`` is on the
+# stack; then the interrupt is remembered and raised once the restore is complete. The stack is
+# read from the frame the handler gets, so an interrupt caught at the very first instruction of
+# the restore (or in the caller's ``finally`` just before) is deferred too. Signals only reach
+# the main thread, so a probe on another thread needs (and installs) nothing.
+#
+# A KeyboardInterrupt raised inside a weak-reference callback (the memory tracker's, which runs
+# whenever a tensor dies) is printed as "Exception ignored" and lost; the handler re-arms the
+# signal a millisecond later instead (re-arming it at once would run the handler again inside
+# the callback), so it is raised outside.
+_UNINTERRUPTIBLE: set = set()
+_WEAKREF_CALLBACKS = {code for code in TensorMemoryTracker._release.__code__.co_consts
+                      if isinstance(code, types.CodeType)}  # the tracker's release()
+
+
+def _in_weakref_callback(code: Any) -> bool:
+    return code in _WEAKREF_CALLBACKS or (
+        code.co_name in ("_remove", "remove")
+        and code.co_filename.endswith(("_weakrefset.py", "weakref.py")))
+
+
+def _uninterruptible(function: Callable) -> Callable:
+    _UNINTERRUPTIBLE.add(function.__code__)
+    return function
+
+
+class _Deferral:
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+        self.pending = False
+
+    def handle(self, signum: int, frame: Any) -> None:
+        in_callback = False
+        while frame is not None:
+            if frame.f_code in _UNINTERRUPTIBLE:
+                self.pending = True
+                return
+            in_callback = in_callback or _in_weakref_callback(frame.f_code)
+            frame = frame.f_back
+        if in_callback:  # raised there, it would be lost: signal again in a millisecond
+            threading.Timer(0.001, _thread.interrupt_main, (signum,)).start()
+            return
+        self.deliver(signum)
+
+    def deliver(self, signum: int = signal.SIGINT) -> None:
+        self.pending = False
+        if callable(self.previous):
+            self.previous(signum, None)
+        raise KeyboardInterrupt
+
+
+_DEFERRAL: list[_Deferral] = []  # the one installed now (main thread only)
+
+
+class InterruptGuard:
+    """Installed for a whole probe: Ctrl-C works as usual, except that it waits for a restore
+    in progress to finish (see NOTE [ Restoring under Ctrl-C ]). ``release()`` puts the previous
+    handler back and says whether an interrupt is still to be delivered."""
+
+    def __init__(self) -> None:
+        previous = signal.getsignal(signal.SIGINT)
+        self.deferral: _Deferral | None = None
+        if (threading.current_thread() is threading.main_thread() and not _DEFERRAL
+                and previous not in (signal.SIG_IGN, None)):
+            self.deferral = _Deferral(previous)
+            signal.signal(signal.SIGINT, self.deferral.handle)
+            _DEFERRAL.append(self.deferral)
+
+    @_uninterruptible
+    def release(self) -> bool:
+        deferral, self.deferral = self.deferral, None
+        if deferral is None:
+            return False
+        signal.signal(signal.SIGINT, deferral.previous)
+        _DEFERRAL.remove(deferral)
+        return deferral.pending
+
+
+def _deliver_deferred() -> None:
+    """Raise the KeyboardInterrupt that arrived during a restore, now that it is complete."""
+    if _DEFERRAL and _DEFERRAL[-1].pending:
+        _DEFERRAL[-1].deliver()
+
+
+@_uninterruptible
+def _run_all(steps: list[Callable[[], Any]]) -> BaseException | None:
+    """Run every step, whatever an earlier one raised; return the first error."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as error:  # the next step must run all the same
+            first = first or error
+    return first
+
+
+@_uninterruptible
+def restore_all(*steps: Callable[[], Any]) -> None:
+    """Run every step, whatever an earlier one raised; then raise the first error, or the
+    KeyboardInterrupt deferred meanwhile. Uninterruptible (see NOTE [ Restoring under Ctrl-C ])."""
+    first = _run_all(list(steps))
+    if first is not None:
+        raise first
+    _deliver_deferred()
+
+
+@_uninterruptible
+def restore_home(state: TrainingState, model: torch.nn.Module | None, home: torch.device,
+                 guard: InterruptGuard) -> BaseException | None:
+    """The end of a probe: ``model`` (when it was moved) back to ``home``, then ``state``, each
+    step whatever the one before raised; then the guard released. Returns what to raise: the
+    first error, or a KeyboardInterrupt that came meanwhile, or None."""
+    steps = [functools.partial(model.to, home)] if model is not None else []
+    first = _run_all([*steps, state.restore])
+    interrupted = guard.release()
+    return first or (KeyboardInterrupt() if interrupted else None)
 
 
 class _Saved:
@@ -51,9 +181,21 @@ def _put_back(current: Any, saved: Any) -> Any:
     return copy.deepcopy(saved)
 
 
+def _write_back(tensor: torch.Tensor, saved: _Saved) -> None:
+    """Put ``saved`` back into ``tensor``, the same object: in place where it still matches, else
+    by swapping its data (a model moved to another device, or left half moved)."""
+    data = saved.data
+    if (tensor.shape == data.shape and tensor.dtype == data.dtype
+            and tensor.device == saved.device and not tensor.is_meta):
+        tensor.copy_(data)
+    else:
+        tensor.data = data.to(saved.device, copy=True)
+
+
 class ModelState:
-    """Weights, gradients, buffers and train/eval modes of a module; given a list of parameters
-    instead (what the optimizer of a bare step trains), their weights and gradients."""
+    """Weights, gradients, buffers and train/eval modes of a module, and which parameters and
+    buffers each submodule has; given a list of parameters instead (what the optimizer of a bare
+    step trains), their weights and gradients."""
 
     def __init__(self, model: torch.nn.Module | list[torch.Tensor]) -> None:
         is_module = isinstance(model, torch.nn.Module)
@@ -61,53 +203,138 @@ class ModelState:
         self.params = [(p, _host_copy(p), None if p.grad is None else _host_copy(p.grad))
                        for p in (model.parameters() if is_module else model)]
         self.buffers = [(b, _host_copy(b)) for b in model.buffers()] if is_module else []
-        self.modes = [(m, m.training) for m in model.modules()] if is_module else []
+        # (module, mode, its parameters and buffers by name, its non-persistent buffer names)
+        self.modules = [(m, m.training, dict(m._parameters), dict(m._buffers),
+                         set(m._non_persistent_buffers_set))
+                        for m in model.modules()] if is_module else []
 
     def restore(self) -> None:
+        for module, training, parameters, buffers, non_persistent in self.modules:
+            # Registrations a forward made go (a buffer registered in forward), and a tensor
+            # that model.to() replaced comes back as the object the user had.
+            for registry, saved in ((module._parameters, parameters), (module._buffers, buffers)):
+                for name in [name for name in registry if name not in saved]:
+                    del registry[name]
+                for name, value in saved.items():
+                    if registry.get(name) is not value:
+                        registry[name] = value
+            if module._non_persistent_buffers_set != non_persistent:
+                module._non_persistent_buffers_set = set(non_persistent)
+            module.training = training
         with torch.no_grad():
             for param, data, grad in self.params:
-                _put_back(param, data)
-                param.grad = None if grad is None else _put_back(param.grad, grad)
+                _write_back(param, data)
+                if grad is None:
+                    param.grad = None
+                elif param.grad is not None and param.grad.device == grad.device:
+                    _write_back(param.grad, grad)
+                else:
+                    param.grad = grad.data.to(grad.device, copy=True)
             for buffer, data in self.buffers:
-                _put_back(buffer, data)
-        for module, training in self.modes:
-            module.training = training
+                _write_back(buffer, data)
 
 
 class OptimizerState:
-    """Per-parameter state, param_groups (same dicts) and the step counters schedulers read."""
+    """Per-parameter state, param_groups (same dicts) and the step counters schedulers read.
+
+    The restore never leaves a dict half filled: each parameter's state is built anew and swapped
+    in, and a param group gets its saved values before the keys a step added are dropped.
+    """
 
     _COUNTERS = ("_step_count", "_opt_called")
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.state = {p: _host_copy(dict(s)) for p, s in optimizer.state.items()}
+        self.group_objects = list(optimizer.param_groups)
+        self.group_params = [list(g["params"]) for g in optimizer.param_groups]
         self.groups = [{k: _host_copy(v) for k, v in g.items() if k != "params"}
                        for g in optimizer.param_groups]
         self.counters = {k: getattr(optimizer, k) for k in self._COUNTERS if hasattr(optimizer, k)}
 
     def restore(self) -> None:
         optimizer = self.optimizer
-        for param in list(optimizer.state):
-            if param not in self.state:
-                del optimizer.state[param]
+        for param in [p for p in optimizer.state if p not in self.state]:
+            del optimizer.state[param]
         for param, saved in self.state.items():
-            current = optimizer.state[param]
-            for key in [k for k in current if k not in saved]:
-                del current[key]
+            current = optimizer.state.get(param, {})
+            optimizer.state[param] = {key: _put_back(current.get(key), value)
+                                      for key, value in saved.items()}
+        if [id(g) for g in optimizer.param_groups] != [id(g) for g in self.group_objects]:
+            optimizer.param_groups[:] = self.group_objects
+        for group, params, saved in zip(self.group_objects, self.group_params, self.groups):
+            if [id(p) for p in group["params"]] != [id(p) for p in params]:
+                group["params"] = list(params)
             for key, value in saved.items():
-                current[key] = _put_back(current.get(key), value)
-        for group, saved in zip(optimizer.param_groups, self.groups):
-            params = group["params"]
-            group.clear()
-            group["params"] = params
-            group.update({k: _put_back(None, v) for k, v in saved.items()})
+                group[key] = _put_back(None, value)
+            for key in [k for k in group if k != "params" and k not in saved]:
+                del group[key]
         for key, value in self.counters.items():
             setattr(optimizer, key, value)
 
 
+# NOTE [ A probe off the main thread keeps its hands off the global RNG ]
+# torch has one default generator per device for the whole process. A probe on a background
+# thread (ProbePanel's button) draws from it (make_batch, Dropout) and, restoring it at the end,
+# would rewind whatever the main thread drew meanwhile: ``torch.manual_seed(0); torch.randn(3)``
+# in another cell would change. Dispatch modes are per thread, so ``private_rng()`` pushes one
+# that hands every random op of this thread a private generator, and RngState leaves the torch
+# generators alone on that thread. native_dropout has no generator argument: it is rebuilt from
+# bernoulli_, as PyTorch's own decomposition does.
+_PRIVATE = threading.local()
+
+
+class _PrivateGenerators(TorchDispatchMode):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.seed = seed
+        self.generators: dict[str, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self.generators:
+            self.generators[key] = torch.Generator(device).manual_seed(self.seed)
+        return self.generators[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.ops.aten.native_dropout.default:
+            tensor, p, train = ([*list(args), kwargs.get("train")])[:3]
+            if train is False or p == 0:
+                return tensor.clone(), torch.ones_like(tensor, dtype=torch.bool)
+            mask = torch.empty_like(tensor).bernoulli_(1 - p, generator=self.generator(
+                tensor.device)).bool()
+            return tensor * mask / (1 - p), mask
+        if "generator" not in (a.name for a in func._schema.arguments):
+            # randn.default, randint.low...: their twin overload takes a generator
+            name = func._overloadname
+            twin = "generator" if name == "default" else f"{name}_generator"
+            if not hasattr(func.overloadpacket, twin):
+                return func(*args, **kwargs)
+            func = getattr(func.overloadpacket, twin)
+        if kwargs.get("generator") is None:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)),
+                          torch.device(kwargs.get("device") or "cpu"))
+            kwargs["generator"] = self.generator(device)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def private_rng(seed: int = 0) -> Iterator[None]:
+    """This thread's random ops draw from private generators, and probes leave the global ones
+    alone (see NOTE [ A probe off the main thread keeps its hands off the global RNG ])."""
+    previous = getattr(_PRIVATE, "active", False)
+    _PRIVATE.active = True
+    try:
+        with _PrivateGenerators(seed):
+            yield
+    finally:
+        _PRIVATE.active = previous
+
+
 class RngState:
-    """torch (CPU, CUDA, MPS), Python and numpy (if imported) random generators."""
+    """torch (CPU, CUDA, MPS), Python and numpy (if imported) random generators; the torch ones
+    are left alone under ``private_rng()``."""
 
     def __init__(self) -> None:
         self.torch = torch.get_rng_state()
@@ -119,14 +346,15 @@ class RngState:
         self.numpy = numpy.random.get_state() if numpy is not None else None
 
     def restore(self) -> None:
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        if self.mps is not None:
-            torch.mps.set_rng_state(self.mps)
-        random.setstate(self.python)
-        if self.numpy is not None:
-            sys.modules["numpy"].random.set_state(self.numpy)
+        if not getattr(_PRIVATE, "active", False):  # a background probe rewinds nothing
+            torch.set_rng_state(self.torch)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state_all(self.cuda)
+            if self.mps is not None:
+                torch.mps.set_rng_state(self.mps)
+            random.setstate(self.python)
+            if self.numpy is not None:
+                sys.modules["numpy"].random.set_state(self.numpy)
 
 
 # NOTE [ TF32 flags ]
@@ -182,6 +410,10 @@ def _set_backend_flags(flags: dict[str, Any]) -> None:
             write(flags[name])
 
 
+def _load_state_dict(obj: Any, saved: Any) -> None:
+    obj.load_state_dict(_put_back(None, saved))
+
+
 class TrainingState:
     """Everything a training step can change, snapshotted once and restored as often as needed."""
 
@@ -202,17 +434,19 @@ class TrainingState:
         self.rng = RngState()
         self.flags = _backend_flags()
 
+    @_uninterruptible
     def restore(self) -> None:
+        """Every part, whatever an earlier one raised (see NOTE [ Restoring under Ctrl-C ])."""
+        steps: list[Callable[[], Any]] = []
         if self.model is not None:
-            self.model.restore()
+            steps.append(self.model.restore)
         if self.optimizer is not None:
-            self.optimizer.restore()
-        for obj, saved in self.extras:
-            obj.load_state_dict(_put_back(None, saved))
-        for scaler, stages in self.scaler_stages:
-            scaler._per_optimizer_states = copy.deepcopy(stages)
-        self.rng.restore()
-        _set_backend_flags(self.flags)
+            steps.append(self.optimizer.restore)
+        steps += [functools.partial(_load_state_dict, obj, saved) for obj, saved in self.extras]
+        steps += [functools.partial(setattr, scaler, "_per_optimizer_states",
+                                    copy.deepcopy(stages)) for scaler, stages in self.scaler_stages]
+        steps += [self.rng.restore, functools.partial(_set_backend_flags, self.flags)]
+        restore_all(*steps)
 
 
 @contextmanager
@@ -224,3 +458,72 @@ def preserved(model: torch.nn.Module | None = None, optimizer: torch.optim.Optim
         yield state
     finally:
         state.restore()
+
+
+# NOTE [ Probing in the background ]
+# While a panel probes off the main thread, the notebook stays usable: other cells may evaluate
+# or train the model. So the background probe works on a copy of the model and its optimizer
+# (and scheduler, scaler), made together so the copy's optimizer trains the copy's parameters,
+# whenever the copy fits in the room left; the user's objects are then never touched. A copy
+# cannot be made where it would not fit, and on CUDA it would distort the answer (the original
+# stays resident, so the copy would find a smaller batch size); there the model is *held*:
+# calling it or stepping its optimizer from another thread raises ModelHeldError, and a second
+# probe of the same model waits its turn with an error.
+
+
+class ModelHeldError(RuntimeError):
+    """The model is being probed on another thread; using it now would see half-trained weights."""
+
+
+_HELD: dict[int, str] = {}  # id(model) -> who holds it
+_HELD_LOCK = threading.Lock()
+
+
+def state_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
+    """Bytes of the weights, buffers, gradients and optimizer state: what a copy costs."""
+    tensors = [*model.parameters(), *model.buffers(),
+               *(p.grad for p in model.parameters() if p.grad is not None)]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def copied(*objects: Any) -> tuple[Any, ...]:
+    """Deep copies made together (one memo): the copied optimizer trains the copied model."""
+    copies = copy.deepcopy(objects)
+    for obj in copies:
+        # An LR scheduler wraps optimizer.step in a closure over the *original* optimizer; on
+        # the copy, that would step the user's optimizer. The class's step is the right one.
+        if isinstance(obj, torch.optim.Optimizer):
+            vars(obj).pop("step", None)
+    return copies
+
+
+@contextmanager
+def held(model: torch.nn.Module, optimizer: Any = None, holder: str = "a probe") -> Iterator[None]:
+    """Only this thread may call ``model`` or step ``optimizer`` until the block ends
+    (see NOTE [ Probing in the background ])."""
+    with _HELD_LOCK:
+        if id(model) in _HELD:
+            raise ModelHeldError(f"model should be free to probe, but it is held by "
+                                 f"{_HELD[id(model)]}; wait for it (panel.wait()) first.")
+        _HELD[id(model)] = holder
+    owner = threading.get_ident()
+
+    def refuse(*_: Any) -> None:
+        if threading.get_ident() != owner:
+            raise ModelHeldError(f"the model is being probed by {holder} in the background: "
+                                 f"its weights and modes change until it ends; wait for it "
+                                 f"(panel.wait()) before using the model.")
+
+    handles = [model.register_forward_pre_hook(refuse)]
+    if optimizer is not None:
+        handles.append(optimizer.register_step_pre_hook(refuse))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        with _HELD_LOCK:
+            _HELD.pop(id(model), None)

@@ -58,6 +58,13 @@ DEFAULT_BATCH_SIZE = 32  # for a Dataset given without batch_size
 SETTINGS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "batch_size")
 
 
+def _check_source(source: Any) -> None:
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        raise TypeError(f"loader_or_dataset should be a DataLoader or a Dataset, but got "
+                        f"loader_or_dataset={source!r} (a path); load the files into a "
+                        f"torch.utils.data.Dataset, e.g. torchvision.datasets.ImageFolder(path).")
+
+
 def _source_kwargs(source: Any) -> dict[str, Any]:
     """DataLoader arguments that reproduce ``source`` (a DataLoader) or batch a Dataset."""
     if not isinstance(source, DataLoader):
@@ -182,6 +189,7 @@ def measure_loader(loader_or_dataset: DataLoader | Any, *, num_workers: int = 0,
     >>> measure_loader(data, batch_size=16, max_batches=2).n_batches
     2
     """
+    _check_source(loader_or_dataset)
     check_measure_arguments(num_workers, prefetch_factor, batch_size, duration_s, max_batches)
     loader = make_loader(loader_or_dataset, num_workers=num_workers, pin_memory=pin_memory,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
@@ -251,6 +259,7 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
     >>> report.best.num_workers in (0, 1)
     True
     """
+    _check_source(loader_or_dataset)
     check_tune_arguments(max_workers, duration_s, threshold, batch_size)
     target = resolve_device(device)
     accelerator = target.type not in ("cpu", "mps", "meta")  # where pinned memory helps

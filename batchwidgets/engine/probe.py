@@ -14,17 +14,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Union
 
 import torch
 
+from .._warnings import BatchwidgetsWarning
 from ..results import Attempt, BatchSizeReport, MemorySplit
 from . import _cuda_model, _cuda_sim, _memory, _search, _what_if
 from ._batches import as_batch_maker, forward_and_loss, to_device
 from ._meters import Reading, make_meter
-from ._state import TrainingState
+from ._state import InterruptGuard, TrainingState, restore_home
 from ._trace import OpTrace, PeakModel
 from .accumulate import _suspended
 
@@ -33,6 +35,7 @@ OnStep = Callable[[Attempt], None]
 MakeBatch = Union[Callable[[int], Any], torch.utils.data.Dataset, torch.utils.data.DataLoader,
                   torch.Tensor]
 
+_FLAT = "memory did not grow with the batch size: check make_batch"
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
 _AMP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
         "float16": torch.float16}
@@ -43,21 +46,28 @@ class NoBatchSizeFits(RuntimeError):
 
     def __init__(self, report: BatchSizeReport) -> None:
         self.report = report
-        smallest = min(report.attempts, key=lambda a: a.batch_size)
+        ran_out = [a for a in report.attempts if not _memory.cannot_train_alone(a.error)]
+        smallest = min(ran_out or report.attempts, key=lambda a: a.batch_size)
+        alone = ("; batch_size=1 cannot train this model (BatchNorm needs more than one value "
+                 "per channel)" if len(ran_out) < len(report.attempts) else "")
         budget = (f"a budget of {report.budget_bytes} bytes" if report.budget_bytes
                   else "the whole device")
         peak = (f" (peak {smallest.peak_memory_bytes} bytes or more)"
                 if smallest.peak_memory_bytes else "")
         super().__init__(
             f"No batch size fits: batch_size={smallest.batch_size} ran out of memory on "
-            f"{report.device} with {budget}{peak}. Try amp='bf16' (or 'fp16'), a smaller "
+            f"{report.device} with {budget}{peak}{alone}. Try amp='bf16' (or 'fp16'), a smaller "
             f"micro-batch with gradient accumulation (batchwidgets.accumulate), a larger budget, "
             f"or a smaller model. Last error: {smallest.error}")
 
 
 def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_size: int | None,
                      multiple_of: int, headroom: float, steps_per_trial: int,
-                     start: int | None) -> None:
+                     start: int | None, optimizer: Any = None) -> None:
+    if isinstance(model, type):
+        raise TypeError(f"model should be a model instance or a step(batch_size) function, but "
+                        f"got model={model.__name__} (a class); create it first, e.g. "
+                        f"find_batch({model.__name__}(), ...).")
     if not isinstance(model, torch.nn.Module) and not callable(model):
         raise TypeError(f"model should be a torch.nn.Module or a step(batch_size) callable, "
                         f"but got model={model!r}.")
@@ -65,6 +75,12 @@ def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_siz
         raise TypeError("make_batch is required with a model: pass make_batch(batch_size) -> "
                         "batch, a Dataset, a DataLoader or one example tensor, e.g. "
                         "find_batch(model, torch.randn(3, 32, 32)).")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        name = optimizer.title() if isinstance(optimizer, str) else "Adam"
+        name = name if hasattr(torch.optim, name) else "Adam"
+        raise TypeError(f"optimizer should be a torch.optim.Optimizer, but got "
+                        f"optimizer={optimizer!r}; create it first, e.g. "
+                        f"optimizer=torch.optim.{name}(model.parameters()).")
     if amp is not None and amp not in _AMP:
         raise ValueError(f"amp should be one of {sorted(_AMP)} or None, but got amp={amp!r}.")
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
@@ -91,7 +107,7 @@ def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_siz
 
 def _resolve_device(model: Any, device: torch.device | str | None) -> torch.device:
     if device is not None:
-        return torch.device(device)
+        return _memory.usable_device(device)
     if isinstance(model, torch.nn.Module):
         first = next(model.parameters(), None)
         if first is not None:
@@ -225,7 +241,8 @@ class _Trainer:
                     if self.meter.live_bytes() == before:
                         break  # see NOTE [ A second step only when the first left state behind ]
         except BaseException as error:  # OOM is data; everything else goes to the user as is
-            if not _memory.is_oom(error):
+            if not (_memory.is_oom(error, self.meter.device)
+                    or (batch_size == 1 and _memory.cannot_train_alone(error))):
                 raise
             oom = True
             message = _memory.first_line(error)
@@ -379,7 +396,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     (622, 623)
     """
     _check_arguments(model, make_batch, amp, max_batch_size, multiple_of, headroom,
-                     steps_per_trial, start)
+                     steps_per_trial, start, optimizer)
     if seq_len is not None:
         return _frontier(model, make_batch, seq_len, loss_fn=loss_fn, optimizer=optimizer,
                          device=device, budget=budget, amp=amp, max_batch_size=max_batch_size,
@@ -405,6 +422,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     meter = (_cuda_sim.ProbeMeter(device, None, workspaces=_cuda_sim.target_workspaces(
         planned[0])) if planned is not None else _make_meter(device, budget_bytes))
     make_batch_fn = as_batch_maker(make_batch) if is_module else None
+    guard = InterruptGuard()  # see NOTE [ Restoring under Ctrl-C ] in _state.py
+    search: _Search | None = None
     try:
         with meter.capped():
             # each trial starts from this state: the user's, on the device probed
@@ -426,11 +445,17 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                              traced_only=planned is not None)
             attempts = search.run(on_step, should_stop)
             limit_bytes = search.limit_bytes
+    except BaseException as error:  # its traceback (kept by IPython) must not keep them alive
+        _memory.drop_own_frames(error)
+        raise
     finally:
-        if moved:
-            model.to(home)
-        home_state.restore()
+        failed = restore_home(home_state, model if moved else None, home, guard)
+        home_state = state = trainer = step = None  # the traceback keeps this frame
+        if search is not None:
+            search.trainer = None
         _memory.free_memory(device)
+        if failed is not None:
+            raise failed
     report = _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
                      max_batch_size, ceiling, multiple_of, headroom, search,
                      getattr(make_batch_fn, "description", ""))
@@ -498,6 +523,12 @@ def _report(attempts: list[Attempt], device: torch.device, budget_bytes: int | N
         stop = "nothing fits"
     elif lo >= ceiling:
         stop = "max_batch_size" if max_batch_size else "ceiling"
+        if stop == "ceiling" and _memory.memory_stayed_flat(attempts):
+            stop = f"ceiling: {_FLAT}"
+            warnings.warn(f"find_batch reached its ceiling of {ceiling} samples, but the "
+                          f"step's {_FLAT} (it must return a batch of the size it is given), "
+                          f"or the step allocates nothing on {device}.", BatchwidgetsWarning,
+                          stacklevel=3)
     else:
         stop = "boundary"
     model = search.model if search is not None else None

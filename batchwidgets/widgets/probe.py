@@ -11,16 +11,20 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import html
 import io
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ipywidgets as widgets
 from IPython.display import display
 
 from .. import _html
+from ..engine import _memory, _state
+from ..engine.probe import find_batch
 from ..plots import plot_probe
 from ..results import Attempt, BatchSizeReport, attempts_table
 
@@ -67,6 +71,43 @@ def _attempt_line(attempt: Attempt) -> str:
     outcome = "fits" if attempt.fits else "out of memory"
     return (f"batch size {attempt.batch_size}: {outcome}, peak "
             f"{_html.format_bytes(attempt.peak_memory_bytes)}")
+
+
+def close_tree(widget: widgets.Widget) -> None:
+    """Close a widget, its children, and their layout and style widgets (``close()`` alone
+    leaves all of those open in the kernel)."""
+    for child in getattr(widget, "children", ()):
+        close_tree(child)
+    for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
+        if isinstance(part, widgets.Widget):
+            part.close()
+    widget.close()
+
+
+@contextlib.contextmanager
+def _off_the_main_thread(probe: Probe) -> Iterator[Probe]:
+    """The probe to run on a background thread: on a copy of the model and its optimizer where
+    it fits, else with the model held (see NOTE [ Probing in the background ] in _state.py)."""
+    is_model_probe = (isinstance(probe, functools.partial) and probe.func is find_batch
+                      and probe.args and hasattr(probe.args[0], "parameters"))
+    if not is_model_probe:  # a bare step: only the RNG can be kept apart
+        yield probe
+        return
+    model = probe.args[0]
+    options = dict(probe.keywords)
+    optimizer = options.get("optimizer")
+    first = next(model.parameters(), None)
+    device = _memory.usable_device(options.get("device") or (
+        first.device if first is not None else "cpu"))
+    room = None if device.type == "cuda" else _memory.available_memory_bytes()
+    if room is not None and 2 * _state.state_bytes(model, optimizer) <= room:
+        names = ("optimizer", "scheduler", "scaler")
+        model, *extras = _state.copied(model, *(options.get(name) for name in names))
+        options.update({n: e for n, e in zip(names, extras) if e is not None})
+        yield functools.partial(find_batch, model, *probe.args[1:], **options)
+        return
+    with _state.held(model, optimizer, "a ProbePanel"):
+        yield probe
 
 
 def _summary_table(report: BatchSizeReport) -> str:
@@ -187,8 +228,9 @@ class ProbePanel(ShowsReport, widgets.VBox):
 
     # -- one user action -> one engine call ---------------------------------------------------
 
-    def _probe(self) -> BatchSizeReport:
-        if self.probe is None:
+    def _probe(self, probe: Probe | None = None) -> BatchSizeReport:
+        probe = probe or self.probe
+        if probe is None:
             raise ValueError("ProbePanel(probe=...) is needed to probe, e.g. "
                              "ProbePanel(probe=functools.partial(find_batch, model, dataset)).")
         options: dict[str, Any] = {"on_step": self.on_step}
@@ -196,7 +238,7 @@ class ProbePanel(ShowsReport, widgets.VBox):
             options["headroom"] = self.headroom.value
         self._begin()
         try:
-            report = self.probe(**options)
+            report = probe(**options)
         except BaseException as error:
             self._fail(error)
             raise
@@ -205,12 +247,25 @@ class ProbePanel(ShowsReport, widgets.VBox):
 
     def run(self) -> BatchSizeReport:
         """Display the panel and probe on this thread, with live progress (used by the magic)."""
-        handle = display(self._repr_mimebundle_(), raw=True, display_id=True)
+        handle = self._handle = display(self._repr_mimebundle_(), raw=True, display_id=True)
         try:
             return self._probe()
         finally:  # the saved notebook keeps the final static view (nbviewer, GitHub)
             if handle is not None:  # None outside IPython
                 handle.update(self._repr_mimebundle_(), raw=True)
+
+    def close(self) -> None:
+        """Close the panel and every widget in it; its output keeps the static report."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            bundle = self._repr_mimebundle_()
+            bundle.pop(WIDGET_VIEW)
+            handle.update(bundle, raw=True)
+        for child in self.children:
+            close_tree(child)
+        for part in (self.layout,):
+            part.close()
+        super().close()
 
     def start(self) -> threading.Thread:
         """Probe off the kernel's main thread (what the "Probe" button does)."""
@@ -222,8 +277,12 @@ class ProbePanel(ShowsReport, widgets.VBox):
         return self.thread
 
     def _probe_in_background(self) -> None:
-        try:
-            self._probe()
+        try:  # the global RNG and the user's model stay the main thread's
+            with _state.private_rng(), _off_the_main_thread(self.probe) as probe:
+                self._probe(probe)
+        except _state.ModelHeldError as error:  # another panel probes this model now
+            self._fail(error)
+            self.error = error
         except BaseException as error:  # shown in the panel; wait() raises it
             error.__traceback__ = None  # its frames would keep the step's tensors alive
             self.error = error
