@@ -16,6 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
 from .engine import parse_bytes
+from .engine._cuda_sim import parse_target
 from .engine.noise_tracker import NoiseTracker
 from .results import BatchSizeReport
 
@@ -125,6 +126,24 @@ def budget_size(text: str) -> str:
     except (TypeError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text  # find_batch parses it again, exactly as when called with the string
+
+
+def lengths(text: str) -> list[int]:
+    """``--seq-len 128,256,512`` -> [128, 256, 512]."""
+    parts = [part.strip() for part in text.split(",")]
+    if not parts or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"should be sequence lengths such as 128,256,512, but "
+                                         f"got {text!r}.")
+    return [int(part) for part in parts]
+
+
+def gpu_target(text: str) -> str:
+    """``--target T4`` or ``--target 24GiB``: checked now, as find_batch will read it."""
+    try:
+        parse_target(text)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def example_shape(text: str) -> tuple[int, ...]:

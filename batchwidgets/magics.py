@@ -33,6 +33,8 @@ from ._notebook import (
     example_shape,
     find_one,
     fraction,
+    gpu_target,
+    lengths,
     noise_tracker,
     parse,
     positive_int,
@@ -49,7 +51,7 @@ from .widgets.noise import NoisePanel
 
 # find_batch options given as values (the rest name objects in the notebook; see _notebook.py)
 _VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "headroom",
-                  "steps_per_trial", "start")
+                  "steps_per_trial", "start", "seq_len", "target")
 _NAMED_OPTIONS = {"loss_fn": "--loss-fn", "optimizer": "--optimizer",
                   "scheduler": "--scheduler", "scaler": "--scaler"}
 
@@ -80,6 +82,8 @@ def _probe(shell: Any, args: argparse.Namespace) -> functools.partial:
                     for name, flag in _NAMED_OPTIONS.items() if getattr(args, name) is not None})
     if args.num_classes is not None:
         options.setdefault("loss_fn", torch.nn.functional.cross_entropy)
+    if args.what_if:
+        options["what_if"] = True
     _check(model, make_batch, options)
     return functools.partial(find_batch, model, make_batch, **options)
 
@@ -251,6 +255,14 @@ class BatchMagics(Magics):
     @argument("--num-classes", type=positive_int, metavar="N",
               help="with --input-shape: random labels in [0, N) too, and cross-entropy as the "
                    "loss unless --loss-fn is given")
+    @argument("--seq-len", type=lengths, metavar="N,N,...",
+              help="sequence lengths, e.g. 128,256,512: MAKE_BATCH is make_batch(batch_size, "
+                   "seq_len) and the report's frontier maps each length to its largest batch")
+    @argument("--target", type=gpu_target, metavar="GPU",
+              help="predict for a GPU that is not here: T4, L4, A10G, V100-16GB, A100-40GB, "
+                   "A100-80GB, H100-80GB, H200, or a size such as 24GiB (predicted, not run)")
+    @argument("--what-if", action="store_true",
+              help="also probe under bf16, fp16, SGD and foreach=False (report.what_if)")
     @argument("-q", "--quiet", action="store_true",
               help="no panel: only the static report (a trailing ';' shows nothing)")
     @line_magic
@@ -270,6 +282,8 @@ class BatchMagics(Magics):
 
           %find_batch model train_dataset --budget 16GiB --amp bf16
           %find_batch model --input-shape 3,32,32 --num-classes 10 --optimizer opt
+          %find_batch model make_tokens --seq-len 128,256,512 --budget 16GiB
+          %find_batch model train_dataset --target T4 --what-if
           report = %find_batch model make_batch --headroom 0.8 -q
         """
         line, silenced = _without_semicolon(line)

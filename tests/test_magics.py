@@ -71,6 +71,37 @@ def test_magic_and_function_give_equal_reports(ip, line, options):
     assert by_magic.headroom == options.get("headroom", 0.9)
 
 
+def sequences(batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, seq_len, 16), torch.randint(0, 4, (batch_size, seq_len))
+
+
+def per_token_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def test_seq_len_target_and_what_if_flags_equal_the_function(ip):
+    ip.push({"sequences": sequences, "per_token_loss": per_token_loss})
+    by_magic = ip.run_line_magic(
+        "find_batch", "model sequences --loss-fn per_token_loss --budget 256KiB --seq-len 4,8 -q")
+    by_function = bw.find_batch(ip.user_ns["model"], sequences, loss_fn=per_token_loss,
+                                budget=BUDGET, seq_len=[4, 8])
+    assert by_magic.frontier == by_function.frontier
+    assert by_magic.frontier[4] > by_magic.frontier[8]
+    planned = ip.run_line_magic("find_batch", "model make_batch --loss-fn loss_fn --target T4 -q")
+    assert planned.target == "T4"
+    assert planned.max_batch_size == bw.find_batch(
+        ip.user_ns["model"], make_batch, loss_fn=nn.functional.cross_entropy,
+        target="T4").max_batch_size
+    with_rows = ip.run_line_magic(
+        "find_batch", "model make_batch --loss-fn loss_fn --budget 256KiB --what-if -q")
+    assert any(row.measured for row in with_rows.what_if)
+    for flags, fragment in [("--seq-len 0,4", "--seq-len"), ("--target TPU", "--target")]:
+        with pytest.raises(UsageError, match=fragment):
+            ip.run_line_magic("find_batch", f"model make_batch {flags} -q")
+    ip.user_ns.pop("sequences")
+    ip.user_ns.pop("per_token_loss")
+
+
 @pytest.mark.parametrize("source", ["dataset", "loader", "tensor"])
 def test_make_batch_may_name_a_dataset_a_dataloader_or_a_tensor(ip, source):
     dataset = torch.utils.data.TensorDataset(*make_batch(64))
@@ -107,7 +138,7 @@ def test_a_step_function_needs_no_make_batch(ip):
 def test_every_find_batch_option_is_a_flag(ip):
     manual = ip.find_line_magic("find_batch").__doc__
     options = [p for p in inspect.signature(bw.find_batch).parameters
-               if p not in ("model", "make_batch", "on_step")]
+               if p not in ("model", "make_batch", "on_step", "should_stop")]  # callables
     assert [o for o in options if f"--{o.replace('_', '-')}" not in manual] == []
     assert "batchwidgets.find_batch" in manual
     assert "--input-shape" in manual

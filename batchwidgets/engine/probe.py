@@ -402,7 +402,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                          device=device, budget=budget, amp=amp, max_batch_size=max_batch_size,
                          multiple_of=multiple_of, headroom=headroom, scheduler=scheduler,
                          scaler=scaler, steps_per_trial=steps_per_trial, start=start,
-                         on_step=on_step, should_stop=should_stop, what_if=what_if)
+                         on_step=on_step, should_stop=should_stop, what_if=what_if,
+                         target=target)
     budget_bytes = _memory.parse_bytes(budget, "budget")
     device = _resolve_device(model, device)
     planned = _cuda_sim.parse_target(target) if target is not None else None
