@@ -167,3 +167,51 @@ def test_the_button_runs_the_real_find_batch():
     direct = bw.find_batch(model, make_batch, **options)
     without_times = [dataclasses.replace(a, step_time_s=None) for a in report.attempts]
     assert without_times == [dataclasses.replace(a, step_time_s=None) for a in direct.attempts]
+
+
+def tiny_probe_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def vectors(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+
+
+def test_the_stop_button_ends_the_probe_with_what_it_found():
+    model = tiny_probe_model()
+    panel: ProbePanel
+
+    def probe(on_step, **options):
+        def step(attempt: Attempt) -> None:
+            on_step(attempt)
+            panel.stop_button.click()  # the user clicks Stop after the first size
+        return bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy,
+                             budget="256KiB", on_step=step, **options)
+
+    panel = ProbePanel(probe=probe)
+    report = panel.run()
+    assert report.stop_reason == "stopped"
+    assert report.n_attempts == 1
+    assert panel.stop_button.disabled
+
+
+def test_choosing_a_target_runs_one_predicted_probe_and_the_details_show_the_rows():
+    model = tiny_probe_model()
+    panel = ProbePanel(probe=functools.partial(bw.find_batch, model, vectors,
+                                               loss_fn=nn.functional.cross_entropy,
+                                               budget="256KiB"))
+    report = panel.run()
+    assert "what if" in panel.details.value  # the predicted rows of every report
+    assert "memory at the peak" in panel.details.value
+    panel.target.value = "T4"
+    predicted = panel.wait(WAIT_S)
+    assert predicted.target == "T4"
+    assert "predicted, not run" in panel.status.value
+    assert predicted.max_batch_size > report.max_batch_size
+    panel.close()
+
+
+def test_a_probe_that_takes_no_target_keeps_the_selector_off():
+    panel = ProbePanel(probe=lambda on_step, headroom=0.9: REPORT)
+    assert panel.target.disabled

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import html
+import inspect
 import io
 import threading
 from collections.abc import Callable, Iterator
@@ -110,6 +111,37 @@ def _off_the_main_thread(probe: Probe) -> Iterator[Probe]:
         yield probe
 
 
+TARGETS = ("this device", "T4", "L4", "A10G", "V100-16GB", "V100-32GB", "A100-40GB",
+           "A100-80GB", "H100-80GB", "H200")
+
+
+def _accepts(probe: Probe, name: str) -> bool:
+    """Whether ``probe`` takes the keyword ``name`` (find_batch does; a user's callable may not)."""
+    try:
+        parameters = inspect.signature(probe).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def _details_html(report: BatchSizeReport) -> str:
+    """The what-if table, where the memory goes, and the length frontier, where the report has
+    them (the report's own tables)."""
+    parts = []
+    if report.what_if:
+        parts.append(_html.table([row.row() for row in report.what_if], caption="what if",
+                                 header=("change", "max batch size", "how", "samples/s",
+                                         "cost")))
+    if report.memory_split is not None:
+        parts.append(report.memory_split._repr_html_())
+    if report.frontier:
+        parts.append(_html.table([(n, b, t) for (n, b), t in zip(
+            report.frontier.items(), report.frontier_tokens.values())],
+            caption="largest batch at each sequence length",
+            header=("sequence length", "batch size", "tokens per batch")))
+    return "".join(parts)
+
+
 def _summary_table(report: BatchSizeReport) -> str:
     return _html.table([
         ("max_batch_size", report.max_batch_size),
@@ -153,6 +185,14 @@ class ProbePanel(ShowsReport, widgets.VBox):
         self._lock = threading.RLock()  # the slider's observer may render inside render
         self.probe_button = widgets.Button(description="Probe", disabled=probe is None,
                                            tooltip="run find_batch again (off the main thread)")
+        self._stop = threading.Event()
+        self.stop_button = widgets.Button(description="Stop", disabled=True,
+                                          tooltip="end the probe with what it found so far")
+        self.target = widgets.Dropdown(
+            options=TARGETS, value="this device", description="target",
+            disabled=probe is None or not _accepts(probe, "target"),
+            tooltip="predict for a GPU that is not here (traced on the CPU, not run)")
+        self.details = widgets.HTML()
         self.progress = widgets.IntProgress(value=0, min=0, max=EXPECTED_ATTEMPTS,
                                             description="attempts")
         self.status = widgets.Label(value="ready" if report is None else "")
@@ -165,11 +205,14 @@ class ProbePanel(ShowsReport, widgets.VBox):
         self.code = widgets.Text(value="", description="code",
                                  layout=widgets.Layout(width="28em"))
         self.probe_button.on_click(self._on_probe_click)
+        self.stop_button.on_click(self._on_stop_click)
         self.headroom.observe(self._on_headroom, names="value")
+        self.target.observe(self._on_target, names="value")
         super().__init__(children=[
-            widgets.HBox([self.probe_button, self.progress, self.status]),
+            widgets.HBox([self.probe_button, self.stop_button, self.progress, self.status]),
             self.plot,
-            widgets.HBox([self.summary, widgets.VBox([self.headroom, self.code])]),
+            widgets.HBox([self.summary, widgets.VBox([self.headroom, self.code, self.target])]),
+            self.details,
             self.attempts,
         ])
         # CSS classes name the parts for stylesheets and browser tests (tests/browser)
@@ -177,7 +220,9 @@ class ProbePanel(ShowsReport, widgets.VBox):
         for widget, part in [(self.probe_button, "button"), (self.progress, "progress"),
                              (self.status, "status"), (self.plot, "plot"),
                              (self.summary, "summary"), (self.headroom, "headroom"),
-                             (self.code, "code"), (self.attempts, "attempts")]:
+                             (self.code, "code"), (self.attempts, "attempts"),
+                             (self.stop_button, "stop"), (self.target, "target"),
+                             (self.details, "details")]:
             widget.add_class(f"batchwidgets-probe-{part}")
         if report is not None:
             self.render(report)
@@ -191,6 +236,7 @@ class ProbePanel(ShowsReport, widgets.VBox):
             self.plot.value = _png(report)
             self.summary.value = _summary_table(report)
             self.attempts.value = attempts_table(report.attempts)
+            self.details.value = _details_html(report)
             self.code.value = f"DataLoader(dataset, batch_size={report.recommended_batch_size})"
             self.headroom.min = min(self.headroom.min, report.headroom)
             self.headroom.value = report.headroom
@@ -199,6 +245,7 @@ class ProbePanel(ShowsReport, widgets.VBox):
             self.progress.bar_style = "success" if report.max_batch_size else "danger"
             self.status.value = report.summary()
             self.probe_button.disabled = self.probe is None
+            self.stop_button.disabled = True
 
     def on_step(self, attempt: Attempt) -> None:
         """Progress from the engine (``find_batch(on_step=...)``): cheap, thread-safe."""
@@ -216,6 +263,8 @@ class ProbePanel(ShowsReport, widgets.VBox):
         self.status.value = "probing..."
         self.probe_button.disabled = True
         self.headroom.disabled = True
+        self._stop.clear()
+        self.stop_button.disabled = False
 
     def _fail(self, error: BaseException) -> None:
         failed = getattr(error, "report", None)  # NoBatchSizeFits carries every attempt
@@ -224,6 +273,7 @@ class ProbePanel(ShowsReport, widgets.VBox):
         self.progress.bar_style = "danger"
         self.status.value = f"{type(error).__name__}: {str(error).strip()}"
         self.probe_button.disabled = self.probe is None
+        self.stop_button.disabled = True
         self.headroom.disabled = self.report is None or self.report.max_batch_size == 0
 
     # -- one user action -> one engine call ---------------------------------------------------
@@ -236,6 +286,10 @@ class ProbePanel(ShowsReport, widgets.VBox):
         options: dict[str, Any] = {"on_step": self.on_step}
         if self.report is not None:  # probing again keeps the headroom the user chose
             options["headroom"] = self.headroom.value
+        if _accepts(probe, "should_stop"):
+            options["should_stop"] = self._stop.is_set
+        if self.target.value != "this device":
+            options["target"] = self.target.value
         self._begin()
         try:
             report = probe(**options)
@@ -297,6 +351,15 @@ class ProbePanel(ShowsReport, widgets.VBox):
 
     def _on_probe_click(self, _button: widgets.Button) -> None:
         self.start()
+
+    def _on_stop_click(self, _button: widgets.Button) -> None:
+        self._stop.set()
+        self.status.value = "stopping after this size..."
+
+    def _on_target(self, change: dict) -> None:
+        """A target chosen: one probe, predicted for it (off the main thread)."""
+        if change["new"] != change["old"] and self.probe is not None:
+            self.start()
 
     def _on_headroom(self, change: dict) -> None:
         report = self.report
