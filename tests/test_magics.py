@@ -479,7 +479,8 @@ def test_repeated_find_batch_panels_do_not_leave_widgets_open(ip):
     from ipywidgets.widgets import widget
     ip.kernel = object()  # a front end that shows widgets
     try:
-        line = "model make_batch --optimizer opt --budget 64KiB --max-batch-size 8"
+        line = ("model make_batch --optimizer opt --loss-fn loss_fn --budget 64KiB "
+                "--max-batch-size 8")
         for _ in range(5):
             ip.run_line_magic("find_batch", line)
         open_after_5 = len(widget._instances)
@@ -496,11 +497,12 @@ def test_repeated_find_batch_panels_do_not_leave_widgets_open(ip):
 def test_accumulate_batch_size_refuses_a_report_made_for_another_model(ip, data):
     other = nn.Linear(16, 4)
     ip.push({"other": other, "other_data": make_batch})
-    ip.user_ns["_"] = ip.run_line_magic("find_batch", "other other_data --budget 256KiB -q")
+    ip.user_ns["_"] = ip.run_line_magic("find_batch", "other other_data --loss-fn loss_fn "
+                                                     "--budget 256KiB -q")
     with pytest.raises(UsageError, match="was not made by %find_batch for this cell's model"):
         ip.run_cell_magic("accumulate", "--batch-size 64", LOOP)
     ip.user_ns["_"] = ip.run_line_magic("find_batch", "model make_batch --optimizer opt "
-                                                     "--budget 256KiB -q")
+                                                     "--loss-fn loss_fn --budget 256KiB -q")
     report = ip.run_cell_magic("accumulate", "--batch-size 64", LOOP)
     assert report is not None
     for name in ("other", "other_data"):

@@ -54,7 +54,10 @@ def _saving_activations(tracker: TracingTracker | None) -> Any:
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         tracker.mark(tensor, "activation")
-        return tensor
+        # The same storage without its grad_fn: packing the tensor itself would make a cycle
+        # (node -> saved output -> its grad_fn -> node) that Python's collector cannot see, and
+        # every probed step's activations would outlive it.
+        return tensor.detach()
 
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
 
@@ -87,7 +90,7 @@ class TracingTracker(_memory.TensorMemoryTracker):
             if serial is not None:
                 self.categories.setdefault(serial, category)
 
-    def record_parts(self, top_modules: int = 3) -> None:
+    def record_parts(self, top_modules: int = 8) -> None:
         """Per op, the live bytes of the optimizer state and of the activations saved by each of
         the ``top_modules`` modules that save the most (a sweep over the lifetimes)."""
         n = len(self.trace.live)

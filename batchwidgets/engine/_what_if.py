@@ -22,6 +22,7 @@ import torch
 from ..results import BatchSizeReport, WhatIf
 from ._trace import OpTrace, PeakModel
 
+CHECKPOINT_ROWS = 3  # activation checkpointing of the blocks that save the most
 COSTS = {
     "sgd": "no optimizer state; plain SGD usually needs a retuned learning rate and more steps "
            "than Adam to reach the same loss",
@@ -63,14 +64,16 @@ def predicted(model: PeakModel, limit_bytes: int, *, multiple_of: int, ceiling: 
         rows.append(WhatIf("SGD without momentum (no optimizer state)",
                            _largest(small.without("optimizer"), large.without("optimizer"), model,
                                     limit_bytes, multiple_of, ceiling), False, COSTS["sgd"]))
-    for part in large.parts:
+    blocks = [part for part in large.parts  # largest first (see TracingTracker.record_parts)
+              if part.startswith("activation of ") and part in small.parts
+              and part.removeprefix("activation of ") in modules][:CHECKPOINT_ROWS]
+    for part in blocks:
         module = part.removeprefix("activation of ")
-        if part.startswith("activation of ") and module in modules:
-            kind = f" ({modules[module]})" if isinstance(modules, Mapping) else ""
-            rows.append(WhatIf(f"checkpoint {module}{kind}",
-                               _largest(_checkpointed(small, module), _checkpointed(large, module),
-                                        model, limit_bytes, multiple_of, ceiling),
-                               False, COSTS["checkpoint"]))
+        kind = f" ({modules[module]})" if isinstance(modules, Mapping) else ""
+        rows.append(WhatIf(f"checkpoint {module}{kind}",
+                           _largest(_checkpointed(small, module), _checkpointed(large, module),
+                                    model, limit_bytes, multiple_of, ceiling),
+                           False, COSTS["checkpoint"]))
     return rows
 
 
