@@ -278,8 +278,9 @@ class OptimizerState:
 # thread (ProbePanel's button) draws from it (make_batch, Dropout) and, restoring it at the end,
 # would rewind whatever the main thread drew meanwhile: ``torch.manual_seed(0); torch.randn(3)``
 # in another cell would change. Dispatch modes are per thread, so ``private_rng()`` pushes one
-# that hands every random op of this thread a private generator, and RngState leaves the torch
-# generators alone on that thread. native_dropout has no generator argument: it is rebuilt from
+# that hands every random op of this thread a private generator, and RngState restores none of
+# the global generators (torch, Python, numpy) on that thread: a make_batch drawing from Python's
+# or numpy's global generator still moves them, which no mode can redirect. native_dropout has no generator argument: it is rebuilt from
 # bernoulli_, as PyTorch's own decomposition does.
 _PRIVATE = threading.local()
 
@@ -333,8 +334,8 @@ def private_rng(seed: int = 0) -> Iterator[None]:
 
 
 class RngState:
-    """torch (CPU, CUDA, MPS), Python and numpy (if imported) random generators; the torch ones
-    are left alone under ``private_rng()``."""
+    """torch (CPU, CUDA, MPS), Python and numpy (if imported) random generators; none of them is
+    written back under ``private_rng()``."""
 
     def __init__(self) -> None:
         self.torch = torch.get_rng_state()
