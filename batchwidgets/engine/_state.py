@@ -280,8 +280,8 @@ class OptimizerState:
 # in another cell would change. Dispatch modes are per thread, so ``private_rng()`` pushes one
 # that hands every random op of this thread a private generator, and RngState restores none of
 # the global generators (torch, Python, numpy) on that thread: a make_batch drawing from Python's
-# or numpy's global generator still moves them, which no mode can redirect. native_dropout has no generator argument: it is rebuilt from
-# bernoulli_, as PyTorch's own decomposition does.
+# or numpy's global generator still moves them, which no mode can redirect. native_dropout has
+# no generator argument: it is rebuilt from bernoulli_, as PyTorch's own decomposition does.
 _PRIVATE = threading.local()
 
 
