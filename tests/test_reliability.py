@@ -24,7 +24,7 @@ from torch import nn
 
 import batchwidgets as bw
 from batchwidgets._warnings import BatchwidgetsWarning
-from batchwidgets.engine import _state
+from batchwidgets.engine import _background, _state
 from batchwidgets.engine._memory import TensorMemoryTracker
 
 MIB = 2**20
@@ -691,10 +691,10 @@ def test_without_room_for_a_copy_the_model_is_held_and_one_probe_runs_at_a_time(
     first.on_step = lambda attempt, original=first.on_step: (started.set(), original(attempt))
     first.start()
     assert started.wait(60)
-    with pytest.raises(_state.ModelHeldError, match="being probed by a ProbePanel"):
+    with pytest.raises(_background.ModelHeldError, match="being probed by a ProbePanel"):
         model(x)
     second.start()
-    with pytest.raises(_state.ModelHeldError, match="held by a ProbePanel"):
+    with pytest.raises(_background.ModelHeldError, match="held by a ProbePanel"):
         second.wait()
     assert "ModelHeldError" in second.status.value
     assert first.wait().max_batch_size > 0

@@ -24,7 +24,7 @@ import ipywidgets as widgets
 from IPython.display import display
 
 from .. import _html
-from ..engine import _memory, _state
+from ..engine import _background, _memory
 from ..engine.probe import find_batch
 from ..plots import plot_probe
 from ..results import Attempt, BatchSizeReport, attempts_table
@@ -88,7 +88,7 @@ def close_tree(widget: widgets.Widget) -> None:
 @contextlib.contextmanager
 def _off_the_main_thread(probe: Probe) -> Iterator[Probe]:
     """The probe to run on a background thread: on a copy of the model and its optimizer where
-    it fits, else with the model held (see NOTE [ Probing in the background ] in _state.py)."""
+    it fits, else with the model held (NOTE [ Probing in the background ], engine/_background)."""
     is_model_probe = (isinstance(probe, functools.partial) and probe.func is find_batch
                       and probe.args and hasattr(probe.args[0], "parameters"))
     if not is_model_probe:  # a bare step: only the RNG can be kept apart
@@ -101,13 +101,13 @@ def _off_the_main_thread(probe: Probe) -> Iterator[Probe]:
     device = _memory.usable_device(options.get("device") or (
         first.device if first is not None else "cpu"))
     room = None if device.type == "cuda" else _memory.available_memory_bytes()
-    if room is not None and 2 * _state.state_bytes(model, optimizer) <= room:
+    if room is not None and 2 * _background.state_bytes(model, optimizer) <= room:
         names = ("optimizer", "scheduler", "scaler")
-        model, *extras = _state.copied(model, *(options.get(name) for name in names))
+        model, *extras = _background.copied(model, *(options.get(name) for name in names))
         options.update({n: e for n, e in zip(names, extras) if e is not None})
         yield functools.partial(find_batch, model, *probe.args[1:], **options)
         return
-    with _state.held(model, optimizer, "a ProbePanel"):
+    with _background.held(model, optimizer, "a ProbePanel"):
         yield probe
 
 
@@ -332,9 +332,9 @@ class ProbePanel(ShowsReport, widgets.VBox):
 
     def _probe_in_background(self) -> None:
         try:  # the global RNG and the user's model stay the main thread's
-            with _state.private_rng(), _off_the_main_thread(self.probe) as probe:
+            with _background.private_rng(), _off_the_main_thread(self.probe) as probe:
                 self._probe(probe)
-        except _state.ModelHeldError as error:  # another panel probes this model now
+        except _background.ModelHeldError as error:  # another panel probes this model now
             self._fail(error)
             self.error = error
         except BaseException as error:  # shown in the panel; wait() raises it
