@@ -20,6 +20,7 @@ Private, in the order a newcomer meets them:
 - ``_cuda_sim.py``       a simulated CUDA device over CPU tensors; GPU targets (target="T4")
 - ``_memory.py``         OOM detection, budget parsing, the tensor-memory tracker
 - ``_state.py``          bit-exact snapshot and restore of model, optimizer, RNGs, flags
+- ``_background.py``     a panel's background probe: private RNG, a copy or a held model
 - ``_noise_estimate.py`` the NoiseTracker's estimators and their error bars
 - ``_noise_moments.py``  measure_noise's running sums and the jackknife of its error bars
 - ``_schedule.py``       the batch-size schedule from the noise scale; sampling the tracker
