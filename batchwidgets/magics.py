@@ -53,7 +53,7 @@ from .widgets.noise import NoisePanel
 _VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "headroom",
                   "steps_per_trial", "start", "seq_len", "target")
 _NAMED_OPTIONS = {"loss_fn": "--loss-fn", "optimizer": "--optimizer",
-                  "scheduler": "--scheduler", "scaler": "--scaler"}
+                  "scheduler": "--scheduler", "scaler": "--scaler", "step": "--step"}
 
 
 def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:
@@ -66,9 +66,11 @@ def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:
     if args.num_classes is not None:
         raise UsageError("--num-classes goes with --input-shape (synthetic batches), e.g. "
                          "--input-shape 3,32,32 --num-classes 10.")
-    if args.make_batch is None and isinstance(model, torch.nn.Module):
+    if args.make_batch is None and isinstance(model, torch.nn.Module) and args.step is None:
         raise UsageError(f"MAKE_BATCH is needed with a model (or --input-shape 3,32,32 for "
                          f"synthetic batches); {available(shell, 'MAKE_BATCH')}.")
+    if args.make_batch is None:
+        return None
     return resolve(shell, args.make_batch, "MAKE_BATCH")
 
 
@@ -84,7 +86,7 @@ def _probe(shell: Any, args: argparse.Namespace) -> functools.partial:
         options.setdefault("loss_fn", torch.nn.functional.cross_entropy)
     if args.what_if:
         options["what_if"] = True
-    _check(model, make_batch, options)
+    _check(options.get("step", model), make_batch, options)
     return functools.partial(find_batch, model, make_batch, **options)
 
 
@@ -255,6 +257,9 @@ class BatchMagics(Magics):
     @argument("--num-classes", type=positive_int, metavar="N",
               help="with --input-shape: random labels in [0, N) too, and cross-entropy as the "
                    "loss unless --loss-fn is given")
+    @argument("--step", metavar="NAME",
+              help="your own step(batch_size) that trains MODEL: MODEL is then protected and "
+                   "counted (leave MAKE_BATCH out)")
     @argument("--seq-len", type=lengths, metavar="N,N,...",
               help="sequence lengths, e.g. 128,256,512: MAKE_BATCH is make_batch(batch_size, "
                    "seq_len) and the report's frontier maps each length to its largest batch")

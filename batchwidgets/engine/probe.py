@@ -61,6 +61,19 @@ class NoBatchSizeFits(RuntimeError):
             f"or a smaller model. Last error: {smallest.error}")
 
 
+def _check_step(model: Any, make_batch: Any, step: Any, seq_len: Any) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model should be the torch.nn.Module that step trains, when step= is "
+                        f"given, but got model={model!r}; call find_batch(model, step=my_step, "
+                        f"optimizer=optimizer), or find_batch(my_step) without a model.")
+    if not callable(step):
+        raise TypeError(f"step should be a step(batch_size) function, but got step={step!r}.")
+    if make_batch is not None or seq_len is not None:
+        raise TypeError("make_batch and seq_len should be left out with step=: the step makes its "
+                        "own batches; call find_batch(model, step=my_step, optimizer=optimizer).")
+    return model
+
+
 def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_size: int | None,
                      multiple_of: int, headroom: float, steps_per_trial: int,
                      start: int | None, optimizer: Any = None) -> None:
@@ -130,7 +143,9 @@ def _state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimiz
     if model is not None:
         tensors += [*model.parameters(), *model.buffers()]
         tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    if optimizer is not None:
+    if optimizer is not None:  # a bare step's weights count too (the tracker counts each once)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        tensors += params + [p.grad for p in params if p.grad is not None]
         tensors += [dict(s) for s in optimizer.state.values()]
     return tensors
 
@@ -313,7 +328,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                on_step: OnStep | None = None,
                should_stop: Callable[[], bool] | None = None,
                seq_len: Sequence[int] | None = None,
-               what_if: bool = False, target: str | int | None = None) -> BatchSizeReport:
+               what_if: bool = False, target: str | int | None = None,
+               step: Step | None = None) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -372,6 +388,11 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         at two small sizes on the CPU and replayed through a model of the CUDA caching allocator
         (workspaces included) under the target's memory less the CUDA context; the answer is
         *predicted, not run*, and says so (``stop_reason``, ``summary()``, ``target_band``).
+    step : callable, optional
+        ``find_batch(model, step=my_step, optimizer=optimizer)``: your own ``step(batch_size)``
+        trains ``model``, which is then protected (weights, buffers, gradients, modes restored)
+        and counted in the budget, as in the model form. ``find_batch(my_step)`` alone cannot
+        see the model: pass ``optimizer=`` at least, so its parameters are restored and counted.
     what_if : bool
         Also probe with each change the user could make (bf16, fp16, SGD, ``foreach=False``) and
         list the largest batch under each in ``report.what_if``, measured. Rows the per-op model
@@ -395,6 +416,9 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     >>> report.max_batch_size, report.first_oom_batch_size
     (622, 623)
     """
+    protected: torch.nn.Module | None = None  # the model a bare step= trains
+    if step is not None:
+        protected, model = _check_step(model, make_batch, step, seq_len), step
     _check_arguments(model, make_batch, amp, max_batch_size, multiple_of, headroom,
                      steps_per_trial, start, optimizer)
     if seq_len is not None:
@@ -405,7 +429,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
                          on_step=on_step, should_stop=should_stop, what_if=what_if,
                          target=target)
     budget_bytes = _memory.parse_bytes(budget, "budget")
-    device = _resolve_device(model, device)
+    device = _resolve_device(model if protected is None else protected, device)
     planned = _cuda_sim.parse_target(target) if target is not None else None
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ]
         device, budget_bytes = torch.device("cpu"), None
@@ -417,7 +441,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         start = min(max(multiple_of, 2), ceiling)  # see NOTE [ Why the probe starts at 2 ]
 
     extras = (scheduler, scaler)
-    home_state = TrainingState(model if is_module else None, optimizer, extras)
+    owner = model if is_module else protected  # whose weights, buffers and modes come back
+    home_state = TrainingState(owner, optimizer, extras)
     moved = is_module and _resolve_device(model, None) != device
     home = _resolve_device(model, None) if is_module else device
     meter = (_cuda_sim.ProbeMeter(device, None, workspaces=_cuda_sim.target_workspaces(
@@ -437,8 +462,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
             else:
                 step = model
             trainer = _Trainer(step, meter, state, steps_per_trial,
-                               lambda: _state_tensors(model if is_module else None, optimizer),
-                               _Marks(model if is_module else None, optimizer))
+                               lambda: _state_tensors(owner, optimizer), _Marks(owner, optimizer))
             limit_bytes = _agree_limit(meter.limit_bytes)
             meter.warm_up()
             search = _Search(trainer, meter, start=start, multiple_of=multiple_of,
@@ -464,8 +488,8 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
         return _planned(report, search, *planned)
     rows = []
     if search.model is not None and limit_bytes is not None:
-        modules = ({name: type(module).__name__ for name, module in model.named_modules() if name}
-                   if is_module else {})
+        modules = ({name: type(module).__name__ for name, module in owner.named_modules() if name}
+                   if owner is not None else {})
         rows += _what_if.predicted(search.model, limit_bytes - search.overhead_bytes,
                                    multiple_of=multiple_of, ceiling=ceiling, modules=modules)
     if what_if and is_module:
