@@ -373,3 +373,27 @@ def test_what_if_rows_measured_equal_a_probe_with_the_change_and_predictions_mat
     assert any(name.startswith("checkpoint layer") for name, _ in rows)
     assert all(row.cost for row in report.what_if)
     assert "what if" in report._repr_html_()
+
+
+def test_a_bare_step_counts_and_restores_the_model_it_trains():
+    model = small_cnn()
+    optimizer = torch.optim.Adam(model.parameters())
+    calls: list[int] = []
+    step = cnn_step(model, optimizer, calls)
+    by_model = bw.find_batch(model, images_16, loss_fn=nn.functional.cross_entropy,
+                             optimizer=optimizer, budget="24MiB")
+    bare = bw.find_batch(step, optimizer=optimizer, device="cpu", budget="24MiB")
+    protected = bw.find_batch(model, step=step, optimizer=optimizer, budget="24MiB")
+    # the weights count in every form, so all three find the same boundary
+    assert bare.max_batch_size == protected.max_batch_size == by_model.max_batch_size
+    running_mean = model[1].running_mean.clone()
+    bw.find_batch(model, step=step, optimizer=optimizer, budget="24MiB")
+    assert torch.equal(model[1].running_mean, running_mean)  # BatchNorm's buffers come back
+    with pytest.raises(TypeError, match=r"model should be the torch\.nn\.Module that step trains"):
+        bw.find_batch(step, step=step)
+    with pytest.raises(TypeError, match="make_batch and seq_len should be left out"):
+        bw.find_batch(model, images_16, step=step)
+
+
+def images_16(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 3, 16, 16), torch.randint(0, 10, (batch_size,))
