@@ -281,13 +281,21 @@ class BatchSizeReport:
     def _repr_html_(self) -> str:
         summary = _html.table(self._summary_rows(), caption="batchwidgets: find_batch")
         attempts = attempts_table(self.attempts)
-        split = self.memory_split._repr_html_() if self.memory_split is not None else ""
-        frontier = "" if self.frontier is None else _html.table(
-            [(length, size, length * size) for length, size in self.frontier.items()],
+        return f"<div>{summary}{details_html(self)}{attempts}{_html.inline_plot(self)}</div>"
+
+
+def details_html(report: BatchSizeReport) -> str:
+    """The length frontier, the what-if table and where the memory goes, where the report has
+    them: the report's HTML and the probe panel show the same tables."""
+    parts = []
+    if report.frontier:
+        parts.append(_html.table(
+            [(length, size, length * size) for length, size in report.frontier.items()],
             caption="largest batch at each sequence length",
-            header=("sequence length", "batch size", "tokens per batch"))
-        what_if = "" if not self.what_if else _html.table(
-            [row.row() for row in self.what_if], caption="what if",
-            header=("change", "max batch size", "how", "samples/s", "cost"))
-        return (f"<div>{summary}{frontier}{what_if}{split}{attempts}"
-                f"{_html.inline_plot(self)}</div>")
+            header=("sequence length", "batch size", "tokens per batch")))
+    if report.what_if:
+        parts.append(_html.table([row.row() for row in report.what_if], caption="what if",
+                                 header=("change", "max batch size", "how", "samples/s", "cost")))
+    if report.memory_split is not None:
+        parts.append(report.memory_split._repr_html_())
+    return "".join(parts)

@@ -28,6 +28,7 @@ from ..engine import _background, _memory
 from ..engine.probe import find_batch
 from ..plots import plot_probe
 from ..results import Attempt, BatchSizeReport, attempts_table
+from ..results.probe import details_html
 
 # probe(on_step=..., headroom=...) -> report, e.g. functools.partial(find_batch, model, data)
 Probe = Callable[..., BatchSizeReport]
@@ -124,24 +125,6 @@ def _accepts(probe: Probe, name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def _details_html(report: BatchSizeReport) -> str:
-    """The what-if table, where the memory goes, and the length frontier, where the report has
-    them (the report's own tables)."""
-    parts = []
-    if report.what_if:
-        parts.append(_html.table([row.row() for row in report.what_if], caption="what if",
-                                 header=("change", "max batch size", "how", "samples/s",
-                                         "cost")))
-    if report.memory_split is not None:
-        parts.append(report.memory_split._repr_html_())
-    if report.frontier:
-        parts.append(_html.table([(n, b, t) for (n, b), t in zip(
-            report.frontier.items(), report.frontier_tokens.values())],
-            caption="largest batch at each sequence length",
-            header=("sequence length", "batch size", "tokens per batch")))
-    return "".join(parts)
-
-
 def _summary_table(report: BatchSizeReport) -> str:
     return _html.table([
         ("max_batch_size", report.max_batch_size),
@@ -236,7 +219,7 @@ class ProbePanel(ShowsReport, widgets.VBox):
             self.plot.value = _png(report)
             self.summary.value = _summary_table(report)
             self.attempts.value = attempts_table(report.attempts)
-            self.details.value = _details_html(report)
+            self.details.value = details_html(report)
             self.code.value = f"DataLoader(dataset, batch_size={report.recommended_batch_size})"
             self.headroom.min = min(self.headroom.min, report.headroom)
             self.headroom.value = report.headroom
