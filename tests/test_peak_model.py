@@ -142,7 +142,9 @@ def test_a_bare_step_takes_four_sizes_and_runs_twice_only_where_its_state_is_new
     assert report.n_ooms == 1
     assert report.first_oom_batch_size == report.max_batch_size + 1
     # optimizer= is restored after each size, so Adam makes its state again at each: two calls
-    assert calls == [size for size in (a.batch_size for a in report.attempts) for _ in (1, 2)]
+    # at every size that fits, one or two at the size that runs out of memory
+    for attempt in report.attempts:
+        assert calls.count(attempt.batch_size) in ((2,) if attempt.fits else (1, 2))
 
     kept: list[int] = []  # without optimizer=, Adam's state stays: one call per size after it
     other = small_cnn()

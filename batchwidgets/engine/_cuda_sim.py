@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._cuda_model import KIB, MIB, WORKSPACE_FREE_FRACTION, CachingAllocatorModel, Event
 from ._memory import parse_bytes, unique_tensors
-from ._meters import Reading, TracingTracker, _saving_activations, _Where
+from ._meters import Reading, TracingTracker, _TracedSteps, _Where
 
 # NOTE [ Workspaces of the simulated device ]
 # A GPU step allocates memory that is no tensor, through the same caching allocator:
@@ -300,7 +300,7 @@ def parse_target(value: int | str) -> tuple[str, int]:
 
 
 # -- the simulated device as the probe's meter ------------------------------------------------
-class ProbeMeter(SimulatedCudaMeter):
+class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
     """``SimulatedCudaMeter`` with the rest of the probe's meter interface (see ``_meters.py``):
     the per-op trace of a ``TracingTracker`` inside the simulated device, whose own allocation
     events (workspaces included) replace the tracker's, as the allocator model replays them."""
@@ -319,24 +319,12 @@ class ProbeMeter(SimulatedCudaMeter):
             a = torch.ones(2, 2)
             torch.mm(a, a)
 
-    def start_step(self) -> None:
-        self._where.optimizer_phase = False
-
     def end_forward_backward(self) -> None:
         super().end_forward_backward()
         self._where.optimizer_phase = True
 
     def live_bytes(self) -> int:
         return self.allocator.allocated_bytes
-
-    def making_batch(self) -> Any:
-        return self._tracker.collapsed()
-
-    def mark(self, tensors: Any, category: str) -> None:
-        self._tracker.mark(tensors, category)
-
-    def saving_activations(self) -> Any:
-        return _saving_activations(self._tracker)
 
     @contextmanager
     def measure(self, tracked: Callable[[], list], trace: bool = True) -> Iterator[Reading]:

@@ -193,7 +193,29 @@ class TracingTracker(_memory.TensorMemoryTracker):
 # marks the end of backward; the meter keeps that phase's peak apart, and the search fits on it.
 
 
-class TensorMeter:
+class _TracedSteps:
+    """The probe's hooks into a meter's ``TracingTracker`` (``self._tracker``, None while no trace
+    is recorded) and its ``_Where``: each step's start, the batch's own ops, the split's marks."""
+
+    _tracker: TracingTracker | None = None
+    _where: _Where | None = None
+
+    def start_step(self) -> None:
+        if self._where is not None:
+            self._where.optimizer_phase = False
+
+    def making_batch(self) -> Any:
+        return self._tracker.collapsed() if self._tracker is not None else nullcontext()
+
+    def mark(self, tensors: Any, category: str) -> None:
+        if self._tracker is not None:
+            self._tracker.mark(tensors, category)
+
+    def saving_activations(self) -> Any:
+        return _saving_activations(self._tracker)
+
+
+class TensorMeter(_TracedSteps):
     """Counts tensor storages on the device; the budget is enforced op by op."""
 
     def __init__(self, device: torch.device, budget_bytes: int | None) -> None:
@@ -232,18 +254,6 @@ class TensorMeter:
         tracker.reset_peak()
         self._where.optimizer_phase = True
 
-    def start_step(self) -> None:
-        self._where.optimizer_phase = False
-
-    def making_batch(self) -> Any:
-        return self._tracker.collapsed()
-
-    def mark(self, tensors: Any, category: str) -> None:
-        self._tracker.mark(tensors, category)
-
-    def saving_activations(self) -> Any:
-        return _saving_activations(self._tracker)
-
     def live_bytes(self) -> int:
         return self._tracker.live_bytes
 
@@ -274,7 +284,7 @@ class TensorMeter:
             self._tracker = None
 
 
-class CudaMeter:
+class CudaMeter(_TracedSteps):
     """Peak allocated and reserved bytes from the caching allocator; the budget caps the process."""
 
     def __init__(self, device: torch.device, budget_bytes: int | None) -> None:
@@ -331,20 +341,6 @@ class CudaMeter:
         torch.cuda.reset_peak_memory_stats(self.device)
         if self._where is not None:
             self._where.optimizer_phase = True
-
-    def start_step(self) -> None:
-        if self._where is not None:
-            self._where.optimizer_phase = False
-
-    def making_batch(self) -> Any:
-        return self._tracker.collapsed() if self._tracker is not None else nullcontext()
-
-    def mark(self, tensors: Any, category: str) -> None:
-        if self._tracker is not None:
-            self._tracker.mark(tensors, category)
-
-    def saving_activations(self) -> Any:
-        return _saving_activations(self._tracker)
 
     def live_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device)
