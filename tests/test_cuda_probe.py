@@ -162,3 +162,17 @@ def test_named_targets_subtract_the_cuda_context_and_unknown_names_list_the_know
     assert t4.limit_bytes < 15_095 * MIB
     with pytest.raises(ValueError, match="target should be one of T4, L4"):
         bw.find_batch(model, images, loss_fn=F.cross_entropy, target="TPU")
+
+
+def test_on_cuda_the_what_if_rows_are_calibrated_and_expandable_segments_is_an_upper_bound():
+    torch.manual_seed(0)
+    model = cnn()
+    with simulated_cuda():
+        report = bw.find_batch(model, images, loss_fn=F.cross_entropy, budget=64 * MIB)
+        sgd = bw.find_batch(model, images, loss_fn=F.cross_entropy, budget=64 * MIB,
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    rows = {row.name: row for row in report.what_if}
+    predicted = rows["SGD without momentum (no optimizer state)"].max_batch_size
+    assert abs(predicted - sgd.max_batch_size) <= 0.03 * sgd.max_batch_size
+    assert rows["expandable_segments"].max_batch_size > report.max_batch_size
+    assert not rows["expandable_segments"].measured

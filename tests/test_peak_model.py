@@ -399,3 +399,22 @@ def test_a_bare_step_counts_and_restores_the_model_it_trains():
 
 def images_16(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch_size, 3, 16, 16), torch.randint(0, 10, (batch_size,))
+
+
+def test_the_report_says_what_was_probed_compiled_models_bf16_on_the_cpu_old_gradients():
+    from batchwidgets.engine.probe import _cpu_has_bf16
+    model = small_cnn()
+    x, y = images_16(4)
+    nn.functional.cross_entropy(model(x), y).backward()  # gradients from an earlier backward
+    report = bw.find_batch(model, images_16, loss_fn=nn.functional.cross_entropy,
+                           budget="24MiB", max_batch_size=64)
+    assert "held gradients from an earlier backward" in report.method
+    compiled = torch.compile(small_cnn(), backend="eager")
+    with pytest.warns(bw.BatchwidgetsWarning, match="torch.compile"):
+        report = bw.find_batch(compiled, images_16, loss_fn=nn.functional.cross_entropy,
+                               budget="24MiB", max_batch_size=64)
+    assert "torch.compile'd" in report.method
+    if not _cpu_has_bf16():
+        with pytest.warns(bw.BatchwidgetsWarning, match="without bf16 instructions"):
+            bw.find_batch(small_cnn(), images_16, loss_fn=nn.functional.cross_entropy,
+                          budget="24MiB", max_batch_size=16, amp="bf16")

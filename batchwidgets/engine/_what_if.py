@@ -32,6 +32,9 @@ COSTS = {
             "usually fine for training; slow on CPUs without bf16 instructions",
     "fp16": "autocast to float16 with a GradScaler: smaller activations; loss scaling needed, "
             "values above 65504 overflow",
+    "expandable": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts): "
+                  "segments grow in place, so rounding and fragmentation stop costing memory; "
+                  "an upper bound, since workspaces still need room",
     "foreach": "foreach=False: the optimizer steps one parameter at a time: less temporary memory "
                "in the step, a slower step (a kernel per parameter)",
 }
@@ -75,6 +78,16 @@ def predicted(model: PeakModel, limit_bytes: int, *, multiple_of: int, ceiling: 
                                     model, limit_bytes, multiple_of, ceiling),
                            False, COSTS["checkpoint"]))
     return rows
+
+
+def expandable(model: PeakModel, limit_bytes: int, found: int, *, multiple_of: int,
+               ceiling: int) -> list[WhatIf]:
+    """On CUDA: with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` the reserved memory
+    stays close to the tensors' own bytes; a row when that would fit more than ``found``."""
+    largest = model.largest_batch_size(limit_bytes, multiple_of=multiple_of, ceiling=ceiling)
+    if largest <= found:
+        return []
+    return [WhatIf("expandable_segments", largest, False, COSTS["expandable"])]
 
 
 def _row(name: str, cost: str, probe: Callable[..., BatchSizeReport], **change: Any) -> WhatIf:

@@ -61,6 +61,37 @@ class NoBatchSizeFits(RuntimeError):
             f"or a smaller model. Last error: {smallest.error}")
 
 
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX), from /proc/cpuinfo;
+    True where that cannot be read (no warning then)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return True
+    return not flags or any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def _notes(owner: torch.nn.Module | None, device: torch.device, amp: str | None) -> list[str]:
+    """What the user should know about what was probed, said in the report (and warned)."""
+    notes = []
+    if owner is not None and hasattr(owner, "_orig_mod"):  # torch.compile's OptimizedModule
+        notes.append("The model is torch.compile'd: the probe ran it as compiled on this device, "
+                     "but a compiled step's memory can change after recompilation (new shapes): "
+                     "probe again at the size you train with.")
+    if amp == "bf16" and device.type == "cpu" and not _cpu_has_bf16():
+        notes.append("amp='bf16' on a CPU without bf16 instructions (no avx512_bf16 or "
+                     "amx_bf16): the memory is right, but each step runs several times slower "
+                     "than float32, so step times do not rank throughput.")
+    if owner is not None and any(p.grad is not None for p in owner.parameters()):
+        notes.append("The model held gradients from an earlier backward: the first step at each "
+                     "size accumulated into them and its zero_grad freed them, as in a loop that "
+                     "zeroes its gradients; the answer is for that loop.")
+    for note in notes[:2]:  # the gradients note is information, not a warning
+        warnings.warn(note, BatchwidgetsWarning, stacklevel=3)
+    return notes
+
+
 def _check_step(model: Any, make_batch: Any, step: Any, seq_len: Any) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be the torch.nn.Module that step trains, when step= is "
@@ -434,6 +465,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ]
         device, budget_bytes = torch.device("cpu"), None
     is_module = isinstance(model, torch.nn.Module)
+    notes = _notes(owner=model if is_module else protected, device=device, amp=amp)
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
     ceiling = (max_batch_size or SEARCH_CEILING) // multiple_of * multiple_of
@@ -484,14 +516,25 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     report = _report(attempts, device, budget_bytes, limit_bytes, meter.baseline_bytes, amp,
                      max_batch_size, ceiling, multiple_of, headroom, search,
                      getattr(make_batch_fn, "description", ""))
+    if notes:
+        report = dataclasses.replace(report, method=" ".join([report.method, *notes]))
     if planned is not None:
         return _planned(report, search, *planned)
     rows = []
     if search.model is not None and limit_bytes is not None:
         modules = ({name: type(module).__name__ for name, module in owner.named_modules() if name}
                    if owner is not None else {})
-        rows += _what_if.predicted(search.model, limit_bytes - search.overhead_bytes,
-                                   multiple_of=multiple_of, ceiling=ceiling, modules=modules)
+        # On CUDA the tensors' bytes are not what runs out: the boundary found says where, in
+        # tensor bytes, the reserved memory ran out, and the rows are predicted against that.
+        row_limit = (search.model.peak_bytes(report.max_batch_size)
+                     if search.replays and report.max_batch_size
+                     else limit_bytes - search.overhead_bytes)
+        rows += _what_if.predicted(search.model, row_limit, multiple_of=multiple_of,
+                                   ceiling=ceiling, modules=modules)
+        if search.replays:  # the allocator's segments and rounding gone: tensors and workspaces
+            rows += _what_if.expandable(search.model, limit_bytes - search.unseen_bytes,
+                                        report.max_batch_size, multiple_of=multiple_of,
+                                        ceiling=ceiling)
     if what_if and is_module:
         probe = functools.partial(
             find_batch, model, make_batch, loss_fn=loss_fn, optimizer=optimizer, device=device,
