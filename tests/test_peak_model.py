@@ -402,7 +402,7 @@ def images_16(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_the_report_says_what_was_probed_compiled_models_bf16_on_the_cpu_old_gradients():
-    from batchwidgets.engine.probe import _cpu_has_bf16
+    from batchwidgets.engine._probe_checks import _cpu_has_bf16
     model = small_cnn()
     x, y = images_16(4)
     nn.functional.cross_entropy(model(x), y).backward()  # gradients from an earlier backward

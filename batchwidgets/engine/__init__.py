@@ -14,6 +14,8 @@ Private, in the order a newcomer meets them:
 - ``_batches.py``        batches of any size from a callable, Dataset, DataLoader or tensor
 - ``_search.py``         the probe's pure search policy: which batch size next
 - ``_meters.py``         memory backends: CUDA allocator peaks and cap, CPU/MPS tensor bytes
+- ``_probe_checks.py``   find_batch's argument checks; what the report says was probed
+- ``_trials.py``         the probe's trials and search loop, the memory split, target= plans
 - ``_trace.py``          the per-op memory trace of a step, the peak model fitted on two
 - ``_what_if.py``        the largest batch under a change: predicted from the trace, or measured
 - ``_cuda_model.py``     a model of PyTorch's CUDA caching allocator; replay of a step's trace

@@ -1,0 +1,100 @@
+"""find_batch's argument checks, and what the report says about what was probed."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from .._warnings import BatchwidgetsWarning
+
+_AMP_NAMES = ("bf16", "bfloat16", "fp16", "float16")
+
+
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX), from /proc/cpuinfo;
+    True where that cannot be read (no warning then)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return True
+    return not flags or any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def _notes(owner: torch.nn.Module | None, device: torch.device, amp: str | None) -> list[str]:
+    """What the user should know about what was probed, said in the report (and warned)."""
+    notes = []
+    if owner is not None and hasattr(owner, "_orig_mod"):  # torch.compile's OptimizedModule
+        notes.append("The model is torch.compile'd: the probe ran it as compiled on this device, "
+                     "but a compiled step's memory can change after recompilation (new shapes): "
+                     "probe again at the size you train with.")
+    if amp == "bf16" and device.type == "cpu" and not _cpu_has_bf16():
+        notes.append("amp='bf16' on a CPU without bf16 instructions (no avx512_bf16 or "
+                     "amx_bf16): the memory is right, but each step runs several times slower "
+                     "than float32, so step times do not rank throughput.")
+    if owner is not None and any(p.grad is not None for p in owner.parameters()):
+        notes.append("The model held gradients from an earlier backward: the first step at each "
+                     "size accumulated into them and its zero_grad freed them, as in a loop that "
+                     "zeroes its gradients; the answer is for that loop.")
+    for note in notes[:2]:  # the gradients note is information, not a warning
+        warnings.warn(note, BatchwidgetsWarning, stacklevel=3)
+    return notes
+
+
+def _check_step(model: Any, make_batch: Any, step: Any, seq_len: Any) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model should be the torch.nn.Module that step trains, when step= is "
+                        f"given, but got model={model!r}; call find_batch(model, step=my_step, "
+                        f"optimizer=optimizer), or find_batch(my_step) without a model.")
+    if not callable(step):
+        raise TypeError(f"step should be a step(batch_size) function, but got step={step!r}.")
+    if make_batch is not None or seq_len is not None:
+        raise TypeError("make_batch and seq_len should be left out with step=: the step makes its "
+                        "own batches; call find_batch(model, step=my_step, optimizer=optimizer).")
+    return model
+
+
+def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_size: int | None,
+                     multiple_of: int, headroom: float, steps_per_trial: int,
+                     start: int | None, optimizer: Any = None) -> None:
+    if isinstance(model, type):
+        raise TypeError(f"model should be a model instance or a step(batch_size) function, but "
+                        f"got model={model.__name__} (a class); create it first, e.g. "
+                        f"find_batch({model.__name__}(), ...).")
+    if not isinstance(model, torch.nn.Module) and not callable(model):
+        raise TypeError(f"model should be a torch.nn.Module or a step(batch_size) callable, "
+                        f"but got model={model!r}.")
+    if isinstance(model, torch.nn.Module) and make_batch is None:
+        raise TypeError("make_batch is required with a model: pass make_batch(batch_size) -> "
+                        "batch, a Dataset, a DataLoader or one example tensor, e.g. "
+                        "find_batch(model, torch.randn(3, 32, 32)).")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        name = optimizer.title() if isinstance(optimizer, str) else "Adam"
+        name = name if hasattr(torch.optim, name) else "Adam"
+        raise TypeError(f"optimizer should be a torch.optim.Optimizer, but got "
+                        f"optimizer={optimizer!r}; create it first, e.g. "
+                        f"optimizer=torch.optim.{name}(model.parameters()).")
+    if amp is not None and amp not in _AMP_NAMES:
+        raise ValueError(f"amp should be one of {sorted(_AMP_NAMES)} or None, but got amp={amp!r}.")
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ValueError(f"multiple_of should be a positive int, but got "
+                         f"multiple_of={multiple_of!r}; use e.g. multiple_of=8 for tensor cores.")
+    if max_batch_size is not None and (not isinstance(max_batch_size, int)
+                                       or max_batch_size < multiple_of):
+        raise ValueError(f"max_batch_size should be an int >= multiple_of ({multiple_of}), but "
+                         f"got max_batch_size={max_batch_size!r}; raise it or lower multiple_of.")
+    if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
+        raise ValueError(f"headroom should be in (0, 1], but got headroom={headroom!r}; use "
+                         f"e.g. 0.9 to keep 10% of the memory free.")
+    if not isinstance(steps_per_trial, int) or steps_per_trial < 1:
+        raise ValueError(f"steps_per_trial should be an int >= 1, but got "
+                         f"steps_per_trial={steps_per_trial!r}.")
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 1
+                              or start % multiple_of):
+        raise ValueError(f"start should be a positive multiple of multiple_of ({multiple_of}), "
+                         f"but got start={start!r}.")
+    if start is not None and max_batch_size is not None and start > max_batch_size:
+        raise ValueError(f"max_batch_size should be >= start ({start}), but got "
+                         f"max_batch_size={max_batch_size!r}; raise max_batch_size or lower start.")
