@@ -44,6 +44,17 @@ from ._meters import Reading, TracingTracker, _TracedSteps, _Where
 #   conv_free_fraction * largest_free)`` after the op's outputs, and runs with none when even
 #   that cannot be allocated, so the workspace follows the free memory as cuDNN's choice does,
 #   and never raises by itself.
+# NOTE [ cuDNN's choice of algorithm, and a boundary that moves ]
+# cuDNN picks each convolution's algorithm by the workspace it can get, so the memory a step needs
+# at the edge depends on what is free there, and a real GPU's boundary can move by a sample or two
+# between runs (benchmarks/results/probe_vs_peers_cuda.md saw 641-643). The probe does not pin the
+# choice (a workspace cap while probing would measure a slower step than the user will train
+# with, and torch.backends.cudnn.benchmark is the user's setting, restored untouched). Instead:
+# the prediction replays workspaces by the same rule (min(wanted, a share of the largest free
+# block), none when that fails), so it lands at the edge; the two runs at the edge decide the
+# answer; and the recommendation keeps headroom (0.9 by default) below it, which absorbs a
+# boundary that moves by a few samples. The report's what-if row for expandable_segments says
+# how much of the edge is the allocator's segments rather than the tensors.
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul",
                         "_addmm_activation"})
 CONV_OPS = frozenset({"convolution", "convolution_backward", "_convolution"})
