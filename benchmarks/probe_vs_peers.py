@@ -566,6 +566,10 @@ NOTES = (
     "Accelerate restores nothing: the decorated function is the training loop.",
     "True maximum: doubling from 1, bisection, then the answer and the next size re-run, each "
     "with the common step from the same restored state.",
+    "batchwidgets find_batch(step) is given only optimizer=, as a bare step is: it restores and "
+    "counts the optimizer's parameters and state, but cannot see BatchNorm buffers the step "
+    "updates (hence a 'no' there); find_batch(model, step=step, optimizer=optimizer) restores "
+    "them too.",
 )
 CUDA_NOTES = (
     "GPU: every tool, and the true maximum, runs with the cache emptied first and the process "
