@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -152,7 +153,8 @@ def test_the_output_mean_still_probes_a_model_fed_inputs_alone():
 
 @pytest.fixture
 def ip():
-    shell = start_ipython()
+    start_ipython()  # the shared test shell: returns it only on the first call
+    shell = get_ipython()
     shell.run_line_magic("load_ext", "batchwidgets")
     names = set(shell.user_ns)
     yield shell

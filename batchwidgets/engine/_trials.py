@@ -59,8 +59,8 @@ def _agree(attempt: Attempt) -> Attempt:
     torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MIN)
     fits, peak, reserved, activation, seconds = flat.tolist()
     unmeasured = 1.0
-    return Attempt(
-        batch_size=attempt.batch_size, fits=bool(fits),
+    return dataclasses.replace(  # the prediction fields are the same on every rank: kept
+        attempt, fits=bool(fits),
         peak_memory_bytes=None if peak == unmeasured else int(-peak),
         peak_reserved_bytes=None if reserved == unmeasured else int(-reserved),
         step_time_s=None if seconds == unmeasured or not fits else -seconds,
@@ -244,8 +244,10 @@ class _Search:
             if predicted is not None:
                 attempt = dataclasses.replace(attempt, predicted_peak_bytes=self._predicted_peak(
                     size), predicted_fits=size <= predicted)
-            self._learn(attempt, reading)
-            self.attempts.append(_agree(attempt))
+            failed_here = not attempt.fits  # this rank's own outcome
+            attempt = _agree(attempt)  # every rank learns from the same outcome
+            self._learn(attempt, reading, failed_here)
+            self.attempts.append(attempt)
             if on_step is not None:
                 on_step(self.attempts[-1])
         return self.attempts
@@ -257,7 +259,7 @@ class _Search:
             bool(self.attempts) and self.attempts[-1].predicted_fits is not None
             and self.attempts[-1].predicted_fits != self.attempts[-1].fits)
 
-    def _learn(self, attempt: Attempt, reading: Reading) -> None:
+    def _learn(self, attempt: Attempt, reading: Reading, failed_here: bool) -> None:
         trace = reading.trace
         if attempt.fits and trace is not None and trace.complete:
             self.traces[attempt.batch_size] = trace
@@ -270,7 +272,7 @@ class _Search:
                 replayed = _cuda_model.replay(trace.events, preallocated=trace.preallocated)
                 self.unseen_bytes = max(0, (reading.peak_reserved_bytes or 0)
                                         - replayed.peak_reserved_bytes)
-        elif (not attempt.fits and not self.replays and reading.live_bytes is not None
+        elif (failed_here and not self.replays and reading.live_bytes is not None
               and self.limit_bytes is not None and reading.live_bytes < self.limit_bytes):
             # A real allocator failure below the assumed limit (a cgroup, a ulimit, another
             # process): the limit is lower than assumed. Lower it and predict again.
