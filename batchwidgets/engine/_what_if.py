@@ -14,11 +14,13 @@ Usage:
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 
+from .._warnings import BatchwidgetsWarning
 from ..results import BatchSizeReport, WhatIf
 from ._trace import OpTrace, PeakModel
 
@@ -92,7 +94,9 @@ def expandable(model: PeakModel, limit_bytes: int, found: int, *, multiple_of: i
 
 def _row(name: str, cost: str, probe: Callable[..., BatchSizeReport], **change: Any) -> WhatIf:
     try:
-        report = probe(**change)
+        with warnings.catch_warnings():  # the row's cost line says it; no warning per probe
+            warnings.simplefilter("ignore", BatchwidgetsWarning)
+            report = probe(**change)
     except RuntimeError as error:  # NoBatchSizeFits (a RuntimeError), or the change cannot run
         if type(error).__name__ != "NoBatchSizeFits" and "autocast" not in str(error):
             raise
