@@ -355,10 +355,7 @@ class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
                 reading.live_bytes = self.allocator.allocated_bytes
                 tracker.trace.events = self.events
                 tracker.trace.preallocated = list(self.preallocated)
-                reading.trace = tracker.trace
-                if tracker.trace.complete and tracker.trace.live:
-                    reading.split = tracker.split_at_peak()
-                    tracker.record_parts()
+                tracker.finish(reading)
                 self._tracker = None
 
 

@@ -115,6 +115,13 @@ class TracingTracker(_memory.TensorMemoryTracker):
                 values.append(running)
             self.trace.parts[part] = values
 
+    def finish(self, reading: Reading) -> None:
+        """Hand the trial's trace to ``reading``, with the split and parts of a trial that ran."""
+        reading.trace = self.trace
+        if self.trace.complete and self.trace.live:
+            reading.split = self.split_at_peak()
+            self.record_parts()
+
     def split_at_peak(self) -> tuple[dict[str, int], dict[str, int], int]:
         """Bytes by category and activation bytes by module alive after the peak op, and it."""
         peak = max(range(len(self.trace.live)), key=self.trace.live.__getitem__)
@@ -277,10 +284,8 @@ class TensorMeter(_TracedSteps):
             raise
         finally:
             reading.peak_bytes = max(reading.peak_bytes, tracker.peak_bytes)
-            reading.trace, reading.live_bytes = tracker.trace, tracker.live_bytes
-            if tracker.trace.complete and tracker.trace.live:
-                reading.split = tracker.split_at_peak()
-                tracker.record_parts()
+            reading.live_bytes = tracker.live_bytes
+            tracker.finish(reading)
             self._tracker = None
 
 
@@ -371,10 +376,7 @@ class CudaMeter(_TracedSteps):
             self._fold_peaks()
             reading.live_bytes = torch.cuda.memory_allocated(self.device)
             if tracker is not None:
-                reading.trace = tracker.trace
-                if tracker.trace.complete and tracker.trace.live:
-                    reading.split = tracker.split_at_peak()
-                    tracker.record_parts()
+                tracker.finish(reading)
             self._tracker = None
 
 
