@@ -23,6 +23,9 @@ Private, in the order a newcomer meets them:
 - ``_memory.py``         OOM detection, budget parsing, the tensor-memory tracker
 - ``_state.py``          bit-exact snapshot and restore of model, optimizer, RNGs, flags
 - ``_background.py``     a panel's background probe: private RNG, a copy or a held model
+- ``_accumulator.py``    accumulate's context manager: micro-steps, real steps, DDP, remainder
+- ``_accumulate_calls.py`` the calls a block replaces (step, backward, clipping), and for whom
+- ``_noise_feed.py``     what accumulate hands a NoiseTracker each update, on the device
 - ``_noise_estimate.py`` the NoiseTracker's estimators and their error bars
 - ``_noise_moments.py``  measure_noise's running sums and the jackknife of its error bars
 - ``_schedule.py``       the batch-size schedule from the noise scale; sampling the tracker
