@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .engine._util import default_device
 from .engine.probe import find_batch
 from .results import BatchSizeReport
 
@@ -31,18 +32,10 @@ def synthetic_images(batch_size: int, num_classes: int = 10) -> tuple[torch.Tens
     return torch.randn(batch_size, 3, 32, 32), torch.randint(0, num_classes, (batch_size,))
 
 
-def best_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
 def run_demo(device: str | None = None, budget: str | None = None, amp: str | None = None,
              max_batch_size: int | None = None) -> BatchSizeReport:
     """Probe the demo CNN with Adam; on the CPU the budget defaults to ``CPU_DEMO_BUDGET``."""
-    target = torch.device(device) if device else best_device()
+    target = torch.device(device) if device else default_device()  # CUDA, MPS, else the CPU
     if budget is None and target.type == "cpu":
         budget = CPU_DEMO_BUDGET
     torch.manual_seed(0)

@@ -534,26 +534,6 @@ def test_without_hooks_the_tracker_gets_the_first_micro_batch_and_the_average():
     assert acc.report.grad_norms == ()  # no hooks: only track_grad_norms=True records them
 
 
-def test_update_prefixes_on_exact_expectations_one_process_and_ddp():
-    # E|A_j / j|^2 = |G|^2 + trS/(j b) with |G|^2 = 1, trS = 6, b = 8
-    tracker = bw.NoiseTracker(ema=0.5, warmup_updates=3)
-    for _ in range(3):
-        tracker.update_prefixes(prefix_sq_norms=[1.75, 1.375, 1.25], big_sq_norm=1.1875,
-                                micro_batch_size=8, n_micro=4)
-    report = tracker.report
-    assert (report.grad_norm_sq, report.trace_cov) == pytest.approx((1.0, 6.0))
-    assert report.b_simple == pytest.approx(6.0)
-    assert (report.n_micro, report.effective_batch_size) == (4, 32)
-    ddp = bw.NoiseTracker(ema=0.5, warmup_updates=1)  # 2 local micro-steps x 2 ranks
-    ddp.update_prefixes(prefix_sq_norms=[1.75], big_sq_norm=1.1875, micro_batch_size=8,
-                        n_micro=4)
-    assert (ddp.report.grad_norm_sq, ddp.report.trace_cov) == pytest.approx((1.0, 6.0))
-    with pytest.raises(ValueError, match="fewer than n_micro=2") as raised:
-        ddp.update_prefixes(prefix_sq_norms=[1.75, 1.375], big_sq_norm=1.1875,
-                            micro_batch_size=8, n_micro=2)
-    assert "the mean of all is big_sq_norm" in str(raised.value)
-
-
 def test_without_a_listener_the_device_is_read_only_when_the_report_is():
     tracker = bw.NoiseTracker(warmup_updates=1)
     heard = []

@@ -16,6 +16,7 @@ from ._accumulate_calls import InterceptedCalls
 from ._noise_estimate import group_by_device_and_dtype, loss_scale
 from ._noise_feed import AccumulatorFeed
 from ._schedule import AutoSteps
+from ._util import world_size
 from .noise_tracker import NoiseTracker
 
 REMAINDERS = ("apply", "drop")
@@ -124,8 +125,7 @@ class Accumulator(InterceptedCalls):
 
     @property
     def report(self) -> AccumulationReport:
-        world = (torch.distributed.get_world_size() if torch.distributed.is_available()
-                 and torch.distributed.is_initialized() else 1)
+        world = world_size()
         return AccumulationReport(
             steps=self.steps, micro_steps=self._micro_steps, real_steps=self._real_steps,
             skipped_steps=self._skipped, remainder=self._remainder_done,
@@ -269,7 +269,7 @@ class Accumulator(InterceptedCalls):
 
     def _allreduce_pending(self) -> None:
         """Average the unsynchronised gradients of a remainder across ranks, as DDP would."""
-        world = torch.distributed.get_world_size()
+        world = world_size()
         for param in self._params():
             if param.grad is not None:
                 torch.distributed.all_reduce(param.grad)

@@ -14,6 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data import default_collate as _default_collate
 
+from ._util import map_tensors, nbytes
+
 N_SAMPLES_SCANNED = 64  # dataset items read to find the largest sample
 
 
@@ -42,31 +44,6 @@ def as_keywords(batch: Any) -> dict[str, Any] | None:
     return None
 
 
-def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """``batch`` with ``function`` applied to every tensor in it, its containers rebuilt
-    (dict-like, dataclass, namedtuple, list, tuple; anything else is left as it is)."""
-    if isinstance(batch, torch.Tensor):
-        return function(batch)
-    if isinstance(batch, Mapping):
-        items = {k: map_tensors(function, v) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except TypeError:  # a mapping type that cannot be built from a dict
-            return items
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: map_tensors(function, getattr(batch, f.name))
-                                             for f in dataclasses.fields(batch) if f.init})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(map_tensors(function, v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(function, v) for v in batch)
-    return batch
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    return map_tensors(lambda t: t.to(device), batch)
-
-
 def batch_length(batch: Any, name: str = "batch") -> int:
     """The number of examples: the first dimension its tensors share (0-d ones skipped)."""
     sizes: set[int] = set()
@@ -87,16 +64,6 @@ def batch_length(batch: Any, name: str = "batch") -> int:
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
     """Examples ``start:stop`` of a batch (tensors without a batch dimension are kept whole)."""
     return map_tensors(lambda t: t[start:stop] if t.dim() else t, batch)
-
-
-def _nbytes(sample: Any) -> int:
-    if isinstance(sample, torch.Tensor):
-        return sample.nelement() * sample.element_size()
-    if isinstance(sample, Mapping):
-        return sum(_nbytes(v) for v in sample.values())
-    if isinstance(sample, (list, tuple)):
-        return sum(_nbytes(v) for v in sample)
-    return 0
 
 
 # NOTE [ The worst case of varying inputs ]
@@ -129,7 +96,7 @@ def _dataset_maker(dataset: Dataset, collate: Callable) -> Callable[[int], Any]:
     samples, sizes, largest, read = [], [], None, 0
     for index in _scan_order(n):  # see NOTE [ The worst case of varying inputs ]
         sample = dataset[index]
-        size = _nbytes(sample)
+        size = nbytes(sample)
         read += 1
         if len(samples) < N_SAMPLES_SCANNED:
             samples.append(sample)

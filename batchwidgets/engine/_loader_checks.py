@@ -11,11 +11,13 @@ import pickle
 import shutil
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+
+from ._util import check_int, first_line, has_accelerator, leaves
 
 SHM_PATH = "/dev/shm"
 
@@ -27,36 +29,13 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def has_accelerator() -> bool:
-    return torch.accelerator.is_available()
-
-
-def _leaves(batch: Any) -> Iterator[Any]:
-    """What a batch holds below its mappings, lists and tuples (nested), in order: the same
-    containers that DataLoader's collate and pinning walk into
-    (``torch.utils.data._utils.pin_memory.pin_memory``)."""
-    if isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _leaves(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _leaves(value)
-    else:
-        yield batch
-
-
-def tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a batch (tensor, mapping, list, tuple, nested), in order."""
-    return (leaf for leaf in _leaves(batch) if isinstance(leaf, torch.Tensor))
-
-
 _NOT_PINNED = (torch.Tensor, str, bytes, int, float, bool, type(None))  # pinned, or nothing to pin
 
 
 def _unpinnable(batch: Any) -> Iterator[str]:
     """Type names in a batch that DataLoader's pinning passes over unchanged: no
     ``pin_memory()`` method, not a tensor, mapping or sequence."""
-    return (type(leaf).__qualname__ for leaf in _leaves(batch)
+    return (type(leaf).__qualname__ for leaf in leaves(batch)
             if not isinstance(leaf, _NOT_PINNED) and not hasattr(leaf, "pin_memory"))
 
 
@@ -81,16 +60,6 @@ def _main_is_interactive() -> bool:
 
 
 # Argument checks of measure_loader and tune_loader: one rule a line, in the STYLE message shape.
-
-
-def check_int(name: str, value: Any, minimum: int, *, optional: bool = False,
-              hint: str = "") -> None:
-    """One integer argument: an int (not a bool) >= ``minimum``, or None when ``optional``."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        expected = f"an int >= {minimum}{' or None' if optional else ''}"
-        raise ValueError(f"{name} should be {expected}, but got {name}={value!r}{hint}.")
 
 
 def check_measure_arguments(num_workers: Any, prefetch_factor: Any, batch_size: Any,
@@ -146,7 +115,7 @@ def _pickling_problem(obj: Any) -> str | None:
     try:
         probe.dump(obj)
     except Exception as error:  # PicklingError, TypeError, AttributeError: all mean the same
-        return str(error).splitlines()[0] if str(error) else type(error).__name__
+        return first_line(error, with_type=False)
     if probe.notebook_names:
         return f"{probe.notebook_names[0]} is defined in the notebook (__main__)"
     return None

@@ -3,14 +3,15 @@ included, and the workers always shut down."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from ..results import LoaderTrial
-from ._loader_checks import batch_warnings, has_accelerator, setting_warnings, tensors
+from ._loader_checks import batch_warnings, setting_warnings
+from ._util import default_device, has_accelerator, tensors, to_device
 
 Clock = Callable[[], float]
 ShouldStop = Callable[[], bool]
@@ -18,24 +19,11 @@ ShouldStop = Callable[[], bool]
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """None: the current accelerator when there is one (copies are then measured), else CPU."""
-    if device is not None:
-        return torch.device(device)
-    accelerator = torch.accelerator.current_accelerator() if has_accelerator() else None
-    return torch.device(accelerator.type) if accelerator is not None else torch.device("cpu")
+    return torch.device(device) if device is not None else default_device()
 
 
 def copy_batch(batch: Any, device: torch.device, non_blocking: bool) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        return {k: copy_batch(v, device, non_blocking) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(copy_batch(v, device, non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(copy_batch(v, device, non_blocking) for v in batch)
-    return batch.to(device, non_blocking=non_blocking) if hasattr(batch, "to") else batch
+    return batch if device.type == "cpu" else to_device(batch, device, non_blocking)
 
 
 def synchronize(device: torch.device) -> None:

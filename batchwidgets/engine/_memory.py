@@ -189,11 +189,6 @@ def drop_own_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
-def first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
-
-
 def forget(error: BaseException) -> None:
     """Drop the frames an error holds, so the activations they reference can be freed."""
     traceback.clear_frames(error.__traceback__)

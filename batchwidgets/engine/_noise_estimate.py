@@ -35,8 +35,8 @@ from ._state import RngState
 # j*b samples, so by NOTE [ The two-batch-size estimator ] y_j = |A_j / j|^2 has
 # E y_j = |G|^2 + tr(Sigma) x_j with x_j = 1/(j b), j = 1 .. k-1, and the update's averaged
 # gradient is one more point, at x = 1/(n b) for the n micro-batches it averages (n = k, or k*W
-# after DDP's all-reduce over W ranks). NoiseTracker.update_prefixes takes such points and fits
-# |G|^2 and tr(Sigma) as the intercept and the slope of the ordinary least-squares line. Both are
+# after DDP's all-reduce over W ranks). The ordinary least-squares line through such points gives
+# |G|^2 and tr(Sigma) as its intercept and slope (an estimator tried and left out). Both are
 # fixed linear combinations sum_j w_j y_j whose weights depend on the x's only (intercept:
 # sum w = 1, sum w x = 0; slope: sum w = 0, sum w x = 1), so their expectations are exactly
 # |G|^2 and tr(Sigma): unbiased although the y's are correlated (A_2 contains A_1). The
@@ -181,20 +181,6 @@ def estimate(small_sq_norms: Sequence[float], big_sq_norm: float, micro_batch_si
     grad_norm_sq = (b_big * big_sq_norm - b_small * small) / (b_big - b_small)
     trace_cov = (small - big_sq_norm) / (1 / b_small - 1 / b_big)
     return grad_norm_sq, trace_cov
-
-
-def estimate_prefixes(prefix_sq_norms: Sequence[float], big_sq_norm: float,
-                      micro_batch_size: int, n_micro: int) -> tuple[float, float]:
-    """One update's (|G|^2, tr Sigma) from |A_j / j|^2, j = 1..m, and the squared norm of the
-    mean of all ``n_micro`` micro-batches: the least-squares line in x = 1/B; see
-    NOTE [ The prefix-sum estimator ]."""
-    xs = [1 / (j * micro_batch_size) for j in range(1, len(prefix_sq_norms) + 1)]
-    xs.append(1 / (n_micro * micro_batch_size))
-    ys = [*prefix_sq_norms, big_sq_norm]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread_x = sum((x - mean_x) ** 2 for x in xs)
-    trace_cov = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread_x
-    return mean_y - trace_cov * mean_x, trace_cov
 
 
 class DeferredUpdate(NamedTuple):

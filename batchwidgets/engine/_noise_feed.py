@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ._noise_estimate import DeferredUpdate, first_sq_norm, grad_norms, grad_sq_norm
+from ._util import world_size
 from .noise_tracker import NoiseTracker
 
 # NOTE [ What the noise tracker costs accumulate ]
@@ -117,7 +118,7 @@ class AccumulatorFeed:
         # the ranks too, so B_big is k times the world size times b. Every rank gets every
         # rank's micro norms (one all_gather of k scalars per update, no host sync): all report
         # the same estimate, pooled over world*k micro-batches
-        world = torch.distributed.get_world_size() if self.ddp else 1
+        world = world_size() if self.ddp else 1
         if world <= 1 or not norms:
             return norms
         with torch.no_grad():

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .._warnings import BatchwidgetsWarning
+from ._util import check_int
 
 _AMP_NAMES = ("bf16", "bfloat16", "fp16", "float16")
 
@@ -88,9 +89,7 @@ def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_siz
     if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
         raise ValueError(f"headroom should be in (0, 1], but got headroom={headroom!r}; use "
                          f"e.g. 0.9 to keep 10% of the memory free.")
-    if not isinstance(steps_per_trial, int) or steps_per_trial < 1:
-        raise ValueError(f"steps_per_trial should be an int >= 1, but got "
-                         f"steps_per_trial={steps_per_trial!r}.")
+    check_int("steps_per_trial", steps_per_trial, 1)
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 1
                               or start % multiple_of):
         raise ValueError(f"start should be a positive multiple of multiple_of ({multiple_of}), "

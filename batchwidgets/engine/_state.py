@@ -11,8 +11,7 @@ import signal
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -388,14 +387,3 @@ class TrainingState:
                                     copy.deepcopy(stages)) for scaler, stages in self.scaler_stages]
         steps += [self.rng.restore, functools.partial(_set_backend_flags, self.flags)]
         restore_all(*steps)
-
-
-@contextmanager
-def preserved(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-              extras: tuple[Any, ...] = ()) -> Iterator[TrainingState]:
-    """Restore the training state when the block ends, however it ends."""
-    state = TrainingState(model, optimizer, extras)
-    try:
-        yield state
-    finally:
-        state.restore()

@@ -18,6 +18,7 @@ from . import _cuda_model, _memory, _search
 from ._meters import Reading
 from ._state import TrainingState
 from ._trace import OpTrace, PeakModel
+from ._util import first_line
 from .accumulate import _suspended
 
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
@@ -146,7 +147,7 @@ class _Trainer:
                     or (batch_size == 1 and _memory.cannot_train_alone(error))):
                 raise
             oom = True
-            message = _memory.first_line(error)
+            message = first_line(error)
             budget_error = isinstance(error, _memory.BudgetExceededError)
             _memory.forget(error)
             del error

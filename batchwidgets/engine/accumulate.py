@@ -23,6 +23,7 @@ from .._warnings import BatchwidgetsWarning
 from ._accumulate_calls import _is_suspended, _suspended
 from ._accumulator import REMAINDERS, Accumulator
 from ._schedule import AutoSteps
+from ._util import check_int
 from .noise_tracker import NoiseTracker
 
 __all__ = ["Accumulator", "_is_suspended", "_suspended", "accumulate"]
@@ -135,9 +136,7 @@ def _steps_for(steps: int, batch_size: int | None, micro_batch_size: int | None)
     if batch_size is None and micro_batch_size is None:
         return steps
     for name, value in (("batch_size", batch_size), ("micro_batch_size", micro_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} should be a positive int (give batch_size and "
-                             f"micro_batch_size together), but got {name}={value!r}.")
+        check_int(name, value, 1, hint="; give batch_size and micro_batch_size together")
     if steps != 4:  # the default: batch_size decides
         raise ValueError(f"give steps or batch_size with micro_batch_size, not both, but got "
                          f"steps={steps!r} and batch_size={batch_size!r}.")

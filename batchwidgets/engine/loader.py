@@ -25,11 +25,9 @@ from ..results import DataStallReport, LoaderReport, LoaderTrial
 from ..results.loader import with_data
 from . import _loader_search
 from ._loader_checks import (
-    check_int,
     check_measure_arguments,
     check_tune_arguments,
     check_workers_can_unpickle,
-    has_accelerator,
     usable_cpus,
 )
 from ._loader_timing import (
@@ -42,6 +40,7 @@ from ._loader_timing import (
     synchronize,
     time_loader,
 )
+from ._util import check_int, has_accelerator
 
 OnProgress = Callable[[LoaderTrial], None]
 TrainStep = Callable[[Any], Any]  # step(batch); the probe's Step is step(batch_size)

@@ -27,9 +27,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from .._warnings import BatchwidgetsWarning
 from ..results import NoiseReport
-from ._batches import as_keywords, batch_length, forward_and_loss, slice_batch, to_device
+from ._batches import as_keywords, batch_length, forward_and_loss, slice_batch
 from ._noise_moments import Moments
 from ._state import TrainingState
+from ._util import check_int, to_device
 from .noise_tracker import unshuffled_loader_warning
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -61,12 +62,8 @@ def _check_arguments(model: Any, data: Any, loss_fn: Any, batch_sizes: Any, max_
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch_sizes should be one or more ints >= 1, but got "
                          f"batch_sizes={batch_sizes!r}; e.g. batch_sizes=(1, 8, 64).")
-    if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 2:
-        raise ValueError(f"max_examples should be an int >= 2, but got "
-                         f"max_examples={max_examples!r}; e.g. max_examples=1024.")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size should be an int >= 1, but got chunk_size={chunk_size!r}; "
-                         f"e.g. chunk_size=64.")
+    check_int("max_examples", max_examples, 2, hint="; e.g. max_examples=1024")
+    check_int("chunk_size", chunk_size, 1, hint="; e.g. chunk_size=64")
     if method not in _METHODS:
         raise ValueError(f"method should be one of {list(_METHODS)}, but got method={method!r}.")
 

@@ -32,12 +32,12 @@ from ._noise_estimate import (
     DeferredUpdate,
     WeightedMoments,
     estimate,
-    estimate_prefixes,
     split_sq_norms,
     uneven_loader_warning,
     unshuffled_loader_warning,
 )
 from ._schedule import UpdateSampler
+from ._util import check_int, check_number
 
 # See NOTE [ The two-batch-size estimator ] and NOTE [ The prefix-sum estimator ] in
 # _noise_estimate.py.
@@ -58,8 +58,7 @@ def _check_measure(model: Any, loss_fn: Any, batch: Any, parts: Any) -> int:
         raise TypeError(f"loss_fn should be a callable loss_fn(output, target) -> scalar or "
                         f"None (the output's .loss), but got loss_fn={loss_fn!r}; e.g. "
                         f"torch.nn.functional.cross_entropy.")
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 2:
-        raise ValueError(f"parts should be an int >= 2, but got parts={parts!r}; e.g. parts=2.")
+    check_int("parts", parts, 2, hint="; e.g. parts=2")
     if batch is None:
         raise TypeError("batch should be given: tracker.measure(model, loss_fn, (x, y)), or "
                         "tracker.measure(model, batch) when the output carries .loss.")
@@ -142,31 +141,22 @@ class NoiseTracker:
                  clock: Callable[[], float] = time.monotonic,
                  max_batch_size: int | None = None, fits: BatchSizeReport | int | None = None,
                  overhead_target: float | None = 0.02) -> None:
-        if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
-            raise ValueError(f"ema should be a number in [0, 1), but got ema={ema!r}; e.g. "
-                             f"ema=0.9 averages over about the last 10 updates.")
+        check_number("ema", ema, lambda v: 0 <= v < 1, "a number in [0, 1)",
+                     "; e.g. ema=0.9 averages over about the last 10 updates")
         for name, value in (("warmup_updates", warmup_updates), ("max_losses", max_losses),
                             ("every", every), ("flush_every", flush_every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} should be an int >= 1, but got {name}={value!r}.")
-        if (isinstance(flush_interval_s, bool) or not isinstance(flush_interval_s, (int, float))
-                or not flush_interval_s >= 0):
-            raise ValueError(f"flush_interval_s should be a number >= 0, but got "
-                             f"flush_interval_s={flush_interval_s!r}; e.g. 1.0.")
-        if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(
-                max_batch_size, int) or max_batch_size < 1):
-            raise ValueError(f"max_batch_size should be None or an int >= 1, but got "
-                             f"max_batch_size={max_batch_size!r}; e.g. 4096.")
+            check_int(name, value, 1)
+        check_number("flush_interval_s", flush_interval_s, lambda v: v >= 0, "a number >= 0",
+                     "; e.g. 1.0")
+        check_int("max_batch_size", max_batch_size, 1, optional=True, hint="; e.g. 4096")
         if isinstance(fits, BatchSizeReport):
             fits = fits.recommended_batch_size
         if fits is not None and (isinstance(fits, bool) or not isinstance(fits, int) or fits < 1):
             raise ValueError(f"fits should be a find_batch report or an int >= 1, but got "
                              f"fits={fits!r}; e.g. fits=bw.find_batch(model, make_batch).")
-        if overhead_target is not None and (
-                isinstance(overhead_target, bool) or not isinstance(overhead_target, (int, float))
-                or not 0 < overhead_target < 1):
-            raise ValueError(f"overhead_target should be None or a share in (0, 1), but got "
-                             f"overhead_target={overhead_target!r}; e.g. 0.02 for 2%.")
+        if overhead_target is not None:
+            check_number("overhead_target", overhead_target, lambda v: 0 < v < 1,
+                         "None or a share in (0, 1)", "; e.g. 0.02 for 2%")
         if loader is not None and not isinstance(loader, DataLoader):
             raise TypeError(f"loader should be a torch DataLoader, but got loader={loader!r}.")
         if not isinstance(every_micro_batch, bool):
@@ -271,22 +261,6 @@ class NoiseTracker:
         with self._lock:
             self.flush()
             self._add_update(estimate, small_sq_norms, big_sq_norm, micro_batch_size, n_micro)
-
-    def update_prefixes(self, *, prefix_sq_norms: Sequence[float], big_sq_norm: float,
-                        micro_batch_size: int | None, n_micro: int) -> None:
-        """Add one update from running means instead of separate micro-batches (see
-        NOTE [ The prefix-sum estimator ]): ``prefix_sq_norms[j - 1]`` is the squared norm of
-        the mean gradient of the first ``j`` micro-batches (unscaled), ``big_sq_norm`` that of
-        the mean of all ``n_micro`` (times the world size under DDP, where the prefixes are one
-        rank's), so ``len(prefix_sq_norms) < n_micro``."""
-        if len(prefix_sq_norms) >= n_micro:
-            raise ValueError(f"prefix_sq_norms should be the running means of fewer than "
-                             f"n_micro={n_micro} micro-batches, but got "
-                             f"{len(prefix_sq_norms)} of them; the mean of all is big_sq_norm.")
-        with self._lock:
-            self.flush()
-            self._add_update(estimate_prefixes, prefix_sq_norms, big_sq_norm, micro_batch_size,
-                             n_micro)
 
     def flush(self) -> None:
         """Read the updates ``accumulate`` left on the device (one host sync for all of them),

@@ -22,7 +22,7 @@ import torch
 from .._warnings import BatchwidgetsWarning
 from ..results import Attempt, BatchSizeReport
 from . import _cuda_sim, _memory, _search, _what_if
-from ._batches import as_batch_maker, forward_and_loss, to_device
+from ._batches import as_batch_maker, forward_and_loss
 from ._meters import make_meter
 from ._probe_checks import _check_arguments, _check_step, _notes
 from ._state import InterruptGuard, TrainingState, restore_home
@@ -35,6 +35,7 @@ from ._trials import (
     _state_tensors,
     _Trainer,
 )
+from ._util import default_device, to_device
 
 Step = Callable[[int], Any]
 OnStep = Callable[[Attempt], None]
@@ -67,16 +68,7 @@ class NoBatchSizeFits(RuntimeError):
 
 
 def _resolve_device(model: Any, device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return _memory.usable_device(device)
-    if isinstance(model, torch.nn.Module):
-        first = next(model.parameters(), None)
-        if first is not None:
-            return first.device
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return _memory.usable_device(device) if device is not None else default_device(model)
 
 
 # NOTE [ Why the probe starts at 2 ]
