@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_report(report) -> None:
-    rows = report._summary_rows()
+    rows = report.rows()
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

@@ -24,6 +24,13 @@ def table(rows: Iterable[Sequence[object]], header: Sequence[object] | None = No
     return "".join(parts)
 
 
+def report_html(report: object, caption: str, rows: Iterable[Sequence[object]],
+                *parts: str, plot: bool = True) -> str:
+    """Every report's ``_repr_html_``: its rows as a table, any further tables, its picture."""
+    picture = inline_plot(report) if plot else ""
+    return f"<div>{table(rows, caption=caption)}{''.join(parts)}{picture}</div>"
+
+
 def format_bytes(n: float | None) -> str:
     """``1536`` -> ``'1.5 KiB'``; None -> ``'-'``."""
     if n is None:

@@ -118,3 +118,59 @@ def test_a_memory_model_predicts_and_inverts_itself():
     assert model.largest_batch_size(2050, multiple_of=4) == 8
     assert model.largest_batch_size(500) == 0
     assert MemoryModel(1000, 0).largest_batch_size(2000) is None  # flat: no boundary in sight
+
+
+def tracker_report(n_losses: int = 10_000, **fields):
+    from batchwidgets.results import NoiseTrackerReport
+
+    return NoiseTrackerReport(**{
+        "history": tuple((i, 10.0 + i, 2.0, 3.0) for i in range(1, 301)),
+        "losses": tuple(1.0 / (i + 1) for i in range(n_losses)), "b_simple": 12.0,
+        "b_simple_error": 0.5, "grad_norm_sq": 2.0, "trace_cov": 24.0, "measurable": True,
+        "reason": "", "n_updates": 300, "micro_batch_size": 8, "effective_batch_size": 32,
+        **fields})
+
+
+def test_a_tracker_report_repr_leaves_out_its_long_series():
+    report = tracker_report()
+    text = repr(report)
+    assert len(text) < 2_000  # 124,189 characters when the 10,000 losses were in it
+    assert "b_simple=12.0" in text and "0.0001" not in text
+    assert len(report.losses) == 10_000  # still there, only not printed
+
+
+def test_history_points_are_named_and_still_unpack_as_the_old_four_tuples():
+    from batchwidgets.results import NoisePoint
+
+    report = tracker_report(history_errors=(None,) * 299 + (0.5,))
+    last = report.history[-1]
+    assert isinstance(last, NoisePoint)
+    assert (last.update, last.b_simple, last.b_simple_error) == (300, 310.0, 0.5)
+    update, b_simple, grad_norm_sq, trace_cov = last
+    assert (update, b_simple, grad_norm_sq, trace_cov) == (300, 310.0, 2.0, 3.0)
+    assert last[1] == 310.0 and len(last) == 4
+    assert report.history_errors[-1] == 0.5 and report.history_errors[0] is None
+    points = tracker_report(history=report.history)  # points in, the errors come with them
+    assert points.history_errors == report.history_errors and points == report
+
+
+def test_every_report_renders_the_rows_of_its_table_through_one_surface():
+    from batchwidgets.results import AccumulationReport, DataStallReport
+
+    reports = [
+        report_with((Attempt(2, True, 2**20, 0.1), Attempt(4, False, None, None))),
+        AccumulationReport(steps=4, micro_steps=8, real_steps=2, skipped_steps=0,
+                           remainder="none", remainder_micro_steps=0, micro_batch_size=8,
+                           world_size=1, target_batch_size=None, skips_allreduce=False,
+                           losses=(1.0, 0.5), grad_norms=()),
+        DataStallReport(stall_fraction=0.25, step_time_s=0.04, replay_step_time_s=0.03,
+                        data_wait_s=0.01, n_steps=10, device="cpu"),
+        tracker_report(n_losses=10),
+        tracker_report(n_losses=10).schedule,
+    ]
+    for report in reports:
+        page = report._repr_html_()
+        assert page.startswith('<div><table class="batchwidgets"><caption>batchwidgets: ')
+        for label, _ in report.rows():
+            assert f"<td>{label}</td>".replace("'", "&#x27;") in page, (type(report), label)
+        assert report.summary()

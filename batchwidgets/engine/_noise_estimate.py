@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, SequentialSampler
 
 from ._batches import batch_length, forward_and_loss, slice_batch
 from ._state import RngState
+from ._util import check_int
 
 # NOTE [ The two-batch-size estimator ]
 # McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", appendix A.1: for a
@@ -183,6 +184,37 @@ def estimate(small_sq_norms: Sequence[float], big_sq_norm: float, micro_batch_si
     return grad_norm_sq, trace_cov
 
 
+_SIGNIFICANCE = 2.0  # |G|^2 must exceed this many standard errors to give a B_simple
+_SPLIT = ("or call tracker.measure(model, loss_fn, batch) in the loop, which splits every K-th "
+          "batch (NoiseTracker(every=K)) in parts at one extra forward+backward of that batch")
+NO_MICRO_BATCHES = ("the gradient noise scale is not measured without micro-batches: pass "
+                    f"noise=tracker to accumulate(steps>=2), use DDP micro-batches, {_SPLIT}")
+
+
+def b_simple_of(moments: WeightedMoments, n_updates: int, n_single: int,
+                warmup_updates: int) -> tuple[float | None, float | None, str]:
+    """A tracker's (B_simple, its standard error, the reason it is not measurable or ''): from
+    the moving averages of ``n_updates`` estimates (``n_single`` updates had one micro-batch)."""
+    if n_updates == 0:
+        return None, None, (NO_MICRO_BATCHES if not n_single else
+                            f"every update had one micro-batch: use accumulate(steps>=2), "
+                            f"{_SPLIT}")
+    if n_updates < warmup_updates:
+        return None, None, (f"not measurable yet: {n_updates} of "
+                            f"{warmup_updates} warm-up updates")
+    g2, s = moments.means()[:2]
+    se_g2, se_s, cov = moments.standard_errors()
+    if g2 <= _SIGNIFICANCE * se_g2:
+        return None, None, (f"not measurable yet: |G|^2 = {g2:.3g} ± {se_g2:.2g} is not "
+                            f"clearly above 0 (the noise dominates; B_simple is larger than "
+                            f"these batches can resolve, or training has converged)")
+    if s <= 0:
+        return None, None, f"not measurable yet: tr(Sigma) estimate {s:.3g} <= 0"
+    ratio = s / g2
+    relative_var = (se_s / s) ** 2 + (se_g2 / g2) ** 2 - 2 * cov / (s * g2)
+    return ratio, ratio * math.sqrt(max(relative_var, 0.0)), ""
+
+
 class DeferredUpdate(NamedTuple):
     """What one update's values, left on the device by accumulate, hold: ``n_losses`` losses,
     then the small batches' norms (``small``) and |G_big|^2 last, for the two-batch-size
@@ -232,6 +264,25 @@ def _sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(
         g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None,
     ).double().square() for g in grads]).sum()
+
+
+def check_measure(model: Any, loss_fn: Any, batch: Any, parts: Any) -> int:
+    """NoiseTracker.measure's arguments checked: the batch's number of examples."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn should be a callable loss_fn(output, target) -> scalar or "
+                        f"None (the output's .loss), but got loss_fn={loss_fn!r}; e.g. "
+                        f"torch.nn.functional.cross_entropy.")
+    check_int("parts", parts, 2, hint="; e.g. parts=2")
+    if batch is None:
+        raise TypeError("batch should be given: tracker.measure(model, loss_fn, (x, y)), or "
+                        "tracker.measure(model, batch) when the output carries .loss.")
+    size = batch_length(batch)
+    if size < parts:
+        raise ValueError(f"the batch should hold at least parts={parts} examples, but it holds "
+                         f"{size}; use fewer parts.")
+    return size
 
 
 def split_sq_norms(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None,

@@ -26,11 +26,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from .._warnings import BatchwidgetsWarning
-from ..results import BatchSizeReport, NoiseTrackerReport
-from ._batches import batch_length
+from ..results import BatchSizeReport, NoisePoint, NoiseTrackerReport
 from ._noise_estimate import (
     DeferredUpdate,
     WeightedMoments,
+    b_simple_of,
+    check_measure,
     estimate,
     split_sq_norms,
     uneven_loader_warning,
@@ -43,30 +44,6 @@ from ._util import check_int, check_number
 # _noise_estimate.py.
 
 _MAX_DEFERRED = 256  # updates kept on the device at most, listener or not (one sync each 256)
-_SIGNIFICANCE = 2.0  # |G|^2 must exceed this many standard errors to give a B_simple
-_SPLIT = ("or call tracker.measure(model, loss_fn, batch) in the loop, which splits every K-th "
-          "batch (NoiseTracker(every=K)) in parts at one extra forward+backward of that batch")
-NO_MICRO_BATCHES = ("the gradient noise scale is not measured without micro-batches: pass "
-                    f"noise=tracker to accumulate(steps>=2), use DDP micro-batches, {_SPLIT}")
-
-
-def _check_measure(model: Any, loss_fn: Any, batch: Any, parts: Any) -> int:
-    """NoiseTracker.measure's arguments checked: the batch's number of examples."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn should be a callable loss_fn(output, target) -> scalar or "
-                        f"None (the output's .loss), but got loss_fn={loss_fn!r}; e.g. "
-                        f"torch.nn.functional.cross_entropy.")
-    check_int("parts", parts, 2, hint="; e.g. parts=2")
-    if batch is None:
-        raise TypeError("batch should be given: tracker.measure(model, loss_fn, (x, y)), or "
-                        "tracker.measure(model, batch) when the output carries .loss.")
-    size = batch_length(batch)
-    if size < parts:
-        raise ValueError(f"the batch should hold at least parts={parts} examples, but it holds "
-                         f"{size}; use fewer parts.")
-    return size
 
 
 class NoiseTracker:
@@ -174,8 +151,7 @@ class NoiseTracker:
         self._moments = WeightedMoments(self.ema)
         self._losses: deque[float] = deque(maxlen=max_losses)
         self._n_losses = 0
-        self._history: list[tuple[int, float | None, float, float]] = []
-        self._history_errors: list[float | None] = []
+        self._history: list[NoisePoint] = []
         self._n_updates = self._n_single = self._n_calls = 0
         self._sizes: Counter[tuple[int | None, int]] = Counter()  # (micro-batch, n_micro) seen
         self._measured_by = "micro-batches"
@@ -316,8 +292,8 @@ class NoiseTracker:
         self._moments.add(grad_norm_sq, trace_cov)
         self._n_updates += 1
         b_simple, error, _ = self._b_simple()
-        self._history.append((self._n_updates, b_simple, *self._moments.means()[:2]))
-        self._history_errors.append(error)
+        self._history.append(NoisePoint(self._n_updates, b_simple, *self._moments.means()[:2],
+                                        b_simple_error=error))
         self._notify()
 
     def measure(self, model: torch.nn.Module,
@@ -363,7 +339,7 @@ class NoiseTracker:
         """
         if batch is None and loss_fn is not None and not callable(loss_fn):
             loss_fn, batch = None, loss_fn  # measure(model, batch)
-        size = _check_measure(model, loss_fn, batch, parts)
+        size = check_measure(model, loss_fn, batch, parts)
         self._n_calls += 1
         if (self._n_calls - 1) % self.every:
             return False
@@ -377,24 +353,7 @@ class NoiseTracker:
 
     def _b_simple(self) -> tuple[float | None, float | None, str]:
         """(B_simple, its standard error, reason it is not measurable or '')."""
-        if self._n_updates == 0:
-            return None, None, (NO_MICRO_BATCHES if not self._n_single else
-                                f"every update had one micro-batch: use accumulate(steps>=2), "
-                                f"{_SPLIT}")
-        if self._n_updates < self.warmup_updates:
-            return None, None, (f"not measurable yet: {self._n_updates} of "
-                                f"{self.warmup_updates} warm-up updates")
-        g2, s = self._moments.means()[:2]
-        se_g2, se_s, cov = self._moments.standard_errors()
-        if g2 <= _SIGNIFICANCE * se_g2:
-            return None, None, (f"not measurable yet: |G|^2 = {g2:.3g} ± {se_g2:.2g} is not "
-                                f"clearly above 0 (the noise dominates; B_simple is larger than "
-                                f"these batches can resolve, or training has converged)")
-        if s <= 0:
-            return None, None, f"not measurable yet: tr(Sigma) estimate {s:.3g} <= 0"
-        ratio = s / g2
-        relative_var = (se_s / s) ** 2 + (se_g2 / g2) ** 2 - 2 * cov / (s * g2)
-        return ratio, ratio * math.sqrt(max(relative_var, 0.0)), ""
+        return b_simple_of(self._moments, self._n_updates, self._n_single, self.warmup_updates)
 
     @property
     def report(self) -> NoiseTrackerReport:
@@ -415,7 +374,7 @@ class NoiseTracker:
             trace_cov_error=se_s, measurable=b_simple is not None, reason=reason,
             n_updates=self._n_updates, micro_batch_size=b,
             effective_batch_size=None if b is None or n_micro is None else b * n_micro,
-            n_micro=n_micro, ema=self.ema, history_errors=tuple(self._history_errors),
+            n_micro=n_micro, ema=self.ema,
             n_losses=self._n_losses, measured_by=self._measured_by, every=self.every,
             warnings=self._warnings, n_examples=self._examples[0],
             example_loss_mean=self._examples[1] if self._examples[0] else None,

@@ -1,7 +1,8 @@
 """Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
 
 One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``), ``accumulate``,
-``noise`` (with the theory in ``_noise_theory``) and ``loader``; every name is re-exported here.
+``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``loader`` and
+``schedule``; every name is re-exported here.
 
 Usage:
     >>> from batchwidgets.results import Attempt, BatchSizeReport
@@ -22,7 +23,8 @@ from ._noise_theory import (
 )
 from .accumulate import AccumulationReport
 from .loader import DataStallReport, LoaderReport, LoaderTrial
-from .noise import LOSS_WINDOW, LayerNoise, NoiseReport, NoiseTrackerReport
+from .noise import LayerNoise, NoiseReport
+from .noise_tracker import LOSS_WINDOW, NoisePoint, NoiseTrackerReport
 from .probe import (
     FASTER_BY,
     Attempt,
@@ -48,6 +50,7 @@ __all__ = [
     "LoaderTrial",
     "MemoryModel",
     "MemorySplit",
+    "NoisePoint",
     "NoiseReport",
     "NoiseTrackerReport",
     "PeakSegment",

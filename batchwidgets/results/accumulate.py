@@ -45,8 +45,9 @@ class AccumulationReport:
                 f"{self.effective_batch_size or '?'}, remainder {self.remainder})")
         return f"{text}. {self.advice}" if self.advice else text
 
-    def _repr_html_(self) -> str:
-        rows = [
+    def rows(self) -> list[tuple[str, object]]:
+        """The rows of the report's table (label, value)."""
+        rows: list[tuple[str, object]] = [
             ("micro-steps per update", self.steps),
             ("micro-steps", self.micro_steps),
             ("optimizer steps", self.real_steps),
@@ -67,5 +68,7 @@ class AccumulationReport:
                 or "no change"))
         if self.advice:
             rows.append(("advice", self.advice))
-        table = _html.table(rows, caption="batchwidgets: accumulate")
-        return f"<div>{table}{_html.inline_plot(self)}</div>"
+        return rows
+
+    def _repr_html_(self) -> str:
+        return _html.report_html(self, "batchwidgets: accumulate", self.rows())

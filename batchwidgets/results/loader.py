@@ -87,7 +87,8 @@ class DataStallReport:
                 f"({self.data_wait_s * 1e3:.3g} ms of {self.step_time_s * 1e3:.3g} ms, "
                 f"{self.n_steps} steps on {self.device})")
 
-    def _summary_rows(self) -> list[tuple[str, object]]:
+    def rows(self) -> list[tuple[str, object]]:
+        """The rows of the report's table (label, value)."""
         return [("data stall", f"{self.stall_fraction:.1%} of the step time"),
                 ("step with the loader", f"{_html.format_number(self.step_time_s * 1e3)} ms"),
                 ("step on a replayed batch",
@@ -96,7 +97,7 @@ class DataStallReport:
                 ("steps timed", f"{self.n_steps} of each on {self.device}")]
 
     def _repr_html_(self) -> str:
-        return f"<div>{_html.table(self._summary_rows(), caption='batchwidgets: data_stall')}</div>"
+        return _html.report_html(self, "batchwidgets: data_stall", self.rows(), plot=False)
 
 
 # NOTE [ A LoaderReport holds no data ]
@@ -183,7 +184,8 @@ class LoaderReport:
                 f"{faster} ({len(self.trials)} of {self.grid_size} settings tried in "
                 f"{self.search_time_s:.1f} s on {self.device})")
 
-    def _summary_rows(self) -> list[tuple[str, object]]:
+    def rows(self) -> list[tuple[str, object]]:
+        """The rows of the report's table (label, value)."""
         best = self.best
         rows: list[tuple[str, object]] = [
             ("device", self.device),
@@ -215,9 +217,8 @@ class LoaderReport:
         return rows
 
     def _repr_html_(self) -> str:
-        summary = _html.table(self._summary_rows(), caption="batchwidgets: tune_loader")
         trials = _html.table(self._trial_rows(), caption="settings, in the order measured",
                              header=("#", "", "num_workers", "pin_memory", "prefetch_factor",
                                      "persistent_workers", "samples/s", "batches/s",
                                      "bytes/s", "first batch s", "error"))
-        return f"<div>{summary}{trials}{_html.inline_plot(self)}</div>"
+        return _html.report_html(self, "batchwidgets: tune_loader", self.rows(), trials)

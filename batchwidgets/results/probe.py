@@ -254,7 +254,8 @@ class BatchSizeReport:
                 f"recommended_batch_size={self.recommended_batch_size} ({self.device}, "
                 f"{self.n_attempts} tries, {self.n_ooms} OOM)")
 
-    def _summary_rows(self) -> list[tuple[str, object]]:
+    def rows(self) -> list[tuple[str, object]]:
+        """The rows of the report's table (label, value)."""
         model = self.memory_model
         return [
             *([("target (predicted, not run)", f"{self.target}: band {self.target_band[0]}-"
@@ -279,9 +280,8 @@ class BatchSizeReport:
         ]
 
     def _repr_html_(self) -> str:
-        summary = _html.table(self._summary_rows(), caption="batchwidgets: find_batch")
-        attempts = attempts_table(self.attempts)
-        return f"<div>{summary}{details_html(self)}{attempts}{_html.inline_plot(self)}</div>"
+        return _html.report_html(self, "batchwidgets: find_batch", self.rows(),
+                                 details_html(self), attempts_table(self.attempts))
 
 
 def details_html(report: BatchSizeReport) -> str:

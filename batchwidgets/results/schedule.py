@@ -73,9 +73,10 @@ class BatchSchedule:
         return (f"batch size {self.batch_size} {self.unit} ({how}), learning rate "
                 f"×{_html.format_number(self.lr_factor)}: {self.reason}")
 
-    def _repr_html_(self) -> str:
+    def rows(self) -> list[tuple[str, object]]:
+        """The rows of the report's table (label, value)."""
         number = _html.format_number
-        return _html.table([
+        return [
             ("batch size from here", f"{self.batch_size} {self.unit}"),
             ("micro-batches per update (accumulate steps)", self.steps),
             ("learning-rate factor", number(self.lr_factor)),
@@ -84,7 +85,11 @@ class BatchSchedule:
             ("bounds: max / fits in memory", f"{self.max_batch_size or '-'} / "
                                              f"{self.fits_batch_size or '-'}"),
             ("why", self.reason),
-        ], caption="batchwidgets: batch-size schedule")
+        ]
+
+    def _repr_html_(self) -> str:
+        return _html.report_html(self, "batchwidgets: batch-size schedule", self.rows(),
+                                 plot=False)
 
 
 @dataclass(frozen=True)
