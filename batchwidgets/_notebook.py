@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import re
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ import torch
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
-from .engine import parse_bytes
+from .engine import SyntheticBatches, find_batch, parse_bytes
+from .engine import probe as _probe_engine
 from .engine._cuda_sim import parse_target
 from .engine.noise_tracker import NoiseTracker
 from .results import BatchSizeReport
@@ -263,3 +265,70 @@ def noise_tracker(shell: Any, text: str | None) -> NoiseTracker | None:
         return resolve(shell, text, "--noise")
     tracker = shell.user_ns[NEW_TRACKER_NAME] = NoiseTracker()
     return tracker
+
+
+# ---- %find_batch's line as a find_batch call ----------------------------------------------
+# find_batch options given as values (the rest name objects in the notebook; see _notebook.py)
+_VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "headroom",
+                  "steps_per_trial", "start", "seq_len", "target")
+_NAMED_OPTIONS = {"loss_fn": "--loss-fn", "optimizer": "--optimizer",
+                  "scheduler": "--scheduler", "scaler": "--scaler", "step": "--step"}
+
+
+def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:
+    if args.input_shape is not None:
+        if args.make_batch is not None:
+            raise UsageError(f"give MAKE_BATCH or --input-shape, not both, but got "
+                             f"MAKE_BATCH={args.make_batch} and --input-shape "
+                             f"{','.join(map(str, args.input_shape))}.")
+        return SyntheticBatches(args.input_shape, args.num_classes)
+    if args.num_classes is not None:
+        raise UsageError("--num-classes goes with --input-shape (synthetic batches), e.g. "
+                         "--input-shape 3,32,32 --num-classes 10.")
+    if args.make_batch is None and isinstance(model, torch.nn.Module) and args.step is None:
+        raise UsageError(f"MAKE_BATCH is needed with a model (or --input-shape 3,32,32 for "
+                         f"synthetic batches); {available(shell, 'MAKE_BATCH')}.")
+    if args.make_batch is None:
+        return None
+    return resolve(shell, args.make_batch, "MAKE_BATCH")
+
+
+def probe_call(shell: Any, args: argparse.Namespace) -> functools.partial:
+    """``%find_batch``'s line as a ``find_batch`` call with the notebook's objects and only the
+    options given (its defaults stay); not run yet."""
+    model = resolve(shell, args.model, "MODEL")
+    make_batch = _make_batch(shell, args, model)
+    options = {name: getattr(args, name) for name in _VALUE_OPTIONS
+               if getattr(args, name) is not None}
+    options.update({name: resolve(shell, getattr(args, name), flag)
+                    for name, flag in _NAMED_OPTIONS.items() if getattr(args, name) is not None})
+    if args.num_classes is not None:
+        options.setdefault("loss_fn", torch.nn.functional.cross_entropy)
+    if args.what_if:
+        options["what_if"] = True
+    _check(options.get("step", model), make_batch, options)
+    return functools.partial(find_batch, model, make_batch, **options)
+
+
+def _check(model: Any, make_batch: Any, options: dict[str, Any]) -> None:
+    """find_batch's own argument checks, before anything runs: a mistake is one line."""
+    multiple_of = options.get("multiple_of", 1)
+    try:
+        _probe_engine._check_arguments(
+            model, make_batch, options.get("amp"), options.get("max_batch_size"), multiple_of,
+            options.get("headroom", 0.9), options.get("steps_per_trial", 2), options.get("start"),
+            options.get("optimizer"))
+    except (TypeError, ValueError) as error:
+        raise UsageError(_flags(str(error))) from None
+
+
+def _flags(message: str) -> str:
+    """An engine message in the magic's words: max_batch_size=4 -> --max-batch-size 4."""
+    for name in _VALUE_OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        message = message.replace(f"{name}=", f"{flag} ")
+        if "_" in name:  # a plain word (device, budget) stays a word past the first one
+            message = re.sub(rf"(?<![\w-]){name}\b", flag, message)
+        elif message.startswith(f"{name} "):
+            message = flag + message[len(name):]
+    return message

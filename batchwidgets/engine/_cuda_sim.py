@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._cuda_model import KIB, MIB, WORKSPACE_FREE_FRACTION, CachingAllocatorModel, Event
 from ._memory import parse_bytes, unique_tensors
-from ._meters import Reading, TracingTracker, _TracedSteps, _Where
+from ._meters import Reading, TracingTracker, _TracedSteps, _Where, tracing
 
 # NOTE [ Workspaces of the simulated device ]
 # A GPU step allocates memory that is no tensor, through the same caching allocator:
@@ -346,11 +346,8 @@ class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
             tracker = self._tracker = TracingTracker(self.device, None, held, self._where)
             held.clear()  # see TensorMeter.measure: a kept list would pin freed gradients
             try:
-                with self._where.modules, tracker:
+                with tracing(tracker, self._where):
                     yield reading
-            except BaseException:
-                tracker.trace.complete = False
-                raise
             finally:
                 reading.live_bytes = self.allocator.allocated_bytes
                 tracker.trace.events = self.events

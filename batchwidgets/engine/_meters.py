@@ -200,6 +200,19 @@ class TracingTracker(_memory.TensorMemoryTracker):
 # marks the end of backward; the meter keeps that phase's peak apart, and the search fits on it.
 
 
+
+@contextmanager
+def tracing(tracker: TracingTracker, where: _Where) -> Iterator[None]:
+    """Run a step under ``tracker``, ``where`` naming the module of each op; a step that raises
+    leaves a trace marked incomplete (no prediction is fitted through it)."""
+    try:
+        with where.modules, tracker:
+            yield
+    except BaseException:
+        tracker.trace.complete = False
+        raise
+
+
 class _TracedSteps:
     """The probe's hooks into a meter's ``TracingTracker`` (``self._tracker``, None while no trace
     is recorded) and its ``_Where``: each step's start, the batch's own ops, the split's marks."""
@@ -277,11 +290,8 @@ class TensorMeter(_TracedSteps):
         if self.baseline_bytes is None:
             self.baseline_bytes = tracker.baseline_bytes
         try:
-            with self._where.modules, tracker:
+            with tracing(tracker, self._where):
                 yield reading
-        except BaseException:
-            tracker.trace.complete = False
-            raise
         finally:
             reading.peak_bytes = max(reading.peak_bytes, tracker.peak_bytes)
             reading.live_bytes = tracker.live_bytes

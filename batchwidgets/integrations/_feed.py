@@ -158,3 +158,11 @@ class TrainerFeed:
         self._measuring = self.tracker.sampler.end_update()
         if self.panel is not None and self.tracker._deferred:
             self.tracker.flush()  # the panel redraws from the listeners (throttled)
+
+
+def feeding(callback: Any, tracker: NoiseTracker | None, panel: bool | None) -> None:
+    """What both trainers' ``NoiseCallback.__init__`` set up: ``callback._feed`` (a
+    ``TrainerFeed``), ``callback.tracker`` and the micro-batch count ``callback._micro``."""
+    callback._feed = TrainerFeed(tracker, panel)
+    callback.tracker = callback._feed.tracker
+    callback._micro = 0

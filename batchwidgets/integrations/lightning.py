@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..engine.noise_tracker import NoiseTracker
-from ._feed import TrainerFeed
+from ._feed import feeding
 
 try:
     from lightning.pytorch import Callback
@@ -49,12 +49,9 @@ class NoiseCallback(Callback):
     each step from the time between a micro-step's end and the next batch's start. The tracker
     samples updates to stay under its ``overhead_target``. Nothing of the training changes.
 
-    Parameters
-    ----------
-    tracker : NoiseTracker, optional
-        The tracker to feed (``callback.tracker``); a new one if not given.
-    panel : bool, optional
-        Show a live ``NoisePanel`` (None: when running in a notebook).
+    ``NoiseCallback(tracker=None, *, panel=None)``: the ``NoiseTracker`` to feed (kept as
+    ``callback.tracker``; a new one if None), and whether to show a live ``NoisePanel`` (None:
+    when running in a notebook).
 
     Examples
     --------
@@ -65,9 +62,7 @@ class NoiseCallback(Callback):
     """
 
     def __init__(self, tracker: NoiseTracker | None = None, *, panel: bool | None = None) -> None:
-        self._feed = TrainerFeed(tracker, panel)
-        self.tracker = self._feed.tracker
-        self._micro = 0
+        feeding(self, tracker, panel)
         self._stepped = False
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..engine.noise_tracker import NoiseTracker
-from ._feed import TrainerFeed
+from ._feed import feeding
 
 try:
     from transformers import TrainerCallback
@@ -38,12 +38,9 @@ class NoiseCallback(TrainerCallback):
     data-stall share of each step from the time between two steps. The tracker samples updates
     to stay under its ``overhead_target``. Nothing of the training changes.
 
-    Parameters
-    ----------
-    tracker : NoiseTracker, optional
-        The tracker to feed (``callback.tracker``); a new one if not given.
-    panel : bool, optional
-        Show a live ``NoisePanel`` (None: when running in a notebook).
+    ``NoiseCallback(tracker=None, *, panel=None)``: the ``NoiseTracker`` to feed (kept as
+    ``callback.tracker``; a new one if None), and whether to show a live ``NoisePanel`` (None:
+    when running in a notebook).
 
     Examples
     --------
@@ -53,9 +50,7 @@ class NoiseCallback(TrainerCallback):
     """
 
     def __init__(self, tracker: NoiseTracker | None = None, *, panel: bool | None = None) -> None:
-        self._feed = TrainerFeed(tracker, panel)
-        self.tracker = self._feed.tracker
-        self._micro = 0
+        feeding(self, tracker, panel)
         self._accumulation = 1
         self._clips = False
         self._model: torch.nn.Module | None = None
