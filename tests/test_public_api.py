@@ -70,7 +70,22 @@ def test_find_batch_parameters():
     assert signature.parameters["make_batch"].default is None  # find_batch(step)
     assert signature.parameters["headroom"].default == 0.9
     assert signature.parameters["multiple_of"].default == 1
-    assert "on_step" in signature.parameters
+    assert "on_step" in signature.parameters  # the earlier name of on_progress
+    keywords = list(signature.parameters)
+    assert "on_progress" in keywords
+    assert keywords.index("scaler") < keywords.index("scheduler")  # as accumulate's order
+
+
+def test_the_vocabulary_names_each_step_and_choice_once():
+    from batchwidgets.engine import _types, probe
+    from batchwidgets.engine.loader import TrainStep
+
+    assert probe.Step is _types.ProbeStep
+    assert TrainStep is _types.TrainStep
+    assert inspect.signature(bw.accumulate).parameters["remainder"].annotation == "Remainder"
+    assert _types.REMAINDERS == ("apply", "drop")
+    assert set(_types.AMP_NAMES) >= {"bf16", "fp16"}
+    assert _types.NOISE_METHODS == ("auto", "vmap", "loop")
 
 
 def test_accumulate_parameters():

@@ -135,7 +135,8 @@ def test_a_tracker_report_repr_leaves_out_its_long_series():
     report = tracker_report()
     text = repr(report)
     assert len(text) < 2_000  # 124,189 characters when the 10,000 losses were in it
-    assert "b_simple=12.0" in text and "0.0001" not in text
+    assert "b_simple=12.0" in text
+    assert "0.0001" not in text
     assert len(report.losses) == 10_000  # still there, only not printed
 
 
@@ -148,10 +149,13 @@ def test_history_points_are_named_and_still_unpack_as_the_old_four_tuples():
     assert (last.update, last.b_simple, last.b_simple_error) == (300, 310.0, 0.5)
     update, b_simple, grad_norm_sq, trace_cov = last
     assert (update, b_simple, grad_norm_sq, trace_cov) == (300, 310.0, 2.0, 3.0)
-    assert last[1] == 310.0 and len(last) == 4
-    assert report.history_errors[-1] == 0.5 and report.history_errors[0] is None
+    assert last[1] == 310.0
+    assert len(last) == 4
+    assert report.history_errors[-1] == 0.5
+    assert report.history_errors[0] is None
     points = tracker_report(history=report.history)  # points in, the errors come with them
-    assert points.history_errors == report.history_errors and points == report
+    assert points.history_errors == report.history_errors
+    assert points == report
 
 
 def test_every_report_renders_the_rows_of_its_table_through_one_surface():

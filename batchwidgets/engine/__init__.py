@@ -12,6 +12,7 @@ Public (each returns a report from ``batchwidgets.results``):
 Private, in the order a newcomer meets them:
 
 - ``_util.py``           walking nested batches, the default device, world size, int checks
+- ``_types.py``          the vocabulary: step, progress and data names, Literal choices
 - ``_batches.py``        batches of any size from a callable, Dataset, DataLoader or tensor
 - ``_search.py``         the probe's pure search policy: which batch size next
 - ``_meters.py``         memory backends: CUDA allocator peaks and cap, CPU/MPS tensor bytes

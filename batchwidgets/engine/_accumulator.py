@@ -19,7 +19,6 @@ from ._schedule import AutoSteps
 from ._util import world_size
 from .noise_tracker import NoiseTracker
 
-REMAINDERS = ("apply", "drop")
 _FLUSH_EVERY = 256  # device scalars kept before one host sync converts them to floats
 SCHEDULE_EVERY = 16  # steps="auto": updates between two looks at the tracker's schedule
 def _has_batchnorm(model: torch.nn.Module | None) -> bool:

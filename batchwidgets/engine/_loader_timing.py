@@ -3,7 +3,6 @@ included, and the workers always shut down."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,10 +10,8 @@ from torch.utils.data import DataLoader
 
 from ..results import LoaderTrial
 from ._loader_checks import batch_warnings, setting_warnings
+from ._types import Clock, ShouldStop
 from ._util import default_device, has_accelerator, tensors, to_device
-
-Clock = Callable[[], float]
-ShouldStop = Callable[[], bool]
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from .._warnings import BatchwidgetsWarning
+from ._types import AMP_NAMES
 from ._util import check_int
 
-_AMP_NAMES = ("bf16", "bfloat16", "fp16", "float16")
+_AMP_NAMES = AMP_NAMES
 
 
 def _cpu_has_bf16() -> bool:

@@ -21,8 +21,9 @@ import torch
 
 from .._warnings import BatchwidgetsWarning
 from ._accumulate_calls import _is_suspended, _suspended
-from ._accumulator import REMAINDERS, Accumulator
+from ._accumulator import Accumulator
 from ._schedule import AutoSteps
+from ._types import REMAINDERS, Remainder
 from ._util import check_int
 from .noise_tracker import NoiseTracker
 
@@ -31,7 +32,7 @@ __all__ = ["Accumulator", "_is_suspended", "_suspended", "accumulate"]
 
 def accumulate(optimizer: torch.optim.Optimizer, steps: int | str = 4,
                model: torch.nn.Module | None = None, scaler: Any = None, scheduler: Any = None,
-               *, remainder: str = "apply", track_grad_norms: bool = False,
+               *, remainder: Remainder = "apply", track_grad_norms: bool = False,
                batch_size: int | None = None, micro_batch_size: int | None = None,
                noise: NoiseTracker | None = None) -> Accumulator:
     """Gradient accumulation around an unchanged training loop.

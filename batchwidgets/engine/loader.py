@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,8 +31,6 @@ from ._loader_checks import (
     usable_cpus,
 )
 from ._loader_timing import (
-    Clock,
-    ShouldStop,
     copy_batch,
     failed_trial,
     resolve_device,
@@ -40,18 +38,10 @@ from ._loader_timing import (
     synchronize,
     time_loader,
 )
+from ._types import Clock, OnProgress, ShouldStop, TrainStep, progress
 from ._util import check_int, has_accelerator
 
-OnProgress = Callable[[LoaderTrial], None]
-TrainStep = Callable[[Any], Any]  # step(batch); the probe's Step is step(batch_size)
-
-# NOTE [ Progress callbacks ]
-# Every long measurement reports progress the same way: an optional keyword callback, called
-# on the measuring thread with the row the report will hold, as soon as it exists, and cheap to
-# call. ``find_batch(on_step=...)`` gets each ``Attempt``; ``tune_loader(on_progress=...)`` gets
-# each ``LoaderTrial`` (``on_trial=``, its earlier name, still works); a ``NoiseTracker``, which
-# lives across a whole training run, takes listeners instead (``add_listener``). Cancelling is
-# the other direction: ``should_stop()``, polled between units of work.
+# Progress callbacks, steps and data arguments: NOTE [ One vocabulary ] in _types.py.
 
 DEFAULT_BATCH_SIZE = 32  # for a Dataset given without batch_size
 SETTINGS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "batch_size")
@@ -201,15 +191,6 @@ def measure_loader(loader_or_dataset: DataLoader | Any, *, num_workers: int = 0,
     return trial
 
 
-def _progress(on_progress: OnProgress | None, on_trial: OnProgress | None) -> OnProgress | None:
-    """``on_trial`` is the earlier name of ``on_progress`` (NOTE [ Progress callbacks ])."""
-    if on_progress is not None and on_trial is not None:
-        raise TypeError(f"on_progress and on_trial should not both be given (on_trial is the "
-                        f"earlier name of on_progress), but got on_progress={on_progress!r} and "
-                        f"on_trial={on_trial!r}; pass on_progress alone.")
-    return on_progress if on_progress is not None else on_trial
-
-
 def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str | None = None, *,
                 batch_size: int | None = None, max_workers: int | None = None,
                 duration_s: float = 1.0, threshold: float = 0.05, step: TrainStep | None = None,
@@ -243,7 +224,7 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
         ``step(batch)``, one training step: fills ``report.stall`` (see ``data_stall``).
     clock, on_progress, should_stop : callable, optional
         Time source; called with each ``LoaderTrial`` as it is measured (``on_trial``: the
-        earlier name, still accepted; NOTE [ Progress callbacks ]); polled to cancel (returns
+        earlier name, still accepted; NOTE [ One vocabulary ]); polled to cancel (returns
         what ran).
 
     Returns
@@ -266,7 +247,7 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
     if max_workers:  # fail before any measurement, with the fix (not once per setting)
         check_workers_can_unpickle(make_loader(loader_or_dataset, num_workers=max_workers,
                                                batch_size=batch_size))
-    report_progress = _progress(on_progress, on_trial)
+    report_progress = progress(on_progress, on_trial, "on_trial")
     started = clock()
     trials: list[LoaderTrial] = []
     while (chosen := _loader_search.next_setting(trials, max_workers=max_workers,

@@ -30,11 +30,12 @@ from ..results import NoiseReport
 from ._batches import as_keywords, batch_length, forward_and_loss, slice_batch
 from ._noise_moments import Moments
 from ._state import TrainingState
+from ._types import NOISE_METHODS, NoiseMethod
 from ._util import check_int, to_device
 from .noise_tracker import unshuffled_loader_warning
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-_METHODS = ("auto", "vmap", "loop")
+_METHODS = NOISE_METHODS
 # PyTorch's warning when vmap runs an op without a batching rule example by example
 _SLOW_VMAP = re.compile(r"performance drop because we have not yet implemented the batching "
                         r"rule for (\S+)")
@@ -152,7 +153,7 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
                   loss_fn: LossFn | None = None,
                   batch_sizes: Sequence[int] = (1, 2, 4, 8), *, replacement: bool = False,
                   max_examples: int = 1024, chunk_size: int = 64,
-                  method: str = "auto") -> NoiseReport:
+                  method: NoiseMethod = "auto") -> NoiseReport:
     """Measure gradient noise from exact per-example gradients.
 
     For N examples with per-example gradients g_i (of ``loss_fn`` on a one-example batch) and

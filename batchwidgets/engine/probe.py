@@ -35,9 +35,10 @@ from ._trials import (
     _state_tensors,
     _Trainer,
 )
+from ._types import Amp, ProbeStep, progress
 from ._util import default_device, to_device
 
-Step = Callable[[int], Any]
+Step = ProbeStep  # the earlier name (NOTE [ One vocabulary ] in _types.py)
 OnStep = Callable[[Attempt], None]
 MakeBatch = Union[Callable[[int], Any], torch.utils.data.Dataset, torch.utils.data.DataLoader,
                   torch.Tensor]
@@ -116,17 +117,18 @@ def _model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Cal
     return step
 
 
-def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = None,
+def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None = None,
                loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
                device: torch.device | str | None = None, budget: int | str | None = None,
-               amp: str | None = None, max_batch_size: int | None = None, multiple_of: int = 1,
-               headroom: float = 0.9, *, scheduler: Any = None, scaler: Any = None,
+               amp: Amp | None = None, max_batch_size: int | None = None, multiple_of: int = 1,
+               headroom: float = 0.9, *, scaler: Any = None, scheduler: Any = None,
                steps_per_trial: int = 2, start: int | None = None,
-               on_step: OnStep | None = None,
+               on_progress: OnStep | None = None,
                should_stop: Callable[[], bool] | None = None,
                seq_len: Sequence[int] | None = None,
                what_if: bool = False, target: str | int | None = None,
-               step: Step | None = None) -> BatchSizeReport:
+               step: ProbeStep | None = None,
+               on_step: OnStep | None = None) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -163,15 +165,16 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     max_batch_size, multiple_of, headroom
         Largest size to try; sizes tried are multiples of ``multiple_of``; the recommendation
         stays under ``headroom * max_batch_size``.
-    scheduler, scaler : optional
+    scaler, scheduler : optional
         Restored afterwards; ``scaler`` is used for the steps.
     steps_per_trial : int
         Training steps run at each size.
     start : int, optional
         First size tried (default 2, or ``multiple_of`` when larger); if it does not fit, the
         probe halves down to ``multiple_of``.
-    on_step : callable, optional
-        Called with each ``Attempt`` as it finishes (progress for front ends).
+    on_progress : callable, optional
+        Called with each ``Attempt`` as it finishes (progress for front ends); ``on_step`` is
+        its earlier name, still accepted (NOTE [ One vocabulary ] in _types.py).
     should_stop : callable, optional
         Polled before each size (as in ``tune_loader``); True ends the search with what it
         found so far (``stop_reason="stopped"``). A front end's Stop button.
@@ -213,6 +216,7 @@ def find_batch(model: torch.nn.Module | Step, make_batch: MakeBatch | None = Non
     >>> report.max_batch_size, report.first_oom_batch_size
     (622, 623)
     """
+    on_step = progress(on_progress, on_step, "on_step")
     protected: torch.nn.Module | None = None  # the model a bare step= trains
     if step is not None:
         protected, model = _check_step(model, make_batch, step, seq_len), step

@@ -1,0 +1,52 @@
+"""The engine's vocabulary: one name for each kind of argument, used in every signature."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+# NOTE [ One vocabulary ]
+# The same thing has the same name across the API:
+# - Data. ``make_batch`` (find_batch) makes a batch of a given size: a callable
+#   ``make_batch(batch_size)``, or a Dataset, DataLoader or example tensor it is built from;
+#   ``data`` (measure_noise) is the examples themselves, a Dataset or DataLoader;
+#   ``loader_or_dataset`` (tune_loader, measure_loader, make_loader, LoaderPanel) is what a
+#   DataLoader is built from or is; ``batch`` (NoiseTracker.measure, a TrainStep) is one batch.
+#   Positional names are kept as they were: renaming one breaks every keyword call.
+# - Steps. A ``ProbeStep`` is ``step(batch_size)``: it builds its own batch and trains once
+#   (find_batch(step), find_batch(model, step=...)); a ``TrainStep`` is ``step(batch)``: one
+#   training step on the batch it is given (tune_loader(step=...), data_stall). ``Step`` is the
+#   probe's earlier name.
+# - Progress and cancelling. A long measurement calls ``on_progress(row)`` on the measuring
+#   thread with each row its report will hold, as soon as it exists (find_batch: an Attempt;
+#   tune_loader: a LoaderTrial); ``on_step`` and ``on_trial`` are their earlier names. A
+#   NoiseTracker, which lives across a whole training run, takes listeners instead
+#   (``add_listener``). ``should_stop()`` is polled between units of work to cancel.
+# - AMP objects. ``scaler`` comes before ``scheduler`` wherever both are taken (accumulate's
+#   positional order).
+# - Choices among strings are ``Literal`` aliases below, and their tuples of allowed values
+#   (for the checks) come from them.
+
+ProbeStep = Callable[[int], Any]  # step(batch_size): builds its batch and trains once
+TrainStep = Callable[[Any], Any]  # step(batch): one training step on the given batch
+OnProgress = Callable[[Any], None]  # on_progress(row): each row of the report as it is made
+ShouldStop = Callable[[], bool]
+Clock = Callable[[], float]
+
+Amp = Literal["bf16", "bfloat16", "fp16", "float16"]
+Remainder = Literal["apply", "drop"]
+NoiseMethod = Literal["auto", "vmap", "loop"]
+AMP_NAMES: tuple[str, ...] = get_args(Amp)
+REMAINDERS: tuple[str, ...] = get_args(Remainder)
+NOISE_METHODS: tuple[str, ...] = get_args(NoiseMethod)
+
+
+def progress(on_progress: OnProgress | None, earlier: OnProgress | None,
+             earlier_name: str) -> OnProgress | None:
+    """The progress callback given under its name or its earlier one (NOTE [ One vocabulary ])."""
+    if on_progress is not None and earlier is not None:
+        raise TypeError(f"on_progress and {earlier_name} should not both be given ("
+                        f"{earlier_name} is the earlier name of on_progress), but got "
+                        f"on_progress={on_progress!r} and {earlier_name}={earlier!r}; pass "
+                        f"on_progress alone.")
+    return on_progress if on_progress is not None else earlier
