@@ -137,8 +137,8 @@ def test_a_step_function_needs_no_make_batch(ip):
 
 def test_every_find_batch_option_is_a_flag(ip):
     manual = ip.find_line_magic("find_batch").__doc__
-    options = [p for p in inspect.signature(bw.find_batch).parameters
-               if p not in ("model", "make_batch", "on_step", "on_progress", "should_stop")]  # callables
+    callables = ("model", "make_batch", "on_step", "on_progress", "should_stop")
+    options = [p for p in inspect.signature(bw.find_batch).parameters if p not in callables]
     assert [o for o in options if f"--{o.replace('_', '-')}" not in manual] == []
     assert "batchwidgets.find_batch" in manual
     assert "--input-shape" in manual

@@ -92,3 +92,35 @@ def test_refresh_displays_rewrites_the_static_copy_of_every_display_in_place(ip)
     ids = [o.transient["display_id"] for o in shown.outputs]
     assert ids[:2] == ids[2:]  # each display updated in place, once
     assert ids[0] != ids[1]
+
+
+def live_widgets() -> int:
+    from ipywidgets.widgets import widget
+
+    return len(widget._instances)
+
+
+def test_closing_any_panel_leaves_no_widget_behind(ip):
+    import torch
+    from torch.utils.data import TensorDataset
+
+    import batchwidgets as bw
+    from batchwidgets.results import Attempt, BatchSizeReport
+
+    report = BatchSizeReport(max_batch_size=8, first_oom_batch_size=16,
+                             attempts=(Attempt(2, True, 2**20, 0.01),
+                                       Attempt(8, True, 2**21, 0.02),
+                                       Attempt(16, False, None, None)),
+                             device="cpu", budget_bytes=2**22)
+    data = TensorDataset(torch.arange(64.0).reshape(32, 2), torch.arange(32))
+    makers = {"ProbePanel": lambda: bw.ProbePanel(report),
+              "NoisePanel": lambda: bw.NoisePanel(bw.NoiseTracker()),
+              "LoaderPanel": lambda: bw.LoaderPanel(data, device="cpu", duration_s=0.05)}
+    for name, make in makers.items():
+        before = live_widgets()
+        panel = make()
+        assert live_widgets() > before + 3, name  # a real panel: many widgets
+        with capture_output():
+            panel._ipython_display_()
+        panel.close()
+        assert live_widgets() == before, name

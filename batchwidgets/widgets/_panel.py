@@ -48,6 +48,17 @@ def name_parts(panel: widgets.DOMWidget, css_name: str,
         widget.add_class(f"{CSS_PREFIX}-{css_name}-{part.replace('_', '-')}")
 
 
+def close_tree(widget: widgets.Widget) -> None:
+    """Close a widget, its children, and their layout and style widgets (``close()`` alone
+    leaves all of those open in the kernel)."""
+    for child in getattr(widget, "children", ()):
+        close_tree(child)
+    for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
+        if isinstance(part, widgets.Widget):
+            part.close()
+    widget.close()
+
+
 class ReportDisplay:
     """The display of a panel whose state is its last ``report`` (a property or attribute with
     ``_repr_html_()`` and ``summary()``, None before the first) and whose ``status`` widget says
@@ -75,7 +86,21 @@ class ReportDisplay:
         if handle is not None:  # None outside IPython
             self.__dict__.setdefault("_display_handles", []).append(handle)
 
-    def refresh_displays(self) -> None:
-        """Rewrite the static copy of every display of this panel with the current report."""
+    def refresh_displays(self, *, live: bool = True) -> None:
+        """Rewrite the static copy of every display of this panel with the current report
+        (``live=False``: the static copy alone, for a panel whose widgets are closing)."""
         for handle in self.__dict__.get("_display_handles", ()):
-            handle.update(self._repr_mimebundle_(), raw=True)
+            bundle = self._repr_mimebundle_()
+            if not live:
+                bundle.pop(WIDGET_VIEW)
+            handle.update(bundle, raw=True)
+
+    def close(self) -> None:
+        """Close the panel and every widget in it (layouts and styles too); each of its
+        outputs keeps the static report."""
+        self.refresh_displays(live=False)
+        self.__dict__["_display_handles"] = []
+        for child in self.children:
+            close_tree(child)
+        self.layout.close()
+        super().close()

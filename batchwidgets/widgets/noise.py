@@ -15,29 +15,20 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import time
 from collections.abc import Callable
-from typing import Any
 
 import ipywidgets as widgets
-from IPython.display import display
 
 from .. import _html
 from ..engine.noise_tracker import NoiseTracker
 from ..plots import plot_noise_panel
 from ..results import LOSS_WINDOW, NoiseReport, NoiseTrackerReport
-from .probe import PLOT_DPI, panel_bundle
+from ._panel import ReportDisplay, figure_png, name_parts
 
 # After a redraw that took t seconds, the next waits max(min_interval_s, DRAW_SHARE * t): drawing
 # then takes at most 1 / (1 + DRAW_SHARE) of the training loop's time however slow it is.
 DRAW_SHARE = 4.0
-
-
-def _png(report: NoiseTrackerReport, noise_report: NoiseReport | None) -> bytes:
-    buffer = io.BytesIO()
-    plot_noise_panel(report, noise_report).savefig(buffer, format="png", dpi=PLOT_DPI)
-    return buffer.getvalue()
 
 
 def _status(report: NoiseTrackerReport) -> str:
@@ -52,7 +43,7 @@ def _status(report: NoiseTrackerReport) -> str:
             f"{html.escape(loss)} · {report.n_losses_seen} batches{sampled}{stall}")
 
 
-class NoisePanel(widgets.VBox):
+class NoisePanel(ReportDisplay, widgets.VBox):
     """Per-batch losses and the gradient noise scale of a ``NoiseTracker``, live.
 
     Three plots in one image: each batch's loss with its rolling mean and a band of one
@@ -108,15 +99,12 @@ class NoisePanel(widgets.VBox):
         self.report: NoiseTrackerReport | None = None  # the last report drawn: all panel state
         self.min_interval_s, self._clock = float(min_interval_s), clock
         self._next_draw_s = 0.0  # the clock's time of the next redraw the tracker may trigger
-        self._handles: list[Any] = []  # displays whose static copy refresh() updates
         self.status = widgets.HTML()
         self.plot = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
         self.advice = widgets.HTML()
         super().__init__(children=[self.status, self.plot, self.advice])
-        self.add_class("batchwidgets-noise")  # for stylesheets and browser tests
-        for widget, part in [(self.status, "status"), (self.plot, "plot"),
-                             (self.advice, "advice")]:
-            widget.add_class(f"batchwidgets-noise-{part}")
+        name_parts(self, "noise", {"status": self.status, "plot": self.plot,
+                                   "advice": self.advice})
         self._draw()
         self.tracker.add_listener(self._on_tracker)
 
@@ -125,7 +113,7 @@ class NoisePanel(widgets.VBox):
     def render(self, report: NoiseTrackerReport) -> None:
         """Show ``report``: the image, the status line and the advice."""
         self.report = report
-        self.plot.value = _png(report, self.noise_report)
+        self.plot.value = figure_png(plot_noise_panel(report, self.noise_report))
         self.status.value = _status(report)
         self.advice.value = f"<p>{html.escape(report.advice)}</p>"
 
@@ -144,8 +132,7 @@ class NoisePanel(widgets.VBox):
         """Redraw now from the tracker, and update the static copy of every display of the
         panel (what nbviewer, GitHub and a notebook without widget state show)."""
         self._draw()
-        for handle in self._handles:
-            handle.update(self._repr_mimebundle_(), raw=True)
+        self.refresh_displays()
 
     def detach(self) -> None:
         """Stop following the tracker; the panel keeps its last picture."""
@@ -154,20 +141,15 @@ class NoisePanel(widgets.VBox):
             tracker.remove_listener(self._on_tracker)
 
     def close(self) -> None:
-        """Stop following the tracker and close the widgets."""
+        """Stop following the tracker and close the widgets (the outputs keep the report)."""
         self.detach()
         super().close()
 
     # -- display: a live panel where widgets run, the static report everywhere else ---------
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+    def _static(self) -> tuple[str, str]:
+        """The static copy: the report's table and the picture the panel drew (not redrawn)."""
         report = self.report
         png = base64.b64encode(bytes(self.plot.value)).decode("ascii")
-        static = (f'<div>{report.summary_table()}<img alt="batchwidgets plot" '
-                  f'src="data:image/png;base64,{png}"/></div>')
-        return panel_bundle(self, f"NoisePanel({report.summary()})", static)
-
-    def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
-        handle = display(self._repr_mimebundle_(), raw=True, display_id=True)
-        if handle is not None:  # None outside IPython
-            self._handles.append(handle)
+        return (f'<div>{report.summary_table()}<img alt="batchwidgets plot" '
+                f'src="data:image/png;base64,{png}"/></div>', f"NoisePanel({report.summary()})")

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import html
 import inspect
-import io
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import ipywidgets as widgets
-from IPython.display import display
 
 from .. import _html
 from ..engine import _background, _memory
@@ -29,61 +26,18 @@ from ..engine.probe import find_batch
 from ..plots import plot_probe
 from ..results import Attempt, BatchSizeReport, attempts_table
 from ..results.probe import details_html
+from ._panel import ReportDisplay, figure_png, name_parts
 
 # probe(on_step=..., headroom=...) -> report, e.g. functools.partial(find_batch, model, data)
 Probe = Callable[..., BatchSizeReport]
 
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 EXPECTED_ATTEMPTS = 12  # length of the progress bar; the probe usually needs fewer, and it grows
-PLOT_DPI = 80
-
-
-def panel_bundle(panel: widgets.DOMWidget, text: str, static_html: str) -> dict[str, Any]:
-    """A panel's display data: the live widget where widgets run, and its static report (HTML
-    with an inline PNG) for nbviewer, GitHub and saved notebooks, which cannot run them."""
-    return {"text/plain": text, "text/html": static_html,
-            WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": panel.model_id}}
-
-
-class ShowsReport:
-    """Display of a panel whose state is its last ``report`` (ProbePanel, LoaderPanel): the
-    live widget, with the report's HTML (or the status line before there is one) for the
-    places that cannot run widgets."""
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        report = self.report
-        if report is None:
-            static = f"<p>batchwidgets: {html.escape(self.status.value)}</p>"
-            text = f"{type(self).__name__}({self.status.value})"
-        else:
-            static, text = report._repr_html_(), report.summary()
-        return panel_bundle(self, text, static)
-
-    def _ipython_display_(self) -> None:  # ipywidgets 7 displays through this, 8 through mimebundle
-        display(self._repr_mimebundle_(), raw=True)
-
-
-def _png(report: BatchSizeReport) -> bytes:
-    buffer = io.BytesIO()
-    plot_probe(report).savefig(buffer, format="png", dpi=PLOT_DPI)
-    return buffer.getvalue()
 
 
 def _attempt_line(attempt: Attempt) -> str:
     outcome = "fits" if attempt.fits else "out of memory"
     return (f"batch size {attempt.batch_size}: {outcome}, peak "
             f"{_html.format_bytes(attempt.peak_memory_bytes)}")
-
-
-def close_tree(widget: widgets.Widget) -> None:
-    """Close a widget, its children, and their layout and style widgets (``close()`` alone
-    leaves all of those open in the kernel)."""
-    for child in getattr(widget, "children", ()):
-        close_tree(child)
-    for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
-        if isinstance(part, widgets.Widget):
-            part.close()
-    widget.close()
 
 
 @contextlib.contextmanager
@@ -137,7 +91,7 @@ def _summary_table(report: BatchSizeReport) -> str:
     ], caption="find_batch")
 
 
-class ProbePanel(ShowsReport, widgets.VBox):
+class ProbePanel(ReportDisplay, widgets.VBox):
     """``find_batch`` with live progress, then memory and throughput plots, a summary, a
     headroom slider (recomputes the recommendation without probing again) and a line of code.
 
@@ -198,15 +152,11 @@ class ProbePanel(ShowsReport, widgets.VBox):
             self.details,
             self.attempts,
         ])
-        # CSS classes name the parts for stylesheets and browser tests (tests/browser)
-        self.add_class("batchwidgets-probe")
-        for widget, part in [(self.probe_button, "button"), (self.progress, "progress"),
-                             (self.status, "status"), (self.plot, "plot"),
-                             (self.summary, "summary"), (self.headroom, "headroom"),
-                             (self.code, "code"), (self.attempts, "attempts"),
-                             (self.stop_button, "stop"), (self.target, "target"),
-                             (self.details, "details")]:
-            widget.add_class(f"batchwidgets-probe-{part}")
+        name_parts(self, "probe", {
+            "button": self.probe_button, "progress": self.progress, "status": self.status,
+            "plot": self.plot, "summary": self.summary, "headroom": self.headroom,
+            "code": self.code, "attempts": self.attempts, "stop": self.stop_button,
+            "target": self.target, "details": self.details})
         if report is not None:
             self.render(report)
 
@@ -216,7 +166,7 @@ class ProbePanel(ShowsReport, widgets.VBox):
         """Show ``report`` (called from any thread; every update goes through traits)."""
         with self._lock:
             self.report = report
-            self.plot.value = _png(report)
+            self.plot.value = figure_png(plot_probe(report))
             self.summary.value = _summary_table(report)
             self.attempts.value = attempts_table(report.attempts)
             self.details.value = details_html(report)
@@ -284,26 +234,20 @@ class ProbePanel(ShowsReport, widgets.VBox):
 
     def run(self) -> BatchSizeReport:
         """Display the panel and probe on this thread, with live progress (used by the magic)."""
-        handle = self._handle = display(self._repr_mimebundle_(), raw=True, display_id=True)
+        self._ipython_display_()
         try:
             return self._probe()
         finally:  # the saved notebook keeps the final static view (nbviewer, GitHub)
-            if handle is not None:  # None outside IPython
-                handle.update(self._repr_mimebundle_(), raw=True)
+            self.refresh_displays()
 
-    def close(self) -> None:
-        """Close the panel and every widget in it; its output keeps the static report."""
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle is not None:
-            bundle = self._repr_mimebundle_()
-            bundle.pop(WIDGET_VIEW)
-            handle.update(bundle, raw=True)
-        for child in self.children:
-            close_tree(child)
-        for part in (self.layout,):
-            part.close()
-        super().close()
-
+    # NOTE [ Why the probe panel has its own thread, not a Runner ]
+    # LoaderPanel's Runner (_runner.py) lets the latest request win: a newer one stops the
+    # measurement in flight, which suits quick toggles of a setting that measures in a second.
+    # A probe holds the user's model (or a copy of it and its optimizer) and takes the memory
+    # it measures; stopping one half-way to start another would cost a second probe's time for
+    # nothing, since the answer does not depend on what was clicked in between. So a click
+    # while a probe runs is ignored, Stop ends it at the next size (should_stop), and start()
+    # returns the one thread, which tests and users join.
     def start(self) -> threading.Thread:
         """Probe off the kernel's main thread (what the "Probe" button does)."""
         if self.thread is not None and self.thread.is_alive():
