@@ -178,3 +178,38 @@ for i in range(0, 16, 4):
 """)
     assert report.micro_batch_size == 4  # found from the model's inputs: model was picked
     assert report.real_steps == 2
+
+
+# The walkers and the default device of engine/_util, seen through the public functions.
+
+
+@dataclasses.dataclass
+class Pair:
+    inputs: torch.Tensor
+    target: torch.Tensor
+
+
+def collate_pair(samples):
+    inputs, targets = zip(*samples)
+    return Pair(torch.stack(inputs), torch.stack(targets))
+
+
+def test_a_loader_of_dataclass_batches_counts_their_examples_and_bytes():
+    data = TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))
+    loader = DataLoader(data, batch_size=8, collate_fn=collate_pair)
+    trial = bw.measure_loader(loader, device="cpu", max_batches=4, duration_s=10.0)
+    assert trial.n_batches == 4
+    assert trial.n_samples == 4 * 8  # each batch holds 8 examples, not 1
+    per_batch = 8 * 4 * 4 + 8 * 8  # float32 inputs + int64 targets
+    assert trial.bytes_per_s == pytest.approx(per_batch * trial.batches_per_s)
+
+
+def test_the_probe_and_the_loader_agree_on_the_default_device():
+    def step(batch_size):
+        torch.zeros(batch_size, 4).sum()
+
+    loader_device = bw.measure_loader(TensorDataset(torch.zeros(8, 2)), max_batches=1).device
+    probe_device = bw.find_batch(step, max_batch_size=4, steps_per_trial=1).device
+    assert loader_device == probe_device
+    if not torch.accelerator.is_available():
+        assert probe_device == "cpu"
