@@ -61,9 +61,12 @@ def leaves(batch: Any) -> Iterator[Any]:
         yield batch
 
 
-def tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a batch (tensor, mapping, list, tuple, nested), in order."""
-    return (leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor))
+def tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a batch, in order, in every container ``map_tensors`` walks (dataclasses
+    included, which ``leaves`` leaves whole as DataLoader's pinning does)."""
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, batch)
+    return found
 
 
 def nbytes(batch: Any) -> int:

@@ -28,6 +28,7 @@ from ._probe_checks import _check_arguments, _check_step, _notes
 from ._state import InterruptGuard, TrainingState, restore_home
 from ._trials import (
     SEARCH_CEILING,
+    OnStep,
     _agree_limit,
     _Marks,
     _planned,
@@ -35,11 +36,10 @@ from ._trials import (
     _state_tensors,
     _Trainer,
 )
-from ._types import Amp, ProbeStep, progress
+from ._types import Amp, ProbeStep, ShouldStop, progress
 from ._util import default_device, to_device
 
 Step = ProbeStep  # the earlier name (NOTE [ One vocabulary ] in _types.py)
-OnStep = Callable[[Attempt], None]
 MakeBatch = Union[Callable[[int], Any], torch.utils.data.Dataset, torch.utils.data.DataLoader,
                   torch.Tensor]
 
@@ -124,7 +124,7 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
                headroom: float = 0.9, *, scaler: Any = None, scheduler: Any = None,
                steps_per_trial: int = 2, start: int | None = None,
                on_progress: OnStep | None = None,
-               should_stop: Callable[[], bool] | None = None,
+               should_stop: ShouldStop | None = None,
                seq_len: Sequence[int] | None = None,
                what_if: bool = False, target: str | int | None = None,
                step: ProbeStep | None = None,
