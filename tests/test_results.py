@@ -153,6 +153,9 @@ def test_history_points_are_named_and_still_unpack_as_the_old_four_tuples():
     assert len(last) == 4
     assert report.history_errors[-1] == 0.5
     assert report.history_errors[0] is None
+    again = tracker_report(**{k: v for k, v in dataclasses.asdict(report).items()
+                              if k in ("history", "history_errors")})
+    assert again == report  # asdict writes each point as a dict; the report takes it back
     points = tracker_report(history=report.history)  # points in, the errors come with them
     assert points.history_errors == report.history_errors
     assert points == report

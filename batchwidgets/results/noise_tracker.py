@@ -93,8 +93,9 @@ class NoiseTrackerReport:
 
     def __post_init__(self) -> None:
         errors = self.history_errors or (None,) * len(self.history)
-        points = tuple(p if isinstance(p, NoisePoint) else NoisePoint(*p, b_simple_error=e)
-                       for p, e in zip(self.history, errors))
+        points = tuple(p if isinstance(p, NoisePoint) else NoisePoint(**p)
+                       if isinstance(p, dict) else NoisePoint(*p, b_simple_error=e)
+                       for p, e in zip(self.history, errors))  # a dict: from asdict
         object.__setattr__(self, "history", points)
         object.__setattr__(self, "history_errors", tuple(p.b_simple_error for p in points))
 
