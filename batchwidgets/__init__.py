@@ -27,7 +27,7 @@ _LAZY = {
     "measure_noise": "batchwidgets.engine.noise",
     "NoiseReport": "batchwidgets.results",
     "plot_noise": "batchwidgets.plots",
-    "NoiseTracker": "batchwidgets.engine.noise_tracker",
+    "NoiseTracker": "batchwidgets.engine.noise",
     "NoiseTrackerReport": "batchwidgets.results",
     "plot_noise_tracker": "batchwidgets.plots",
     "NoisePanel": "batchwidgets.widgets",
@@ -44,8 +44,8 @@ _LAZY = {
     "BatchwidgetsWarning": "batchwidgets._warnings",
     # Internals, importable from here as before but not part of the public set (``__all__``):
     # use them from their modules.
-    "BudgetExceededError": "batchwidgets.engine._memory",
-    "track_tensor_memory": "batchwidgets.engine._memory",
+    "BudgetExceededError": "batchwidgets.engine.memory",
+    "track_tensor_memory": "batchwidgets.engine.memory",
     "SyntheticBatches": "batchwidgets.engine._batches",
     "MemoryModel": "batchwidgets.results",
 }

@@ -16,10 +16,10 @@ import torch
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
-from .engine import SyntheticBatches, find_batch, parse_bytes
-from .engine import probe as _probe_engine
-from .engine._cuda_sim import parse_target
-from .engine.noise_tracker import NoiseTracker
+from .engine._batches import SyntheticBatches
+from .engine.memory import parse_bytes, parse_target
+from .engine.noise import NoiseTracker
+from .engine.probe import check_arguments, find_batch
 from .results import BatchSizeReport
 
 
@@ -273,6 +273,8 @@ _VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "h
                   "steps_per_trial", "start", "seq_len", "target")
 _NAMED_OPTIONS = {"loss_fn": "--loss-fn", "optimizer": "--optimizer",
                   "scheduler": "--scheduler", "scaler": "--scaler", "step": "--step"}
+_CHECKED = ("step", "seq_len", "amp", "max_batch_size", "multiple_of", "headroom",
+            "steps_per_trial", "start", "optimizer")  # check_arguments' keywords
 
 
 def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:
@@ -306,18 +308,15 @@ def probe_call(shell: Any, args: argparse.Namespace) -> functools.partial:
         options.setdefault("loss_fn", torch.nn.functional.cross_entropy)
     if args.what_if:
         options["what_if"] = True
-    _check(options.get("step", model), make_batch, options)
+    _check(model, make_batch, options)
     return functools.partial(find_batch, model, make_batch, **options)
 
 
 def _check(model: Any, make_batch: Any, options: dict[str, Any]) -> None:
     """find_batch's own argument checks, before anything runs: a mistake is one line."""
-    multiple_of = options.get("multiple_of", 1)
     try:
-        _probe_engine._check_arguments(
-            model, make_batch, options.get("amp"), options.get("max_batch_size"), multiple_of,
-            options.get("headroom", 0.9), options.get("steps_per_trial", 2), options.get("start"),
-            options.get("optimizer"))
+        check_arguments(model, make_batch, **{name: options[name] for name in _CHECKED
+                                              if name in options})
     except (TypeError, ValueError) as error:
         raise UsageError(_flags(str(error))) from None
 

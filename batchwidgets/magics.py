@@ -39,7 +39,7 @@ from ._notebook import (
     training_model,
 )
 from .engine.accumulate import accumulate
-from .engine.noise_tracker import NoiseTracker
+from .engine.noise import NoiseTracker
 from .results import AccumulationReport, BatchSizeReport
 from .widgets import ProbePanel
 from .widgets.noise import NoisePanel

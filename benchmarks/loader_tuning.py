@@ -36,8 +36,8 @@ import torch
 from torch.utils.data import Dataset
 
 import batchwidgets as bw
-from batchwidgets.engine import _loader_search
-from batchwidgets.engine._loader_checks import usable_cpus
+from batchwidgets.engine.loader import _search as _loader_search
+from batchwidgets.engine.loader import usable_cpus
 
 RESULTS = Path(__file__).parent / "results"
 SETTINGS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")

@@ -59,13 +59,13 @@ from torch.nn import functional as F
 
 import batchwidgets as bw
 from batchwidgets.demo import small_cnn, synthetic_images
-from batchwidgets.engine._noise_estimate import (
+from batchwidgets.engine.noise._estimate import (
     first_sq_norm,
     grad_norms,
     grad_sq_norm,
     group_by_device_and_dtype,
 )
-from batchwidgets.engine._schedule import CALIBRATION
+from batchwidgets.engine.noise._schedule import CALIBRATION
 
 RESULTS = Path(__file__).parent / "results"
 STEPS = 4  # micro-steps per update

@@ -39,12 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import batchwidgets
 from batchwidgets.demo import small_cnn, synthetic_images
-from batchwidgets.engine._memory import (
-    BudgetExceededError,
-    is_oom,
-    parse_bytes,
-    track_tensor_memory,
-)
+from batchwidgets.engine.memory import BudgetExceededError, is_oom, parse_bytes, track_tensor_memory
 
 try:
     import accelerate

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchwidgets as bw
-from batchwidgets.engine._memory import BudgetExceededError, TensorMemoryTracker
+from batchwidgets.engine.memory import BudgetExceededError, TensorMemoryTracker
 
 RESULTS = Path(__file__).parent / "results"
 VOCAB = 1000
@@ -134,7 +134,7 @@ def soak(work: Workload, steps: int) -> dict:
                            budget=work.budget)
     probe_s = time.perf_counter() - started
     batch_size = report.recommended_batch_size
-    budget = bw.engine._memory.parse_bytes(work.budget)
+    budget = bw.engine.parse_bytes(work.budget)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True,
                                          collate_fn=pad, generator=torch.Generator().manual_seed(1))
     ooms = evaluation_ooms = done = long_batches = 0

@@ -427,8 +427,8 @@ def test_backward_and_steps_from_another_thread_are_not_accumulated():
     assert max_difference(reference, elsewhere) < 1e-10  # the other thread's step was real
 
 
-def test_steps_inside_suspended_are_not_counted():
-    from batchwidgets.engine.accumulate import _suspended
+def test_batchwidgets_own_steps_inside_a_block_are_not_counted():
+    from batchwidgets.engine._own_steps import own_steps
 
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -437,7 +437,7 @@ def test_steps_inside_suspended_are_not_counted():
     with bw.accumulate(optimizer, steps=2, track_grad_norms=True) as acc:
         loss_fn(model(X[:4]), Y[:4]).backward()
         optimizer.step()
-        with _suspended():  # what find_batch's probe steps run in
+        with own_steps():  # what find_batch's probe steps run in
             for _ in range(3):
                 loss_fn(probe(X[:8]), Y[:8]).backward()
                 torch.nn.utils.clip_grad_norm_(probe.parameters(), 1e-3)

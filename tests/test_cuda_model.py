@@ -10,26 +10,24 @@ import pytest
 import torch
 from torch import nn
 
-from batchwidgets.engine import _memory
-from batchwidgets.engine._cuda_model import (
+from batchwidgets.engine import memory
+from batchwidgets.engine._state import TrainingState
+from batchwidgets.engine.memory import Reading
+from batchwidgets.engine.memory._allocator import (
     MIB,
     CachingAllocatorModel,
     largest_batch_size,
     replay,
     scale_events,
 )
-from batchwidgets.engine._cuda_sim import (
-    CUDA_CONTEXT_BYTES,
-    GPU_TARGETS,
+from batchwidgets.engine.memory._simulated import (
     NO_WORKSPACES,
     SimulatedCudaMeter,
     Workspaces,
-    parse_target,
     preallocated_sizes,
     record_events,
 )
-from batchwidgets.engine._meters import Reading
-from batchwidgets.engine._state import TrainingState
+from batchwidgets.engine.memory._targets import CUDA_CONTEXT_BYTES, GPU_TARGETS, parse_target
 
 KIB = 1024
 
@@ -121,7 +119,7 @@ def test_out_of_memory_only_after_cached_segments_are_released():
     assert message.startswith("CUDA out of memory (batchwidgets' simulated device)")
     assert "Tried to allocate 20.00 MiB" in message
     assert "cap 40.00 MiB" in message
-    assert _memory.is_oom(error.value)
+    assert memory.is_oom(error.value)
     assert (model.reserved_bytes, model.allocated_bytes) == (30 * MIB, 30 * MIB)
     model.malloc(10 * MIB)  # a larger request fits: its segment is its own 10 MiB
     assert model.reserved_bytes == 40 * MIB

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchwidgets as bw
-from batchwidgets.engine._cuda_sim import ProbeMeter, Workspaces, simulated_cuda
+from batchwidgets.engine.memory._simulated import ProbeMeter, Workspaces, simulated_cuda
 
 MIB = 2**20
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import batchwidgets as bw
-from batchwidgets.engine._noise_estimate import estimate
+from batchwidgets.engine.noise._estimate import estimate
 
 transformers = pytest.importorskip("transformers")
 lightning = pytest.importorskip("lightning")

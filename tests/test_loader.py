@@ -21,8 +21,9 @@ from matplotlib.figure import Figure
 from torch.utils.data import DataLoader, Dataset, TensorDataset, get_worker_info
 
 import batchwidgets as bw
-from batchwidgets.engine import _loader_checks, _loader_search
 from batchwidgets.engine.loader import DEFAULT_BATCH_SIZE, loader_report, make_loader
+from batchwidgets.engine.loader import _checks as _loader_checks
+from batchwidgets.engine.loader import _search as _loader_search
 from batchwidgets.plots import plot_loader
 from batchwidgets.results import DataStallReport, LoaderReport, LoaderTrial
 

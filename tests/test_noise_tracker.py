@@ -14,7 +14,7 @@ from torch import nn
 
 import batchwidgets as bw
 from batchwidgets._warnings import BatchwidgetsWarning
-from batchwidgets.engine._noise_estimate import grad_sq_norm
+from batchwidgets.engine.noise._estimate import grad_sq_norm
 from batchwidgets.results import NoiseTrackerReport
 
 D, SIGMA, MICRO, STEPS = 4, 0.5, 8, 4  # dimensions, label noise, micro-batch, micro-steps

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 import batchwidgets as bw
-from batchwidgets.engine._memory import BudgetExceededError, TensorMemoryTracker
-from batchwidgets.engine._trace import OpTrace, PeakModel
+from batchwidgets.engine.memory import BudgetExceededError, OpTrace, PeakModel, TensorMemoryTracker
 
 
 def random_traces(rng: random.Random, n_ops: int) -> tuple[OpTrace, OpTrace, list]:
@@ -402,7 +401,7 @@ def images_16(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_the_report_says_what_was_probed_compiled_models_bf16_on_the_cpu_old_gradients():
-    from batchwidgets.engine._probe_checks import _cpu_has_bf16
+    from batchwidgets.engine.probe._checks import _cpu_has_bf16
     model = small_cnn()
     x, y = images_16(4)
     nn.functional.cross_entropy(model(x), y).backward()  # gradients from an earlier backward

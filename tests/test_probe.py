@@ -13,7 +13,7 @@ from torch import nn
 
 import batchwidgets as bw
 from batchwidgets.engine import BudgetExceededError
-from batchwidgets.engine._memory import TensorMemoryTracker
+from batchwidgets.engine.memory import TensorMemoryTracker
 
 KIB = 2**10
 
@@ -425,3 +425,29 @@ def test_synthetic_batches_make_random_inputs_and_labels_of_the_given_shape():
     assert int(labels.min()) >= 0
     assert int(labels.max()) < 10
     assert bw.SyntheticBatches((4,))(2).shape == (2, 4)
+
+
+# ---- the arguments resolved once (issue 22) ----------------------------------------------------
+
+class CountedReads(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.x, self.y = torch.randn(n, 16), torch.randint(0, 4, (n,))
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        self.reads += 1
+        return self.x[index], self.y[index]
+
+
+def test_the_dataset_is_read_once_for_the_probe_and_every_measured_what_if():
+    """The arguments are resolved once (the probe's plan): the measured what-if probes reuse
+    the samples read, instead of scanning the dataset again for each row."""
+    data = CountedReads(40)
+    model = mlp()
+    report = bw.find_batch(model, data, loss_fn=nn.functional.cross_entropy, budget=64 * KIB,
+                           what_if=True)
+    assert [row.name for row in report.what_if if row.measured][:2] == ["bf16", "fp16"]
+    assert data.reads == 40

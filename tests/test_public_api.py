@@ -200,12 +200,18 @@ def test_the_command_line_entry_point_exists():
 # -- the map for newcomers ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("package", ["batchwidgets.engine", "batchwidgets.widgets"])
+ROOMS = ("accumulate", "loader", "memory", "noise", "probe")
+
+
+@pytest.mark.parametrize("package", ["batchwidgets.engine", "batchwidgets.widgets",
+                                     *(f"batchwidgets.engine.{room}" for room in ROOMS)])
 def test_the_package_docstring_lists_every_module_a_line_each(package):
     imported = importlib.import_module(package)
-    modules = [info.name for info in pkgutil.iter_modules(imported.__path__)]
-    listed = [name for name in modules if f"``{name}.py``" in imported.__doc__]
-    assert listed == modules
+    entries = [f"``{info.name}/``" if info.ispkg else f"``{info.name}.py``"
+               for info in pkgutil.iter_modules(imported.__path__)]
+    listed = [entry for entry in entries if entry in imported.__doc__]
+    assert listed == entries
+    assert len(entries) >= 3
 
 
 # -- old import paths ---------------------------------------------------------------------------
@@ -229,7 +235,8 @@ OLD_PATHS = [
     ("batchwidgets.engine.noise_tracker", ["NoiseTracker"]),
     ("batchwidgets.engine.loader", ["tune_loader", "measure_loader", "make_loader",
                                     "data_stall", "loader_report"]),
-    ("batchwidgets.engine._memory", ["track_tensor_memory", "BudgetExceededError"]),
+    ("batchwidgets.engine.memory", ["track_tensor_memory", "BudgetExceededError", "parse_bytes",
+                                   "is_oom"]),
     ("batchwidgets.engine._batches", ["SyntheticBatches"]),
     ("batchwidgets._warnings", ["BatchwidgetsWarning"]),
     ("batchwidgets.magics", ["BatchMagics"]),

@@ -25,7 +25,7 @@ from torch import nn
 import batchwidgets as bw
 from batchwidgets._warnings import BatchwidgetsWarning
 from batchwidgets.engine import _background, _state
-from batchwidgets.engine._memory import TensorMemoryTracker
+from batchwidgets.engine.memory import TensorMemoryTracker
 
 MIB = 2**20
 
@@ -530,13 +530,13 @@ def test_under_a_ulimit_the_default_limit_is_the_room_left_and_the_search_stays_
 
 
 def test_the_default_cpu_limit_takes_the_smallest_of_ram_cgroup_and_rlimit(monkeypatch):
-    from batchwidgets.engine import _memory
-    monkeypatch.setattr(_memory, "available_ram_bytes", lambda: 64 * 2**30)
-    monkeypatch.setattr(_memory, "cgroup_available_bytes", lambda: 2 * 2**30)
-    monkeypatch.setattr(_memory, "rlimit_available_bytes", lambda: None)
-    assert _memory.available_memory_bytes() == 2 * 2**30
-    monkeypatch.setattr(_memory, "rlimit_available_bytes", lambda: 2**30)
-    assert _memory.available_memory_bytes() == 2**30
+    from batchwidgets.engine.memory import _budget
+    monkeypatch.setattr(_budget, "available_ram_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(_budget, "cgroup_available_bytes", lambda: 2 * 2**30)
+    monkeypatch.setattr(_budget, "rlimit_available_bytes", lambda: None)
+    assert _budget.available_memory_bytes() == 2 * 2**30
+    monkeypatch.setattr(_budget, "rlimit_available_bytes", lambda: 2**30)
+    assert _budget.available_memory_bytes() == 2**30
     report = bw.find_batch(lambda batch_size: None, device="cpu", max_batch_size=2,
                            steps_per_trial=1)
     assert report.limit_bytes == 2**29  # half of the room left, as with MemAvailable alone
@@ -678,8 +678,8 @@ def test_two_panels_on_one_model_leave_modes_rng_and_weights_as_they_were():
 
 
 def test_without_room_for_a_copy_the_model_is_held_and_one_probe_runs_at_a_time(monkeypatch):
-    from batchwidgets.engine import _memory
-    monkeypatch.setattr(_memory, "available_memory_bytes", lambda: 1024)  # no room for a copy
+    from batchwidgets.engine import memory
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1024)  # no room for a copy
     model = DropoutNet()
     optimizer = torch.optim.Adam(model.parameters())
     x = torch.randn(4, 16)

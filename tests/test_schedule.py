@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import batchwidgets as bw
-from batchwidgets.engine._schedule import CALIBRATION, UpdateSampler
+from batchwidgets.engine.noise._schedule import CALIBRATION, UpdateSampler
 from batchwidgets.results import (
     AccumulationReport,
     BatchSizeReport,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import batchwidgets as bw
-from batchwidgets.engine._search import next_batch_size
+from batchwidgets.engine.probe._search import next_batch_size
 from batchwidgets.results import Attempt, BatchSizeReport
 
 MANY_BOUNDARIES = [*range(1, 301), 511, 512, 513, 1000, 4097, 65_535, 100_000, 1_234_567]

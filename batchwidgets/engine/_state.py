@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from ._background import rng_is_private
-from ._memory import TensorMemoryTracker
 
 # NOTE [ Restoring under Ctrl-C ]
 # A restore is many small writes (weights, grads, optimizer state and param_groups, RNGs, flags).
@@ -35,8 +34,16 @@ from ._memory import TensorMemoryTracker
 # signal a millisecond later instead (re-arming it at once would run the handler again inside
 # the callback), so it is raised outside.
 _UNINTERRUPTIBLE: set = set()
-_WEAKREF_CALLBACKS = {code for code in TensorMemoryTracker._release.__code__.co_consts
-                      if isinstance(code, types.CodeType)}  # the tracker's release()
+_WEAKREF_CALLBACKS: set = set()  # code of the weak-reference callbacks batchwidgets registers
+
+
+def makes_weakref_callbacks(factory: Callable) -> Callable:
+    """Decorator: the functions ``factory`` defines run as weak-reference callbacks (the memory
+    trackers' ``_release``), where the interrupt guard re-arms Ctrl-C instead of losing it (see
+    NOTE [ Restoring under Ctrl-C ])."""
+    _WEAKREF_CALLBACKS.update(code for code in factory.__code__.co_consts
+                              if isinstance(code, types.CodeType))
+    return factory
 
 
 def _in_weakref_callback(code: Any) -> bool:

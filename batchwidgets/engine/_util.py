@@ -86,6 +86,28 @@ def default_device(model: Any = None) -> torch.device:
     return torch.device(accelerator.type) if accelerator is not None else torch.device("cpu")
 
 
+def usable_device(device: torch.device | str) -> torch.device:
+    """``device`` as a torch.device, or a one-line ValueError if this process cannot train on it."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    usable = resolved is not None and resolved.type in ("cpu", "cuda", "mps", "xpu")
+    if usable and resolved.type == "cuda":
+        usable = torch.cuda.is_available() and (resolved.index or 0) < torch.cuda.device_count()
+    elif usable and resolved.type == "mps":
+        usable = torch.backends.mps.is_available()
+    elif usable and resolved.type == "xpu":
+        usable = hasattr(torch, "xpu") and torch.xpu.is_available()
+    if not usable:
+        here = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+        if torch.backends.mps.is_available():
+            here.append("mps")
+        raise ValueError(f"device should be a device this process can train on, but got "
+                         f"device={device!r}; available here: {', '.join(here)}.")
+    return resolved
+
+
 def has_accelerator() -> bool:
     return torch.accelerator.is_available()
 

@@ -11,14 +11,8 @@ from typing import Any
 
 import torch
 
-from ..engine._noise_estimate import (
-    DeferredUpdate,
-    grad_norms,
-    group_by_device_and_dtype,
-    loss_scale,
-    sum_of_squares,
-)
-from ..engine.noise_tracker import NoiseTracker
+from ..engine._grads import grad_norms, group_by_device_and_dtype, loss_scale, sum_of_squares
+from ..engine.noise import DeferredUpdate, NoiseTracker
 
 # NOTE [ Feeding the tracker from a trainer's accumulation ]
 # A trainer that accumulates k micro-batches scales each micro-batch's loss by about 1/k (the

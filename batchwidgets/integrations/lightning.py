@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..engine.noise_tracker import NoiseTracker
+from ..engine.noise import NoiseTracker
 from ._feed import feeding
 
 try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,19 +103,21 @@ class DataStallReport:
 # NOTE [ A LoaderReport holds no data ]
 # A report is plain data: compared with ==, pickled, turned into a dict by dataclasses.asdict.
 # The loader or dataset measured is none of that (asdict deep-copied it, pickle wrote it), so no
-# field holds it. ``report.make_loader()`` is still kept for convenience: ``with_data`` sets a
-# private instance attribute (``_data``, through object.__setattr__: the class is frozen) that
-# is no dataclass field, so ==, repr, asdict and dataclasses.replace never see it, and
-# ``__getstate__`` leaves it out of pickle and copy. It lives as long as the report, as the
+# field holds it. ``report.make_loader()`` is still kept for convenience: the engine, which made
+# the report, attaches a factory with ``with_factory`` (``make_loader`` over the data measured),
+# as a private instance attribute (``_make_loader``, through object.__setattr__: the class is
+# frozen) that is no dataclass field, so ==, repr, asdict and dataclasses.replace never see it,
+# and ``__getstate__`` leaves it out of pickle and copy. So results/ needs no torch and never
+# imports the engine, not even lazily. The factory lives as long as the report, as the
 # DataLoader the user made does. A report without it (unpickled, copied, replaced, rebuilt)
 # says in one line to call ``batchwidgets.make_loader(data, **report.best.settings)``.
-_DATA = "_data"
+_FACTORY = "_make_loader"
 
 
-def with_data(report: LoaderReport, data: object) -> LoaderReport:
-    """``report``, able to ``make_loader()`` over ``data`` (see NOTE [ A LoaderReport holds no
-    data ]); returns the same object."""
-    object.__setattr__(report, _DATA, data)
+def with_factory(report: LoaderReport, factory: Callable[..., Any]) -> LoaderReport:
+    """``report``, whose ``make_loader(**overrides)`` returns ``factory(**settings)`` (see NOTE
+    [ A LoaderReport holds no data ]); returns the same object."""
+    object.__setattr__(report, _FACTORY, factory)
     return report
 
 
@@ -164,17 +166,16 @@ class LoaderReport:
         ``overrides`` (e.g. ``num_workers=2``) replace single settings. Same as
         ``batchwidgets.make_loader(data, **report.best.settings)``, which also works on a
         report that was pickled, copied or rebuilt (they keep no data)."""
-        data = self.__dict__.get(_DATA)
-        if data is None:
+        factory = self.__dict__.get(_FACTORY)
+        if factory is None:
             raise ValueError("report should come from tune_loader or a LoaderPanel in this "
                              "process, but got a report without its data (pickled, copied or "
                              "rebuilt; reports keep no data); call "
                              "batchwidgets.make_loader(data, **report.best.settings).")
-        engine = importlib.import_module("batchwidgets.engine.loader")  # results has no torch
-        return engine.make_loader(data, **{**self.best.settings, **overrides})
+        return factory(**{**self.best.settings, **overrides})
 
     def __getstate__(self) -> dict[str, Any]:  # pickle and copy: the fields, never the data
-        return {name: value for name, value in self.__dict__.items() if name != _DATA}
+        return {name: value for name, value in self.__dict__.items() if name != _FACTORY}
 
     def summary(self) -> str:
         best = self.best

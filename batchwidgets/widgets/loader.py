@@ -24,11 +24,17 @@ from torch.utils.data import DataLoader
 
 from .. import _html
 from .._warnings import BatchwidgetsWarning
-from ..engine._loader_timing import one_line
-from ..engine.loader import loader_report, make_loader, measure_loader, tune_loader, usable_cpus
+from ..engine.loader import (
+    loader_report,
+    make_loader,
+    measure_loader,
+    one_line,
+    tune_loader,
+    usable_cpus,
+    with_data,
+)
 from ..plots import plot_loader
 from ..results import LoaderReport, LoaderTrial
-from ..results.loader import with_data
 from ._panel import ReportDisplay, figure_png, name_parts
 from ._runner import Runner, Task
 

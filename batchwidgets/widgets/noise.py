@@ -21,7 +21,7 @@ from collections.abc import Callable
 import ipywidgets as widgets
 
 from .. import _html
-from ..engine.noise_tracker import NoiseTracker
+from ..engine.noise import NoiseTracker
 from ..plots import plot_noise_panel
 from ..results import LOSS_WINDOW, NoiseReport, NoiseTrackerReport
 from ._panel import ReportDisplay, figure_png, name_parts

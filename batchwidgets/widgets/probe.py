@@ -21,7 +21,8 @@ from typing import Any
 import ipywidgets as widgets
 
 from .. import _html
-from ..engine import _background, _memory
+from ..engine import _background, memory
+from ..engine._util import usable_device
 from ..engine.probe import find_batch
 from ..plots import plot_probe
 from ..results import Attempt, BatchSizeReport, attempts_table
@@ -43,7 +44,8 @@ def _attempt_line(attempt: Attempt) -> str:
 @contextlib.contextmanager
 def _off_the_main_thread(probe: Probe) -> Iterator[Probe]:
     """The probe to run on a background thread: on a copy of the model and its optimizer where
-    it fits, else with the model held (NOTE [ Probing in the background ], engine/_background)."""
+    it fits, else with the model held (NOTE [ Probing in the background ] in
+    engine/_background.py)."""
     is_model_probe = (isinstance(probe, functools.partial) and probe.func is find_batch
                       and probe.args and hasattr(probe.args[0], "parameters"))
     if not is_model_probe:  # a bare step: only the RNG can be kept apart
@@ -53,9 +55,9 @@ def _off_the_main_thread(probe: Probe) -> Iterator[Probe]:
     options = dict(probe.keywords)
     optimizer = options.get("optimizer")
     first = next(model.parameters(), None)
-    device = _memory.usable_device(options.get("device") or (
+    device = usable_device(options.get("device") or (
         first.device if first is not None else "cpu"))
-    room = None if device.type == "cuda" else _memory.available_memory_bytes()
+    room = None if device.type == "cuda" else memory.available_memory_bytes()
     if room is not None and 2 * _background.state_bytes(model, optimizer) <= room:
         names = ("optimizer", "scheduler", "scaler")
         model, *extras = _background.copied(model, *(options.get(name) for name in names))

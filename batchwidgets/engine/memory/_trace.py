@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..results import PeakSegment
+from ...results import PeakSegment
 
 # NOTE [ Every op's live bytes are affine in the batch size ]
 # A training step runs the same sequence of operators at every batch size, and each tensor it
@@ -24,7 +24,7 @@ from ..results import PeakSegment
 # traces of the same op sequence, predict the peak at any size exactly, kinks included. Where the
 # sequences differ (data-dependent shapes, unpadded variable lengths) there is no model and the
 # probe falls back to its search; where a prediction misses, it refits on the sizes nearest the
-# boundary (see NOTE [ Predict, then verify ] in _search.py).
+# boundary (see NOTE [ Predict, then verify ] in probe/_search.py).
 
 
 @dataclass
@@ -42,7 +42,7 @@ class OpTrace:
     # (key, nbytes) of the storages alive when the trial began, for the allocator model's replay
     preallocated: list[tuple[int, int]] = field(default_factory=list)
     # after the trial: per op, the live bytes of one part ("optimizer", "activation of head"),
-    # what the what-ifs take away (see _what_if.py)
+    # what the what-ifs take away (see probe/_what_if.py)
     parts: dict[str, list[int]] = field(default_factory=dict)
 
     def without(self, *parts: str) -> OpTrace:

@@ -1,4 +1,5 @@
-"""find_batch's argument checks, and what the report says about what was probed."""
+"""find_batch's argument checks, all before anything runs (the shape of ``DataLoader.__init__``),
+and what the report says about what was probed."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from typing import Any
 
 import torch
 
-from .._warnings import BatchwidgetsWarning
-from ._types import AMP_NAMES
-from ._util import check_int
+from ..._warnings import BatchwidgetsWarning
+from .._types import AMP_NAMES
+from .._util import check_int
 
-_AMP_NAMES = AMP_NAMES
+AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+              "float16": torch.float16}
 
 
 def _cpu_has_bf16() -> bool:
@@ -25,7 +27,7 @@ def _cpu_has_bf16() -> bool:
     return not flags or any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
-def _notes(owner: torch.nn.Module | None, device: torch.device, amp: str | None) -> list[str]:
+def notes_on(owner: torch.nn.Module | None, device: torch.device, amp: str | None) -> list[str]:
     """What the user should know about what was probed, said in the report (and warned)."""
     notes = []
     if owner is not None and hasattr(owner, "_orig_mod"):  # torch.compile's OptimizedModule
@@ -41,11 +43,36 @@ def _notes(owner: torch.nn.Module | None, device: torch.device, amp: str | None)
                      "size accumulated into them and its zero_grad freed them, as in a loop that "
                      "zeroes its gradients; the answer is for that loop.")
     for note in notes[:2]:  # the gradients note is information, not a warning
-        warnings.warn(note, BatchwidgetsWarning, stacklevel=3)
+        warnings.warn(note, BatchwidgetsWarning, stacklevel=4)  # resolve, find_batch, the user
     return notes
 
 
-def _check_step(model: Any, make_batch: Any, step: Any, seq_len: Any) -> torch.nn.Module:
+def check_arguments(model: Any, make_batch: Any = None, *, step: Any = None, seq_len: Any = None,
+                    amp: str | None = None, max_batch_size: int | None = None,
+                    multiple_of: int = 1, headroom: float = 0.9, steps_per_trial: int = 2,
+                    start: int | None = None, optimizer: Any = None) -> None:
+    """Every rule find_batch has for its arguments, one ``if`` each; a one-line TypeError or
+    ValueError naming the argument and the fix."""
+    if step is not None:
+        _check_step(model, make_batch, step, seq_len)
+        model = step
+    _check_values(model, make_batch, amp, max_batch_size, multiple_of, headroom,
+                  steps_per_trial, start, optimizer)
+    if seq_len is not None:
+        _check_lengths(make_batch, seq_len)
+def _check_lengths(make_batch: Any, seq_len: Any) -> None:
+    lengths = list(seq_len) if not isinstance(seq_len, (int, str)) else None
+    if (not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                           for n in lengths)):
+        raise ValueError(f"seq_len should be a list of positive ints such as [128, 256, 512], "
+                         f"but got seq_len={seq_len!r}.")
+    if not callable(make_batch) or isinstance(make_batch, (torch.Tensor, torch.utils.data.Dataset,
+                                                           torch.utils.data.DataLoader)):
+        raise TypeError(f"make_batch should be a callable make_batch(batch_size, seq_len) with "
+                        f"seq_len, but got {type(make_batch).__name__}; write one that builds a "
+                        f"batch of that many samples of that length.")
+
+def _check_step(model: Any, make_batch: Any, step: Any, seq_len: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be the torch.nn.Module that step trains, when step= is "
                         f"given, but got model={model!r}; call find_batch(model, step=my_step, "
@@ -55,12 +82,11 @@ def _check_step(model: Any, make_batch: Any, step: Any, seq_len: Any) -> torch.n
     if make_batch is not None or seq_len is not None:
         raise TypeError("make_batch and seq_len should be left out with step=: the step makes its "
                         "own batches; call find_batch(model, step=my_step, optimizer=optimizer).")
-    return model
 
 
-def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_size: int | None,
-                     multiple_of: int, headroom: float, steps_per_trial: int,
-                     start: int | None, optimizer: Any = None) -> None:
+def _check_values(model: Any, make_batch: Any, amp: str | None, max_batch_size: int | None,
+                  multiple_of: int, headroom: float, steps_per_trial: int, start: int | None,
+                  optimizer: Any) -> None:
     if isinstance(model, type):
         raise TypeError(f"model should be a model instance or a step(batch_size) function, but "
                         f"got model={model.__name__} (a class); create it first, e.g. "
@@ -78,8 +104,8 @@ def _check_arguments(model: Any, make_batch: Any, amp: str | None, max_batch_siz
         raise TypeError(f"optimizer should be a torch.optim.Optimizer, but got "
                         f"optimizer={optimizer!r}; create it first, e.g. "
                         f"optimizer=torch.optim.{name}(model.parameters()).")
-    if amp is not None and amp not in _AMP_NAMES:
-        raise ValueError(f"amp should be one of {sorted(_AMP_NAMES)} or None, but got amp={amp!r}.")
+    if amp is not None and amp not in AMP_NAMES:
+        raise ValueError(f"amp should be one of {sorted(AMP_NAMES)} or None, but got amp={amp!r}.")
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise ValueError(f"multiple_of should be a positive int, but got "
                          f"multiple_of={multiple_of!r}; use e.g. multiple_of=8 for tensor cores.")

@@ -2,7 +2,7 @@
 it, and the batch size a cap allows.
 
 Usage:
-    >>> from batchwidgets.engine._cuda_model import CachingAllocatorModel
+    >>> from batchwidgets.engine.memory._allocator import CachingAllocatorModel
     >>> model = CachingAllocatorModel()
     >>> handle = model.malloc(1000)
     >>> model.allocated_bytes, model.reserved_bytes

@@ -19,15 +19,11 @@ from typing import Any
 
 import torch
 
-from .._warnings import BatchwidgetsWarning
-from ._accumulate_calls import _is_suspended, _suspended
+from ..._warnings import BatchwidgetsWarning
+from .._types import REMAINDERS, Remainder
+from .._util import check_int
+from ..noise import AutoSteps, NoiseTracker
 from ._accumulator import Accumulator
-from ._schedule import AutoSteps
-from ._types import REMAINDERS, Remainder
-from ._util import check_int
-from .noise_tracker import NoiseTracker
-
-__all__ = ["Accumulator", "_is_suspended", "_suspended", "accumulate"]
 
 
 def accumulate(optimizer: torch.optim.Optimizer, steps: int | str = 4,

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..results import ScheduleChange, plan_batch
+from ...results import ScheduleChange, plan_batch
 
 # NOTE [ Sampling updates to keep the tracker cheap ]
 # The tracker's cost per measured update (gradient hooks, norms, the deferred stack) is timed

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
-from . import _memory
+from .._state import makes_weakref_callbacks
+from ._budget import available_memory_bytes
 from ._trace import OpTrace
+from ._tracker import TensorMemoryTracker, unique_tensors
 
 CPU_DEFAULT_FRACTION = 0.5  # without a budget, the CPU probe may use half of the available RAM
 
@@ -62,7 +64,7 @@ def _saving_activations(tracker: TracingTracker | None) -> Any:
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
 
 
-class TracingTracker(_memory.TensorMemoryTracker):
+class TracingTracker(TensorMemoryTracker):
     """The tensor tracker that also records the step's per-op trace (``self.trace``)."""
 
     def __init__(self, device: torch.device, budget_bytes: int | None, baseline: list,
@@ -85,7 +87,7 @@ class TracingTracker(_memory.TensorMemoryTracker):
 
     def mark(self, tensors: Any, category: str) -> None:
         """File the storages of ``tensors`` under ``category`` (first mark wins)."""
-        for tensor in _memory.unique_tensors([tensors]):
+        for tensor in unique_tensors([tensors]):
             serial = self._serials.get(id(tensor.untyped_storage()))
             if serial is not None:
                 self.categories.setdefault(serial, category)
@@ -158,6 +160,7 @@ class TracingTracker(_memory.TensorMemoryTracker):
             module = self._where.module() if self._batch_peak is None else "making the batch"
             self._born(id(storage), storage.nbytes(), len(self.trace.names), module)
 
+    @makes_weakref_callbacks  # see NOTE [ Restoring under Ctrl-C ] in engine/_state.py
     def _release(self, key: int):
         release = super()._release(key)
 
@@ -242,13 +245,13 @@ class TensorMeter(_TracedSteps):
         self.device = device
         self.limit_bytes = budget_bytes if budget_bytes is not None else self._default_limit()
         self.baseline_bytes: int | None = None
-        self._tracker: _memory.TensorMemoryTracker | None = None
+        self._tracker: TensorMemoryTracker | None = None
         self._reading = Reading()
 
     def _default_limit(self) -> int | None:
         if self.device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
             return int(torch.mps.recommended_max_memory())
-        available = _memory.available_memory_bytes()  # cgroup and ulimit included
+        available = available_memory_bytes()  # cgroup and ulimit included
         if available is None and hasattr(os, "sysconf"):
             try:
                 available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ._util import check_int, first_line, has_accelerator, leaves
+from .._util import check_int, first_line, has_accelerator, leaves
 
 SHM_PATH = "/dev/shm"
 

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from ._noise_estimate import DeferredUpdate, first_sq_norm, grad_norms, grad_sq_norm
-from ._util import world_size
-from .noise_tracker import NoiseTracker
+from .._grads import grad_norms
+from .._util import world_size
+from ._estimate import DeferredUpdate, first_sq_norm, grad_sq_norm
+from ._tracker import NoiseTracker
 
 # NOTE [ What the noise tracker costs accumulate ]
 # Issue 5: at most 2% per training step. Two things used to cost more: a host sync per update

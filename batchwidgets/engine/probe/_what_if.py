@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .._warnings import BatchwidgetsWarning
-from ..results import BatchSizeReport, WhatIf
-from ._trace import OpTrace, PeakModel
+from ..._warnings import BatchwidgetsWarning
+from ...results import BatchSizeReport, WhatIf
+from ..memory import OpTrace, PeakModel
 
 CHECKPOINT_ROWS = 3  # activation checkpointing of the blocks that save the most
 COSTS = {

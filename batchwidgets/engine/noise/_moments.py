@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..results import LayerNoise
+from ...results import LayerNoise
 
 MAX_GROUPS = 16  # example groups the jackknife leaves out in turn
 

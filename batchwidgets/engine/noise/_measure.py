@@ -25,14 +25,14 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from .._warnings import BatchwidgetsWarning
-from ..results import NoiseReport
-from ._batches import as_keywords, batch_length, forward_and_loss, slice_batch
-from ._noise_moments import Moments
-from ._state import TrainingState
-from ._types import NOISE_METHODS, NoiseMethod
-from ._util import check_int, to_device
-from .noise_tracker import unshuffled_loader_warning
+from ..._warnings import BatchwidgetsWarning
+from ...results import NoiseReport
+from .._batches import as_keywords, batch_length, forward_and_loss, slice_batch
+from .._state import TrainingState
+from .._types import NOISE_METHODS, NoiseMethod
+from .._util import check_int, to_device
+from ._moments import Moments
+from ._tracker import unshuffled_loader_warning
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _METHODS = NOISE_METHODS

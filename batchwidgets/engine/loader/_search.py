@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..results import LoaderTrial
+from ...results import LoaderTrial
 
 Setting = dict[str, object]  # DataLoader keyword arguments: the four options searched
 Key = tuple[int, bool, "int | None", bool]

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..results import LoaderTrial
-from ._loader_checks import batch_warnings, setting_warnings
-from ._types import Clock, ShouldStop
-from ._util import default_device, has_accelerator, tensors, to_device
+from ...results import LoaderTrial
+from .._types import Clock, ShouldStop
+from .._util import default_device, has_accelerator, tensors, to_device
+from ._checks import batch_warnings, setting_warnings
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

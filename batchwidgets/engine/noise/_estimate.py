@@ -1,6 +1,7 @@
 """The arithmetic behind ``NoiseTracker``: unbiased per-update estimates of |G|^2 and tr(Sigma)
 from squared gradient norms at several batch sizes, their moving averages with error bars, the
-squared gradient norms themselves (fused, or of a split batch), and the loaders that bias them."""
+squared gradient norms of an update (from the fused norms of ``_grads.py``, or of a split
+batch), and the loaders that bias them."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ import torch
 from torch.func import functional_call
 from torch.utils.data import DataLoader, SequentialSampler
 
-from ._batches import batch_length, forward_and_loss, slice_batch
-from ._state import RngState
-from ._util import check_int
+from .._batches import batch_length, forward_and_loss, slice_batch
+from .._grads import (
+    grad_norms,
+    group_by_device_and_dtype,
+    loss_scale,
+    sum_of_squares,
+    unscale_divisor,
+)
+from .._state import RngState
+from .._util import check_int
 
 # NOTE [ The two-batch-size estimator ]
 # McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", appendix A.1: for a
@@ -54,67 +62,6 @@ from ._util import check_int
 # already far beyond the critical one), at k = 4-8; the same error bar takes that many times the
 # updates. On tests/test_noise_tracker.py's regression (k = 4, B_simple about 0.7 b) it is 29x:
 # 9000 updates at ema=1-1/3000 give what 300 at ema=0.99 give with the hooks.
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def group_by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Tensors in groups of one device and dtype, in first-seen order (as the fused norm of
-    ``torch.nn.utils.clip_grad_norm_`` groups them)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    return list(groups.values())
-
-
-def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """The 2-norm of each parameter's ``.grad`` (skipping None), one fused ``_foreach_norm`` per
-    group of ``group_by_device_and_dtype``; all on one device and of one dtype (float32 for
-    half types and for mixed dtypes), ready to stack. No host sync."""
-    norms: list[torch.Tensor] = []
-    device = None
-    for group in groups:
-        grads = [p.grad for p in group if p.grad is not None]
-        if not grads:
-            continue
-        wide = torch.float32 if grads[0].dtype in _HALF else None
-        if hasattr(torch, "_foreach_norm"):  # fused: one kernel for the group on a GPU
-            part = list(torch._foreach_norm(grads, 2, dtype=wide))
-        else:  # an old torch: one reduction per tensor
-            part = [torch.linalg.vector_norm(g, dtype=wide) for g in grads]
-        if device is None:
-            device = part[0].device
-        elif part[0].device != device:  # a model split across devices
-            part = [n.to(device) for n in part]
-        norms.append(part)
-    if len(norms) > 1 and len({part[0].dtype for part in norms}) > 1:
-        norms = [[n.float() for n in part] for part in norms]
-    return [n for part in norms for n in part]
-
-
-def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor | None:
-    """The GradScaler's current scale (float32, on ``device``), None without one in use."""
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
-    return scale.to(device).float() if isinstance(scale, torch.Tensor) else None
-
-
-def unscale_divisor(scaler: Any, optimizer: torch.optim.Optimizer,
-                    device: torch.device) -> torch.Tensor | None:
-    """The GradScaler's scale squared while ``optimizer``'s gradients are scaled, else None."""
-    scale = loss_scale(scaler, device)
-    # GradScaler keeps a stage per optimizer; after unscale_(optimizer) the grads are unscaled
-    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
-    if scale is not None and getattr(state.get("stage"), "name", "") != "UNSCALED":
-        return scale.square()
-    return None
-
-
-def sum_of_squares(norms: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The squared norm of a whole gradient from its per-parameter norms (``grad_norms``):
-    float32, 0-dim, on their device; two small ops, no host sync."""
-    stacked = torch.stack(list(norms)).float()
-    return torch.dot(stacked, stacked)
-
 
 def grad_sq_norm(params: Sequence[torch.Tensor], scaler: Any, optimizer: torch.optim.Optimizer,
                  groups: Sequence[Sequence[torch.Tensor]] | None = None) -> torch.Tensor | None:

@@ -10,17 +10,17 @@ from typing import Any
 
 import torch
 
-from .._warnings import BatchwidgetsWarning
-from ..results import AccumulationReport
-from ._accumulate_calls import InterceptedCalls
-from ._noise_estimate import group_by_device_and_dtype, loss_scale
-from ._noise_feed import AccumulatorFeed
-from ._schedule import AutoSteps
-from ._util import world_size
-from .noise_tracker import NoiseTracker
+from ..._warnings import BatchwidgetsWarning
+from ...results import AccumulationReport
+from .._grads import group_by_device_and_dtype, loss_scale
+from .._util import world_size
+from ..noise import AccumulatorFeed, AutoSteps, NoiseTracker
+from ._calls import InterceptedCalls
 
 _FLUSH_EVERY = 256  # device scalars kept before one host sync converts them to floats
 SCHEDULE_EVERY = 16  # steps="auto": updates between two looks at the tracker's schedule
+
+
 def _has_batchnorm(model: torch.nn.Module | None) -> bool:
     return model is not None and any(
         isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -66,7 +66,7 @@ class Accumulator(InterceptedCalls):
         self.optimizer, self.steps, self.model = optimizer, steps, model
         self.scaler, self.scheduler, self.remainder = scaler, scheduler, remainder
         self.noise = noise
-        # the tracker's side: NOTE [ What the noise tracker costs accumulate ] (_noise_feed.py)
+        # the tracker's side: NOTE [ What the noise tracker costs accumulate ] (noise/_feed.py)
         self._feed = (AccumulatorFeed(noise, track_grad_norms=track_grad_norms,
                                       ddp=self._is_ddp()) if noise is not None else None)
         # per-micro-batch norms from hooks: for the report, or for a tracker that wants them

@@ -3,37 +3,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-_LOCAL = threading.local()  # _LOCAL.suspended: depth of _suspended() blocks on this thread
+from .._own_steps import in_own_steps
 
 # NOTE [ What accumulate intercepts, and from whom ]
 # The patches are process-wide (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_) or on
 # objects other code may share, but only the thread that entered the block is accumulating:
 # calls from other threads (a data-loading or logging thread, a panel) pass straight through,
-# and so do batchwidgets' own steps run inside _suspended() (find_batch's probe steps inside an
-# accumulate block, which would otherwise count as micro-steps and leave gradients behind).
-
-
-@contextlib.contextmanager
-def _suspended() -> Iterator[None]:
-    """Inside, on this thread, every accumulate block lets the calls through untouched (see
-    NOTE [ What accumulate intercepts, and from whom ]); for batchwidgets' own probe steps."""
-    _LOCAL.suspended = getattr(_LOCAL, "suspended", 0) + 1
-    try:
-        yield
-    finally:
-        _LOCAL.suspended -= 1
-
-
-def _is_suspended() -> bool:
-    return getattr(_LOCAL, "suspended", 0) > 0
+# and so do batchwidgets' own steps (find_batch's probe steps inside an accumulate block, which
+# would otherwise count as micro-steps and leave gradients behind; see NOTE [ Own steps ] in
+# engine/_own_steps.py).
 
 
 # NOTE [ How accumulate intercepts an unchanged loop ]
@@ -57,7 +42,7 @@ class InterceptedCalls:
     def _ours(self) -> bool:
         """Whether an intercepted call belongs to the block (NOTE [ What accumulate intercepts,
         and from whom ])."""
-        return threading.get_ident() == self._thread and not _is_suspended()
+        return threading.get_ident() == self._thread and not in_own_steps()
 
     # ---- the replacements --------------------------------------------------------------
     def _patch(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:

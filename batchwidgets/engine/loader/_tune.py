@@ -12,6 +12,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Sequence
@@ -20,28 +21,21 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .._warnings import BatchwidgetsWarning
-from ..results import DataStallReport, LoaderReport, LoaderTrial
-from ..results.loader import with_data
-from . import _loader_search
-from ._loader_checks import (
+from ..._warnings import BatchwidgetsWarning
+from ...results import DataStallReport, LoaderReport, LoaderTrial
+from ...results.loader import with_factory
+from .._types import Clock, OnProgress, ShouldStop, TrainStep, progress
+from .._util import check_int, has_accelerator
+from . import _search
+from ._checks import (
     check_measure_arguments,
     check_tune_arguments,
     check_workers_can_unpickle,
     usable_cpus,
 )
-from ._loader_timing import (
-    copy_batch,
-    failed_trial,
-    resolve_device,
-    shutdown,
-    synchronize,
-    time_loader,
-)
-from ._types import Clock, OnProgress, ShouldStop, TrainStep, progress
-from ._util import check_int, has_accelerator
+from ._timing import copy_batch, failed_trial, resolve_device, shutdown, synchronize, time_loader
 
-# Progress callbacks, steps and data arguments: NOTE [ One vocabulary ] in _types.py.
+# Progress callbacks, steps and data arguments: NOTE [ One vocabulary ] in engine/_types.py.
 
 DEFAULT_BATCH_SIZE = 32  # for a Dataset given without batch_size
 SETTINGS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "batch_size")
@@ -203,7 +197,7 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
     accelerator) x prefetch_factor {2, 4} x persistent_workers. The search measures no workers
     first (the per-batch cost), starts from the number of workers that should keep up, climbs
     while a step gains ``threshold`` or more, then tries the other options at the best
-    (see ``_loader_search.next_setting``). A setting whose workers raise is recorded as a
+    (see ``_search.next_setting``). A setting whose workers raise is recorded as a
     failed trial and the search goes on; an error with no workers propagates.
 
     Parameters
@@ -250,7 +244,7 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
     report_progress = progress(on_progress, on_trial, "on_trial")
     started = clock()
     trials: list[LoaderTrial] = []
-    while (chosen := _loader_search.next_setting(trials, max_workers=max_workers,
+    while (chosen := _search.next_setting(trials, max_workers=max_workers,
                                                  accelerator=accelerator,
                                                  threshold=threshold)) is not None:
         loader = make_loader(loader_or_dataset, batch_size=batch_size, **chosen)
@@ -272,6 +266,12 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
                            device=target, clock=clock)
         report = dataclasses.replace(report, stall=stall)
     return with_data(report, loader_or_dataset)
+
+
+def with_data(report: LoaderReport, data: Any) -> LoaderReport:
+    """``report``, whose ``make_loader()`` builds a DataLoader over ``data`` (the loader or
+    dataset measured); the report keeps no field of it (NOTE [ A LoaderReport holds no data ])."""
+    return with_factory(report, functools.partial(make_loader, data))
 
 
 def loader_report(trials: Sequence[LoaderTrial], *, current_index: int | None = None,
@@ -298,7 +298,7 @@ def loader_report(trials: Sequence[LoaderTrial], *, current_index: int | None = 
     report = LoaderReport(
         trials=tuple(trials), best_index=best,
         current_index=best if current_index is None else range(len(trials))[current_index],
-        device=device, grid_size=_loader_search.grid_size(workers, accelerator),
+        device=device, grid_size=_search.grid_size(workers, accelerator),
         search_time_s=search_time_s,
         warnings=tuple(dict.fromkeys(note for trial in trials for note in trial.warnings)))
     return report if data is None else with_data(report, data)

@@ -1,11 +1,11 @@
 """A simulated CUDA device over CPU tensors, for testing the CUDA search without a GPU: every
 new tensor storage goes through a model of the caching allocator, with cuBLAS- and cuDNN-like
 workspaces, and ``torch.OutOfMemoryError`` is raised at the op that passes the cap. And the
-GPUs a prediction may target (``GPU_TARGETS``, ``parse_target``).
+workspaces of a target GPU (``target_workspaces``); the GPUs themselves are in ``_targets.py``.
 
 Usage:
     >>> import torch
-    >>> from batchwidgets.engine._cuda_sim import SimulatedCudaMeter
+    >>> from batchwidgets.engine.memory._simulated import SimulatedCudaMeter
     >>> meter = SimulatedCudaMeter("cpu", budget_bytes=64 * 2**20)
     >>> with meter.measure([]) as reading:
     ...     x = torch.zeros(1000)
@@ -15,7 +15,6 @@ Usage:
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -25,9 +24,19 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._cuda_model import KIB, MIB, WORKSPACE_FREE_FRACTION, CachingAllocatorModel, Event
-from ._memory import parse_bytes, unique_tensors
-from ._meters import Reading, TracingTracker, _TracedSteps, _Where, tracing
+from .._state import makes_weakref_callbacks
+from ._allocator import KIB, MIB, WORKSPACE_FREE_FRACTION, CachingAllocatorModel, Event
+from ._meters import (
+    CudaMeter,
+    Reading,
+    TensorMeter,
+    TracingTracker,
+    _TracedSteps,
+    _Where,
+    make_meter,
+    tracing,
+)
+from ._tracker import unique_tensors
 
 # NOTE [ Workspaces of the simulated device ]
 # A GPU step allocates memory that is no tensor, through the same caching allocator:
@@ -134,6 +143,7 @@ class _SimulatedDevice(TorchDispatchMode):
             self.log.append(("free", key, 0))
         self.allocator.free(block)
 
+    @makes_weakref_callbacks  # see NOTE [ Restoring under Ctrl-C ] in engine/_state.py
     def _release(self, key: int) -> Callable[[weakref.ref], None]:
         def release(ref: weakref.ref) -> None:
             known = self._storages.get(key)
@@ -255,68 +265,13 @@ class SimulatedCudaMeter:
             self._fold_peaks()
 
 
-# -- targets --------------------------------------------------------------------------------
-# NOTE [ GPU targets ]
-# total_memory as torch.cuda.get_device_properties(0).total_memory reports it (cudaDeviceProp
-# .totalGlobalMem), from printouts of _CudaDeviceProperties and deviceQuery in public issues
-# and docs (the MiB figure where only that was printed). It varies by a few MiB with driver,
-# ECC and board (seen: T4 14,930-15,109 MiB, V100-32GB 32,480-32,511 MiB, A100-80GB
-# 81,051-81,251 MiB, H100 81,082-81,090 MiB); the common or lower value is taken.
-# The CUDA context (driver state, kernel images of cuBLAS/cuDNN and PyTorch, loaded lazily since
-# CUDA 11.7) takes device memory that the caching allocator never sees and that
-# set_per_process_memory_fraction does not count; with lazy loading it is about 300-500 MiB on
-# Ampere and Hopper. CUDA_CONTEXT_BYTES takes 512 MiB: overestimating it only lowers the
-# predicted batch, and the prediction should not land above the real boundary.
-GPU_TARGETS: dict[str, int] = {
-    "T4": 15_095 * MIB,  # Tesla T4 (Colab), torch printout
-    "L4": 23_612_293_120,  # deviceQuery: 22,518 MiB
-    "A10G": 22_587 * MIB,  # AWS g5, torch printout
-    "V100-16GB": 16_160 * MIB,  # V100-SXM2-16GB, torch printout
-    "V100-32GB": 34_089_730_048,  # V100-SXM2-32GB, deviceQuery: 32,510 MiB
-    "A100-40GB": 42_298_834_944,  # A100-SXM4-40GB, deviceQuery: 40,339 MiB
-    "A100-80GB": 84_987_740_160,  # A100-SXM4-80GB, deviceQuery: 81,051 MiB
-    "H100-80GB": 81_082 * MIB,  # H100 80GB HBM3 (SXM), torch printout
-    "H200": 143_156 * MIB,  # H200 (141 GB HBM3e), torch printout
-}
-CUDA_CONTEXT_BYTES = 512 * MIB
-_FAMILIES = {"v100": "V100-16GB", "a100": "A100-40GB", "h100": "H100-80GB"}  # smallest variant
-
-
-def _normal(name: str) -> str:
-    name = re.sub(r"[\s_\-]+", "", name.lower()).replace("nvidia", "").replace("tesla", "")
-    return re.sub(r"(\d)(gib|g)$", r"\1gb", name)
-
-
-def parse_target(value: int | str) -> tuple[str, int]:
-    """``(name, usable_bytes)`` for a GPU name of ``GPU_TARGETS`` or a size.
-
-    A name is case- and punctuation-blind (``"a100 40gb"``, ``"A100-40GB"``; a bare family such
-    as ``"a100"`` means its smallest variant); its usable bytes are the total memory less the
-    CUDA context (NOTE [ GPU targets ]). A size (``"24GiB"``, ``"16GB"``, ``"512M"``, an int)
-    is the memory the process may use, as ``budget`` is.
-    """
-    if isinstance(value, str) and not re.match(r"^\s*[0-9.]", value):
-        wanted = _normal(value)
-        names = {_normal(name): name for name in GPU_TARGETS}
-        name = names.get(wanted) or _FAMILIES.get(wanted)
-        if name is None:
-            raise ValueError(f"target should be one of {', '.join(GPU_TARGETS)} or a size such "
-                             f"as '24GiB', but got target={value!r}.")
-        return name, GPU_TARGETS[name] - CUDA_CONTEXT_BYTES
-    size = value
-    if isinstance(value, str) and re.match(r"^\s*[0-9.]+\s*[kKmMgGtT]\s*$", value):
-        size = value.strip() + "iB"  # "512M" is 512 MiB, as nvidia-smi and Slurm write it
-    nbytes = parse_bytes(size, "target")
-    return (value.strip() if isinstance(value, str) else f"{nbytes} bytes"), nbytes
-
-
 # -- the simulated device as the probe's meter ------------------------------------------------
 class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
     """``SimulatedCudaMeter`` with the rest of the probe's meter interface (see ``_meters.py``):
     the per-op trace of a ``TracingTracker`` inside the simulated device, whose own allocation
     events (workspaces included) replace the tracker's, as the allocator model replays them."""
 
-    allocator_model = True  # the probe predicts through _cuda_model.largest_batch_size
+    allocator_model = True  # the probe predicts through _allocator.largest_batch_size
 
     def __init__(self, device: torch.device | str, budget_bytes: int | None, *,
                  workspaces: Workspaces = Workspaces()) -> None:
@@ -382,3 +337,15 @@ def target_workspaces(name: str) -> Workspaces:
     if name.startswith(("H100", "H200")):
         return Workspaces(cublas_bytes=32 * MIB)
     return Workspaces()
+
+
+def probe_meter(device: torch.device, budget_bytes: int | None,
+                target: str | None = None) -> ProbeMeter | TensorMeter | CudaMeter:
+    """The meter a probe reads: the simulated device with a target's workspaces for a plan
+    (``target``, the GPU's name), the simulated device inside ``simulated_cuda()`` on the CPU
+    (tests), else the device's own (``make_meter``)."""
+    if target is not None:
+        return ProbeMeter(device, None, workspaces=target_workspaces(target))
+    if device.type == "cpu" and _SIMULATED is not None:  # tests: see simulated_cuda
+        return ProbeMeter(device, budget_bytes, workspaces=_SIMULATED)
+    return make_meter(device, budget_bytes)

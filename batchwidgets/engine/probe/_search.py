@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..results import Attempt, MemoryModel
+from ...results import Attempt, MemoryModel
 
 # NOTE [ Predict, then verify ]
 # With the per-op model (NOTE [ Every op's live bytes are affine in the batch size ] in
-# _trace.py) the search is: two small sizes (start, then twice start), the largest size the model
-# says fits, and the next size to confirm it does not: four sizes and one out-of-memory error when
-# the model is right. Each size that runs refits the model on the two largest sizes traced, so a
-# miss (a size that went the other way than predicted) is followed by a better prediction; after
-# MAX_MISSES misses, or while there is no model (the op sequences of two sizes differ), the search
-# below takes over.
+# memory/_trace.py) the search is: two small sizes (start, then twice start), the largest size the
+# model says fits, and the next size to confirm it does not: four sizes and one out-of-memory
+# error when the model is right. Each size that runs refits the model on the two largest sizes
+# traced, so a miss (a size that went the other way than predicted) is followed by a better
+# prediction; after MAX_MISSES misses, or while there is no model (the op sequences of two sizes
+# differ), the search below takes over.
 #
 # Without the per-op model, peak memory of a training step is close to
 # max(plateau, fixed + per_sample * batch_size): at
@@ -90,12 +90,26 @@ def _memory_moves(attempts: Sequence[Attempt]) -> bool:
 
 def _peak(attempt: Attempt) -> int | None:
     """The figure the line is fitted on: the forward+backward peak where the step was split in
-    phases (NOTE [ Two phases ] in _meters.py), else the reserved peak, else the tensor peak."""
+    phases (NOTE [ Two phases ] in memory/_meters.py), else the reserved peak, else the tensor
+    peak."""
     if attempt.activation_peak_bytes is not None:
         return attempt.activation_peak_bytes
     if attempt.peak_reserved_bytes is not None:
         return attempt.peak_reserved_bytes
     return attempt.peak_memory_bytes
+
+
+def memory_stayed_flat(attempts: Sequence[Attempt]) -> bool:
+    """True when the step's peak memory grew by less than one byte per extra sample between the
+    smallest and the largest size that fit: the batch size never reached the model (a
+    make_batch that ignores its argument, a step that allocates nothing)."""
+    fitted = [a for a in attempts if a.fits]
+    if len(fitted) < 2:
+        return False
+    small = min(fitted, key=lambda a: a.batch_size)
+    large = max(fitted, key=lambda a: a.batch_size)
+    grew = (large.peak_memory_bytes or 0) - (small.peak_memory_bytes or 0)
+    return grew < large.batch_size - small.batch_size
 
 
 def bracket(attempts: Sequence[Attempt]) -> tuple[int, int | None]:

@@ -1,0 +1,77 @@
+"""Gradient norms on the device, without a host sync: fused per group of one device and dtype
+(as ``clip_grad_norm_`` groups them), and a GradScaler's scale to divide them by. Shared by the
+noise tracker, accumulate's per-micro-batch norms and the trainer callbacks.
+
+Usage:
+    >>> import torch
+    >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 2.0)
+    >>> sum_of_squares(grad_norms(group_by_device_and_dtype([p]))).item()
+    16.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def group_by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors in groups of one device and dtype, in first-seen order (as the fused norm of
+    ``torch.nn.utils.clip_grad_norm_`` groups them)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
+
+
+def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The 2-norm of each parameter's ``.grad`` (skipping None), one fused ``_foreach_norm`` per
+    group of ``group_by_device_and_dtype``; all on one device and of one dtype (float32 for
+    half types and for mixed dtypes), ready to stack. No host sync."""
+    norms: list[torch.Tensor] = []
+    device = None
+    for group in groups:
+        grads = [p.grad for p in group if p.grad is not None]
+        if not grads:
+            continue
+        wide = torch.float32 if grads[0].dtype in _HALF else None
+        if hasattr(torch, "_foreach_norm"):  # fused: one kernel for the group on a GPU
+            part = list(torch._foreach_norm(grads, 2, dtype=wide))
+        else:  # an old torch: one reduction per tensor
+            part = [torch.linalg.vector_norm(g, dtype=wide) for g in grads]
+        if device is None:
+            device = part[0].device
+        elif part[0].device != device:  # a model split across devices
+            part = [n.to(device) for n in part]
+        norms.append(part)
+    if len(norms) > 1 and len({part[0].dtype for part in norms}) > 1:
+        norms = [[n.float() for n in part] for part in norms]
+    return [n for part in norms for n in part]
+
+
+def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor | None:
+    """The GradScaler's current scale (float32, on ``device``), None without one in use."""
+    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    return scale.to(device).float() if isinstance(scale, torch.Tensor) else None
+
+
+def unscale_divisor(scaler: Any, optimizer: torch.optim.Optimizer,
+                    device: torch.device) -> torch.Tensor | None:
+    """The GradScaler's scale squared while ``optimizer``'s gradients are scaled, else None."""
+    scale = loss_scale(scaler, device)
+    # GradScaler keeps a stage per optimizer; after unscale_(optimizer) the grads are unscaled
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+    if scale is not None and getattr(state.get("stage"), "name", "") != "UNSCALED":
+        return scale.square()
+    return None
+
+
+def sum_of_squares(norms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The squared norm of a whole gradient from its per-parameter norms (``grad_norms``):
+    float32, 0-dim, on their device; two small ops, no host sync."""
+    stacked = torch.stack(list(norms)).float()
+    return torch.dot(stacked, stacked)

@@ -1,0 +1,14 @@
+"""``accumulate``: gradient accumulation around an unchanged training loop.
+
+- ``_accumulate.py``   accumulate(): its argument checks, steps from a batch size or "auto"
+- ``_accumulator.py``  the context manager: micro-steps, real steps, DDP, the remainder
+- ``_calls.py``        the calls a block replaces (step, backward, clipping), and for whom
+
+It imports ``noise`` (a tracker fed from the micro-batches, the "auto" schedule) and the shared
+modules.
+"""
+
+from ._accumulate import accumulate
+from ._accumulator import Accumulator
+
+__all__ = ["Accumulator", "accumulate"]

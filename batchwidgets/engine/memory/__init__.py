@@ -1,0 +1,29 @@
+"""How much a training step holds, and when it is out of memory: the room under the probe.
+
+- ``_budget.py``     sizes as people write them ("16GiB", "512M"); host memory left to take
+- ``_oom.py``        which errors are out of memory; what an error's traceback keeps alive
+- ``_tracker.py``    the tensor-memory tracker: live bytes op by op, a budget as a device limit
+- ``_trace.py``      the per-op trace of a step, and the peak model fitted on two of them
+- ``_allocator.py``  a model of PyTorch's CUDA caching allocator; replaying a trace through it
+- ``_simulated.py``  a simulated CUDA device over CPU tensors, with a target's workspaces
+- ``_targets.py``    the GPUs a plan may target, and their memory less the CUDA context
+- ``_meters.py``     the probe's meters: CUDA's allocator, or the tracker on the CPU and MPS
+
+It imports the shared modules beside it and nothing of the capabilities.
+"""
+
+from ._allocator import largest_batch_size, replay, scale_events
+from ._budget import available_memory_bytes, parse_bytes
+from ._meters import Reading
+from ._oom import cannot_train_alone, drop_own_frames, forget, free_memory, is_oom
+from ._simulated import probe_meter, simulated_cuda
+from ._targets import GPU_TARGETS, parse_target
+from ._trace import OpTrace, PeakModel
+from ._tracker import BudgetExceededError, TensorMemoryTracker, track_tensor_memory
+
+__all__ = [
+    "GPU_TARGETS", "BudgetExceededError", "OpTrace", "PeakModel", "Reading", "TensorMemoryTracker",
+    "available_memory_bytes", "cannot_train_alone", "drop_own_frames", "forget", "free_memory",
+    "is_oom", "largest_batch_size", "parse_bytes", "parse_target", "probe_meter", "replay",
+    "scale_events", "simulated_cuda", "track_tensor_memory",
+]

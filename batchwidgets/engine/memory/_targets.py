@@ -1,0 +1,68 @@
+"""The GPUs a plan may target (``target="T4"``, ``"A100-80GB"``, or a size): their memory as
+PyTorch reports it, less the CUDA context.
+
+Usage:
+    >>> from batchwidgets.engine.memory import parse_target
+    >>> parse_target("t4")
+    ('T4', 15291383808)
+"""
+
+from __future__ import annotations
+
+import re
+
+from ._allocator import MIB
+from ._budget import parse_bytes
+
+# NOTE [ GPU targets ]
+# total_memory as torch.cuda.get_device_properties(0).total_memory reports it (cudaDeviceProp
+# .totalGlobalMem), from printouts of _CudaDeviceProperties and deviceQuery in public issues
+# and docs (the MiB figure where only that was printed). It varies by a few MiB with driver,
+# ECC and board (seen: T4 14,930-15,109 MiB, V100-32GB 32,480-32,511 MiB, A100-80GB
+# 81,051-81,251 MiB, H100 81,082-81,090 MiB); the common or lower value is taken.
+# The CUDA context (driver state, kernel images of cuBLAS/cuDNN and PyTorch, loaded lazily since
+# CUDA 11.7) takes device memory that the caching allocator never sees and that
+# set_per_process_memory_fraction does not count; with lazy loading it is about 300-500 MiB on
+# Ampere and Hopper. CUDA_CONTEXT_BYTES takes 512 MiB: overestimating it only lowers the
+# predicted batch, and the prediction should not land above the real boundary.
+GPU_TARGETS: dict[str, int] = {
+    "T4": 15_095 * MIB,  # Tesla T4 (Colab), torch printout
+    "L4": 23_612_293_120,  # deviceQuery: 22,518 MiB
+    "A10G": 22_587 * MIB,  # AWS g5, torch printout
+    "V100-16GB": 16_160 * MIB,  # V100-SXM2-16GB, torch printout
+    "V100-32GB": 34_089_730_048,  # V100-SXM2-32GB, deviceQuery: 32,510 MiB
+    "A100-40GB": 42_298_834_944,  # A100-SXM4-40GB, deviceQuery: 40,339 MiB
+    "A100-80GB": 84_987_740_160,  # A100-SXM4-80GB, deviceQuery: 81,051 MiB
+    "H100-80GB": 81_082 * MIB,  # H100 80GB HBM3 (SXM), torch printout
+    "H200": 143_156 * MIB,  # H200 (141 GB HBM3e), torch printout
+}
+CUDA_CONTEXT_BYTES = 512 * MIB
+_FAMILIES = {"v100": "V100-16GB", "a100": "A100-40GB", "h100": "H100-80GB"}  # smallest variant
+
+
+def _normal(name: str) -> str:
+    name = re.sub(r"[\s_\-]+", "", name.lower()).replace("nvidia", "").replace("tesla", "")
+    return re.sub(r"(\d)(gib|g)$", r"\1gb", name)
+
+
+def parse_target(value: int | str) -> tuple[str, int]:
+    """``(name, usable_bytes)`` for a GPU name of ``GPU_TARGETS`` or a size.
+
+    A name is case- and punctuation-blind (``"a100 40gb"``, ``"A100-40GB"``; a bare family such
+    as ``"a100"`` means its smallest variant); its usable bytes are the total memory less the
+    CUDA context (NOTE [ GPU targets ]). A size (``"24GiB"``, ``"16GB"``, ``"512M"``, an int)
+    is the memory the process may use, as ``budget`` is.
+    """
+    if isinstance(value, str) and not re.match(r"^\s*[0-9.]", value):
+        wanted = _normal(value)
+        names = {_normal(name): name for name in GPU_TARGETS}
+        name = names.get(wanted) or _FAMILIES.get(wanted)
+        if name is None:
+            raise ValueError(f"target should be one of {', '.join(GPU_TARGETS)} or a size such "
+                             f"as '24GiB', but got target={value!r}.")
+        return name, GPU_TARGETS[name] - CUDA_CONTEXT_BYTES
+    size = value
+    if isinstance(value, str) and re.match(r"^\s*[0-9.]+\s*[kKmMgGtT]\s*$", value):
+        size = value.strip() + "iB"  # "512M" is 512 MiB, as nvidia-smi and Slurm write it
+    nbytes = parse_bytes(size, "target")
+    return (value.strip() if isinstance(value, str) else f"{nbytes} bytes"), nbytes

@@ -1,0 +1,123 @@
+"""The tensor-memory tracker: the bytes of tensor storages alive on one device, op by op, and
+out of memory at the op that passes a budget (how the CPU and MPS emulate a device's limit).
+
+Usage:
+    >>> import torch
+    >>> from batchwidgets.engine.memory import track_tensor_memory
+    >>> with track_tensor_memory(budget_bytes=1_000_000) as tracker:
+    ...     x = torch.zeros(1000)
+    >>> tracker.peak_bytes
+    4000
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .._state import makes_weakref_callbacks
+
+
+class BudgetExceededError(torch.OutOfMemoryError):
+    """The tensors of a step passed the memory budget: out of memory on an emulated device.
+
+    It subclasses ``torch.OutOfMemoryError`` so code that handles real out-of-memory errors
+    handles this one too.
+    """
+
+
+def unique_tensors(tensors: Iterable[object]) -> Iterator[torch.Tensor]:
+    """The strided tensors holding the data in a nested structure: a sparse COO tensor (as
+    ``nn.Embedding(sparse=True)`` makes for gradients) stands for its indices and values."""
+    for item in tree_flatten(list(tensors))[0]:
+        if not isinstance(item, torch.Tensor):
+            continue
+        if item.layout == torch.strided:
+            yield item
+        elif item.layout == torch.sparse_coo:
+            yield from (item._indices(), item._values())
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Counts the bytes of the tensor storages alive on one device, op by op.
+
+    Every operator's outputs pass through ``__torch_dispatch__`` (forward, backward and optimizer
+    ops alike), so a new storage is counted when it is created and released by a weak-reference
+    callback when it is freed. Going over ``budget_bytes`` raises ``BudgetExceededError`` at the
+    operation that crosses it, so the process never exhausts real RAM.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", budget_bytes: int | None = None,
+                 baseline: Iterable[object] = ()) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.budget_bytes = budget_bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}
+        for tensor in unique_tensors(baseline):
+            self._count(tensor)
+        self.baseline_bytes = self.live_bytes
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self.device.type or tensor.is_meta:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        known = self._storages.get(key)
+        nbytes = storage.nbytes()
+        if known is not None and known[0]() is storage:
+            if known[1] == nbytes:
+                return
+            self.live_bytes -= known[1]  # resized in place (out= ops)
+        self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes)
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    @makes_weakref_callbacks  # see NOTE [ Restoring under Ctrl-C ] in engine/_state.py
+    def _release(self, key: int):
+        def release(ref: weakref.ref) -> None:
+            known = self._storages.get(key)
+            if known is not None and known[0] is ref:
+                del self._storages[key]
+                self.live_bytes -= known[1]
+        return release
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        before = self.live_bytes
+        # An output sharing an input's storage (a view, an in-place op) allocates nothing new. A
+        # storage made before the block, such as a dataset tensor that make_batch slices, is not
+        # the step's memory: counting it would charge the whole dataset to the first slice.
+        inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
+        for tensor in unique_tensors([out]):
+            key = id(tensor.untyped_storage())
+            if key in self._storages or key not in inputs:
+                self._count(tensor)
+        if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+            raise BudgetExceededError(
+                f"{self.device.type.upper()} out of memory (batchwidgets budget): the step held "
+                f"{self.live_bytes} bytes of tensors after {func}, over the budget of "
+                f"{self.budget_bytes} bytes (tried to allocate {self.live_bytes - before} bytes).")
+        return out
+
+
+@contextmanager
+def track_tensor_memory(budget_bytes: int | None = None, device: torch.device | str = "cpu",
+                        baseline: Iterable[object] = ()) -> Iterator[TensorMemoryTracker]:
+    """Track (and cap at ``budget_bytes``) the tensor memory of the code inside the block.
+
+    ``baseline`` lists tensors that already exist and count against the budget (weights,
+    gradients, optimizer state); tensors created inside the block are counted as they appear.
+    """
+    with TensorMemoryTracker(device, budget_bytes, baseline) as tracker:
+        yield tracker

@@ -1,0 +1,18 @@
+"""``find_batch``: the largest batch that trains, as stages read top to bottom.
+
+- ``_find_batch.py``  find_batch and NoBatchSizeFits: plan, search under the guard, report
+- ``_plan.py``        the arguments resolved once into a frozen ProbePlan
+- ``_checks.py``      the argument checks (one line each), what the report says was probed
+- ``_trials.py``      the step each size runs, and one size's steps measured
+- ``_loop.py``        the search loop: run, fit the per-op model, ask the policy; target plans
+- ``_search.py``      the pure search policy: which batch size next
+- ``_ranks.py``       one outcome for every rank under torch.distributed
+- ``_what_if.py``     the largest batch under a change, predicted from the trace or measured
+
+It imports ``memory`` and the shared modules; nothing of accumulate, noise or loader.
+"""
+
+from ._checks import check_arguments
+from ._find_batch import MakeBatch, NoBatchSizeFits, Step, find_batch
+
+__all__ = ["MakeBatch", "NoBatchSizeFits", "Step", "check_arguments", "find_batch"]

@@ -1,0 +1,305 @@
+"""``find_batch``: the largest batch size that trains on this device, measured, not guessed.
+
+Usage:
+    >>> import torch, batchwidgets as bw
+    >>> model = torch.nn.Linear(8, 2)
+    >>> report = bw.find_batch(model, torch.zeros(8), optimizer=torch.optim.SGD(model.parameters()),
+    ...                        budget="64KB", max_batch_size=4096)
+    >>> report.max_batch_size > 0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import torch
+
+from ..._warnings import BatchwidgetsWarning
+from ...results import BatchSizeReport
+from .. import memory
+from .._state import InterruptGuard, TrainingState, restore_home
+from .._types import Amp, ProbeStep, ShouldStop, progress
+from . import _search, _what_if
+from ._loop import Search, planned
+from ._plan import ProbePlan, resolve
+from ._ranks import agree_limit
+from ._trials import Marks, OnStep, Trainer, model_step, moved, state_tensors
+
+Step = ProbeStep  # the earlier name (NOTE [ One vocabulary ] in engine/_types.py)
+MakeBatch = Union[Callable[[int], Any], torch.utils.data.Dataset, torch.utils.data.DataLoader,
+                  torch.Tensor]
+
+_FLAT = "memory did not grow with the batch size: check make_batch"
+
+
+class NoBatchSizeFits(RuntimeError):
+    """Even the smallest batch size ran out of memory; ``.report`` holds every attempt."""
+
+    def __init__(self, report: BatchSizeReport) -> None:
+        self.report = report
+        ran_out = [a for a in report.attempts if not memory.cannot_train_alone(a.error)]
+        smallest = min(ran_out or report.attempts, key=lambda a: a.batch_size)
+        alone = ("; batch_size=1 cannot train this model (BatchNorm needs more than one value "
+                 "per channel)" if len(ran_out) < len(report.attempts) else "")
+        budget = (f"a budget of {report.budget_bytes} bytes" if report.budget_bytes
+                  else "the whole device")
+        peak = (f" (peak {smallest.peak_memory_bytes} bytes or more)"
+                if smallest.peak_memory_bytes else "")
+        super().__init__(
+            f"No batch size fits: batch_size={smallest.batch_size} ran out of memory on "
+            f"{report.device} with {budget}{peak}{alone}. Try amp='bf16' (or 'fp16'), a smaller "
+            f"micro-batch with gradient accumulation (batchwidgets.accumulate), a larger budget, "
+            f"or a smaller model. Last error: {smallest.error}")
+
+
+def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None = None,
+               loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
+               device: torch.device | str | None = None, budget: int | str | None = None,
+               amp: Amp | None = None, max_batch_size: int | None = None, multiple_of: int = 1,
+               headroom: float = 0.9, *, scaler: Any = None, scheduler: Any = None,
+               steps_per_trial: int = 2, start: int | None = None,
+               on_progress: OnStep | None = None,
+               should_stop: ShouldStop | None = None,
+               seq_len: Sequence[int] | None = None,
+               what_if: bool = False, target: str | int | None = None,
+               step: ProbeStep | None = None,
+               on_step: OnStep | None = None) -> BatchSizeReport:
+    """Find the largest batch size that trains without running out of memory.
+
+    Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
+    them per size, since Adam allocates its state on the first) and searches by predicting the
+    boundary from measured memory, then verifying it (see NOTE [ Predict, then verify ]).
+    Out-of-memory errors are data; any other exception propagates unchanged. Model weights,
+    buffers, gradients, optimizer/scheduler/scaler state, train/eval modes, RNGs and backend
+    flags are restored bit for bit however it ends.
+
+    Parameters
+    ----------
+    model : torch.nn.Module or callable
+        The model, or ``step(batch_size)`` that runs one whole training step itself.
+    make_batch : callable, Dataset, DataLoader or Tensor
+        ``make_batch(batch_size) -> batch``; a Dataset/DataLoader (real samples, the largest
+        when sizes vary); or one example tensor, repeated. A batch ``(x, ..., y)`` is fed as
+        ``loss_fn(model(x, ...), y)``, a dict as ``model(**batch)``, a tensor as ``model(x)``.
+    loss_fn : callable, optional
+        ``loss_fn(output, target)``; leave it out when the model's output carries ``.loss``
+        (Hugging Face models given labels). See NOTE [ The batch convention ] in engine/_batches.py:
+        a target that is present is always used, or the call is refused with the fix.
+    optimizer : torch.optim.Optimizer, optional
+        Default: a fresh ``torch.optim.AdamW`` on the model's parameters (Adam-sized state).
+        With a bare ``step``, pass the optimizer it uses: its parameters (weights, gradients)
+        and state are then restored too; find_batch cannot see them otherwise.
+    device : str or torch.device, optional
+        Default: the model's device (or CUDA for a bare step when present).
+    budget : int or str, optional
+        Memory cap, e.g. ``"512MB"``, ``"16GiB"``. CUDA: caps the process (emulates a smaller
+        GPU). CPU/MPS: the step's live tensor bytes may not pass it. Default: the whole GPU;
+        on the CPU, half of the available RAM.
+    amp : {"bf16", "fp16"}, optional
+        Probe under autocast (fp16 with a GradScaler).
+    max_batch_size, multiple_of, headroom
+        Largest size to try; sizes tried are multiples of ``multiple_of``; the recommendation
+        stays under ``headroom * max_batch_size``.
+    scaler, scheduler : optional
+        Restored afterwards; ``scaler`` is used for the steps.
+    steps_per_trial : int
+        Training steps run at each size.
+    start : int, optional
+        First size tried (default 2, or ``multiple_of`` when larger); if it does not fit, the
+        probe halves down to ``multiple_of``.
+    on_progress : callable, optional
+        Called with each ``Attempt`` as it finishes (progress for front ends); ``on_step`` is
+        its earlier name, still accepted (NOTE [ One vocabulary ] in engine/_types.py).
+    should_stop : callable, optional
+        Polled before each size (as in ``tune_loader``); True ends the search with what it
+        found so far (``stop_reason="stopped"``). A front end's Stop button.
+    seq_len : sequence of int, optional
+        Sequence lengths: ``make_batch(batch_size, seq_len)`` is called, each length probed, and
+        ``report.frontier`` maps each length to its largest batch size (the rest of the report
+        is the longest length's probe).
+    target : str or int, optional
+        A GPU that is not here: ``"T4"``, ``"L4"``, ``"A10G"``, ``"V100-16GB"``, ``"A100-40GB"``,
+        ``"A100-80GB"``, ``"H100-80GB"``, ``"H200"``, or a size (``"24GiB"``). The step is traced
+        at two small sizes on the CPU and replayed through a model of the CUDA caching allocator
+        (workspaces included) under the target's memory less the CUDA context; the answer is
+        *predicted, not run*, and says so (``stop_reason``, ``summary()``, ``target_band``).
+    step : callable, optional
+        ``find_batch(model, step=my_step, optimizer=optimizer)``: your own ``step(batch_size)``
+        trains ``model``, which is then protected (weights, buffers, gradients, modes restored)
+        and counted in the budget, as in the model form. ``find_batch(my_step)`` alone cannot
+        see the model: pass ``optimizer=`` at least, so its parameters are restored and counted.
+    what_if : bool
+        Also probe with each change the user could make (bf16, fp16, SGD, ``foreach=False``) and
+        list the largest batch under each in ``report.what_if``, measured. Rows the per-op model
+        predicts (no optimizer state, activation checkpointing of the largest blocks) are there
+        whenever the model is.
+
+    Returns
+    -------
+    BatchSizeReport
+
+    Raises
+    ------
+    NoBatchSizeFits
+        When even the smallest size runs out of memory (carries ``.report``).
+
+    Examples
+    --------
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
+    >>> opt = torch.optim.Adam(model.parameters())
+    >>> report = find_batch(model, torch.randn(3, 32, 32), optimizer=opt, budget="8MiB")
+    >>> report.max_batch_size, report.first_oom_batch_size
+    (622, 623)
+    """
+    plan = resolve(model, make_batch, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                   budget=budget, amp=amp, max_batch_size=max_batch_size,
+                   multiple_of=multiple_of, headroom=headroom, scaler=scaler,
+                   scheduler=scheduler, steps_per_trial=steps_per_trial, start=start,
+                   on_progress=progress(on_progress, on_step, "on_step"),
+                   should_stop=should_stop, seq_len=seq_len, what_if=what_if, target=target,
+                   step=step)
+    if plan.seq_len is not None:
+        return _frontier(plan)
+    return _probe(plan)
+
+
+def _probe(plan: ProbePlan) -> BatchSizeReport:
+    """The stages after the plan: the search under the meter and the state guard, the report,
+    then what the report adds (a target's prediction, the what-ifs)."""
+    search = _search_guarded(plan)
+    report = _report(plan, search)
+    if plan.target is not None:
+        return planned(report, search, *plan.target)
+    rows = _predicted_what_ifs(plan, report, search)
+    if plan.what_if and plan.model is not None:
+        rows += _what_if.measured(lambda **change: _probe(plan.with_change(**change)),
+                                  plan.optimizer, plan.amp)
+    return dataclasses.replace(report, what_if=tuple(rows)) if rows else report
+
+
+def _search_guarded(plan: ProbePlan) -> Search:
+    """Enter the meter and the state guard, run the search; every trial starts from the user's
+    state, and the user's state comes back however it ends (NOTE [ Restoring under Ctrl-C ] in
+    engine/_state.py)."""
+    home_state = TrainingState(plan.owner, plan.optimizer, plan.extras)
+    meter = memory.probe_meter(plan.device, plan.budget_bytes,
+                               plan.target[0] if plan.target is not None else None)
+    guard = InterruptGuard()
+    search = state = trainer = None
+    try:
+        with meter.capped():
+            state = (moved(plan.model, plan.optimizer, plan.device, plan.extras) if plan.moves
+                     else home_state)
+            trainer = Trainer(_step(plan, meter), meter, state, plan.steps_per_trial,
+                              lambda: state_tensors(plan.owner, plan.optimizer),
+                              Marks(plan.owner, plan.optimizer))
+            limit_bytes = agree_limit(meter.limit_bytes)
+            meter.warm_up()
+            search = Search(trainer, meter, start=plan.start, multiple_of=plan.multiple_of,
+                            ceiling=plan.ceiling, limit_bytes=limit_bytes,
+                            traced_only=plan.target is not None)
+            search.run(plan.on_progress, plan.should_stop)
+    except BaseException as error:  # its traceback (kept by IPython) must not keep them alive
+        memory.drop_own_frames(error)
+        raise
+    finally:
+        failed = restore_home(home_state, plan.model if plan.moves else None, plan.home, guard)
+        home_state = state = trainer = None  # the traceback keeps this frame
+        if search is not None:
+            search.trainer = None
+        memory.free_memory(plan.device)
+        if failed is not None:
+            raise failed
+    return search
+
+
+def _step(plan: ProbePlan, meter: Any) -> ProbeStep:
+    """What each trial runs: the model form's training step, or the user's own step."""
+    if plan.model is None:
+        return plan.step
+    scaler = plan.scaler
+    if plan.amp == "fp16" and scaler is None:
+        scaler = torch.amp.GradScaler(plan.device.type)
+    return model_step(plan.model, plan.make, plan.loss_fn, plan.optimizer, plan.device,
+                      plan.amp, scaler, meter)
+
+
+def _report(plan: ProbePlan, search: Search) -> BatchSizeReport:
+    """The report of what the search found (``NoBatchSizeFits`` when nothing fits)."""
+    attempts = search.attempts
+    lo, hi = _search.bracket(attempts)
+    if search.stopped:
+        stop = "stopped"
+    elif lo == 0:
+        stop = "nothing fits"
+    elif lo >= plan.ceiling:
+        stop = "max_batch_size" if plan.max_batch_size else "ceiling"
+        if stop == "ceiling" and _search.memory_stayed_flat(attempts):
+            stop = f"ceiling: {_FLAT}"
+            warnings.warn(f"find_batch reached its ceiling of {plan.ceiling} samples, but the "
+                          f"step's {_FLAT} (it must return a batch of the size it is given), "
+                          f"or the step allocates nothing on {plan.device}.",
+                          BatchwidgetsWarning, stacklevel=4)  # _probe, find_batch, the user
+    else:
+        stop = "boundary"
+    segments = () if search.model is None else search.model.envelope(
+        1, max(a.batch_size for a in attempts))
+    report = BatchSizeReport(
+        max_batch_size=lo, first_oom_batch_size=hi, attempts=tuple(attempts),
+        device=str(plan.device), budget_bytes=plan.budget_bytes, limit_bytes=search.limit_bytes,
+        baseline_bytes=search.meter.baseline_bytes, memory_model=_search.fit_memory(attempts),
+        headroom=plan.headroom, multiple_of=plan.multiple_of, amp=plan.amp, stop_reason=stop,
+        peak_segments=segments, method=" ".join([search.method(), *plan.notes]),
+        worst_case=plan.batch_description, memory_split=search.split)
+    if lo == 0 and stop != "stopped":
+        raise NoBatchSizeFits(report)
+    return report
+
+
+def _predicted_what_ifs(plan: ProbePlan, report: BatchSizeReport, search: Search) -> list:
+    """The what-if rows the per-op model predicts (see probe/_what_if.py), where it was fitted."""
+    if search.model is None or search.limit_bytes is None:
+        return []
+    modules = ({name: type(module).__name__ for name, module in plan.owner.named_modules()
+                if name} if plan.owner is not None else {})
+    # On CUDA the tensors' bytes are not what runs out: the boundary found says where, in
+    # tensor bytes, the reserved memory ran out, and the rows are predicted against that.
+    row_limit = (search.model.peak_bytes(report.max_batch_size)
+                 if search.replays and report.max_batch_size
+                 else search.limit_bytes - search.overhead_bytes)
+    rows = _what_if.predicted(search.model, row_limit, multiple_of=plan.multiple_of,
+                              ceiling=plan.ceiling, modules=modules)
+    if search.replays:  # the allocator's segments and rounding gone: tensors and workspaces
+        rows += _what_if.expandable(search.model, search.limit_bytes - search.unseen_bytes,
+                                    report.max_batch_size, multiple_of=plan.multiple_of,
+                                    ceiling=plan.ceiling)
+    return rows
+
+
+def _frontier(plan: ProbePlan) -> BatchSizeReport:
+    """The probe at each sequence length; the longest length's report, with the frontier."""
+    frontier: dict[int, int] = {}
+    report: BatchSizeReport | None = None
+    for length in plan.seq_len:
+        at_length = dataclasses.replace(
+            plan, seq_len=None, make=functools.partial(_at_length, plan.make, length))
+        try:
+            report = _probe(at_length)
+        except NoBatchSizeFits as error:
+            report = error.report
+        frontier[length] = report.max_batch_size
+        if report.stop_reason == "stopped":
+            break
+    report = dataclasses.replace(report, frontier=frontier, seq_len=length)
+    if report.max_batch_size == 0 and report.stop_reason != "stopped":
+        raise NoBatchSizeFits(report)
+    return report
+
+
+def _at_length(make_batch: Callable, length: int, batch_size: int) -> Any:
+    return make_batch(batch_size, length)

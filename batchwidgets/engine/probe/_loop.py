@@ -1,0 +1,201 @@
+"""The probe's search loop: run a size, fit the per-op model on what ran, ask the policy for the
+next size (``Search``); the memory split at the largest size that ran, and the prediction for a
+GPU that is not here (``planned``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ...results import Attempt, BatchSizeReport, MemorySplit
+from .. import memory
+from ..memory import OpTrace, PeakModel, Reading
+from . import _search
+from ._plan import SEARCH_CEILING
+from ._ranks import agree
+from ._trials import OnStep, Trainer
+
+
+# NOTE [ Planning for a GPU that is not here ]
+# find_batch(..., target="T4") runs the step at two small sizes on the CPU, through the simulated
+# CUDA device (memory/_simulated.py: the caching allocator's rules, cuBLAS's workspace as the
+# target makes it, cuDNN-like convolution workspaces), and replays the trace, scaled to each size,
+# through the allocator's model under the target's memory less the CUDA context
+# (memory/_allocator.py: largest_batch_size). That is the answer, marked predicted. The band's
+# high end is the same replay with the tensors alone (no convolution workspaces). What the CPU
+# cannot show: CUDA attention kernels (flash, memory-efficient) keep less than the CPU's math
+# path, so for attention-heavy models the prediction errs low; cuDNN may pick algorithms with
+# larger workspaces than the simulated ones when memory is free. benchmarks/results records the
+# prediction beside real boundaries where a GPU was lent.
+def planned(report: BatchSizeReport, search: Search, name: str,
+            usable_bytes: int) -> BatchSizeReport:
+    pair = search._event_pair()
+    if pair is None:
+        raise RuntimeError(f"find_batch could not trace two sizes of the same op sequence on the "
+                           f"CPU to predict for {name} (sizes tried: "
+                           f"{[a.batch_size for a in report.attempts]}); the step's shapes depend "
+                           f"on its data. Probe on a GPU instead.")
+    (small, b_small), (large, b_large) = pair
+    predict = functools.partial(memory.largest_batch_size, multiple_of=report.multiple_of,
+                                ceiling=SEARCH_CEILING, preallocated=large.preallocated)
+    low = predict(small.events, b_small, large.events, b_large, usable_bytes)
+    tensors_only = [[e for e in t.events if e[0] != "workspace"] for t in (small, large)]
+    high = predict(tensors_only[0], b_small, tensors_only[1], b_large, usable_bytes)
+    return dataclasses.replace(
+        report, max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
+        budget_bytes=None, stop_reason=f"predicted for {name}: not run", target=name,
+        target_band=(low, max(low, high)),
+        method=report.method.replace("then verified", "then replayed for the target"))
+
+
+def _memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
+                  modules: dict[str, int], peak: int) -> MemorySplit:
+    by_module = dict(sorted(modules.items(), key=lambda item: -item[1]))
+    return MemorySplit(
+        batch_size=batch_size, parameters_bytes=parts.get("parameter", 0),
+        gradients_bytes=parts.get("gradient", 0), optimizer_bytes=parts.get("optimizer", 0),
+        activations_bytes=parts.get("activation", 0),
+        temporaries_bytes=parts.get("temporary", 0), by_module=by_module,
+        where=f"{trace.where[peak]} ({trace.names[peak]})")
+
+
+class Search:
+    """The probe's loop: fit the per-op model on what ran, ask the policy for the next size, run
+    it (see NOTE [ Predict, then verify ] in _search.py)."""
+
+    def __init__(self, trainer: Trainer, meter: Any, *, start: int, multiple_of: int,
+                 ceiling: int, limit_bytes: int | None, traced_only: bool = False) -> None:
+        self.trainer, self.meter = trainer, meter
+        self.start, self.multiple_of, self.ceiling = start, multiple_of, ceiling
+        self.limit_bytes = limit_bytes
+        self.traces: dict[int, OpTrace] = {}
+        self.overhead_bytes = 0  # reserved beyond the tensors (CUDA), from the traced sizes
+        self.unseen_bytes = 0  # real CUDA: reserved that the trace's replay does not explain
+        self.model: PeakModel | None = None
+        self.attempts: list[Attempt] = []
+        self.stopped = False
+        self._lowered = False
+        self.traced_only = traced_only  # stop once two sizes are traced (target=)
+        self.split: MemorySplit | None = None  # at the largest size that ran with a trace
+
+    def run(self, on_step: OnStep | None, should_stop: Callable[[], bool] | None) -> list[Attempt]:
+        while True:
+            if should_stop is not None and should_stop():
+                self.stopped = True
+                break
+            predicted = self._predicted()
+            size = _search.next_batch_size(
+                self.attempts, start=self.start, multiple_of=self.multiple_of,
+                ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
+            if size is None or (self.traced_only and self._event_pair() is not None):
+                break
+            attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
+            if predicted is not None:
+                attempt = dataclasses.replace(attempt, predicted_peak_bytes=self._predicted_peak(
+                    size), predicted_fits=size <= predicted)
+            failed_here = not attempt.fits  # this rank's own outcome
+            attempt = agree(attempt)  # every rank learns from the same outcome
+            self._learn(attempt, reading, failed_here)
+            self.attempts.append(attempt)
+            if on_step is not None:
+                on_step(self.attempts[-1])
+        return self.attempts
+
+    def _wants_trace(self) -> bool:
+        """CPU: always (the tracker sees every op anyway). CUDA: only to fit or refit the model,
+        since tracing slows the step and the sizes near the boundary are timed."""
+        return self.meter.device.type != "cuda" or len(self.traces) < 2 or (
+            bool(self.attempts) and self.attempts[-1].predicted_fits is not None
+            and self.attempts[-1].predicted_fits != self.attempts[-1].fits)
+
+    def _learn(self, attempt: Attempt, reading: Reading, failed_here: bool) -> None:
+        trace = reading.trace
+        if attempt.fits and trace is not None and trace.complete:
+            self.traces[attempt.batch_size] = trace
+            if reading.split is not None and (self.split is None
+                                              or attempt.batch_size > self.split.batch_size):
+                self.split = _memory_split(attempt.batch_size, trace, *reading.split)
+            if reading.peak_reserved_bytes:
+                self.overhead_bytes = max(0, reading.peak_reserved_bytes - max(trace.live))
+            if self.meter.device.type == "cuda":  # workspaces the tensor trace cannot see
+                replayed = memory.replay(trace.events, preallocated=trace.preallocated)
+                self.unseen_bytes = max(0, (reading.peak_reserved_bytes or 0)
+                                        - replayed.peak_reserved_bytes)
+        elif (failed_here and not self.replays and reading.live_bytes is not None
+              and self.limit_bytes is not None and reading.live_bytes < self.limit_bytes):
+            # A real allocator failure below the assumed limit (a cgroup, a ulimit, another
+            # process): the limit is lower than assumed. Lower it and predict again.
+            self.limit_bytes, self._lowered = reading.live_bytes, True
+        self.model = self._fit()
+
+    def _fit(self) -> PeakModel | None:
+        sizes = sorted(self.traces, reverse=True)[:4]
+        for i, large in enumerate(sizes):
+            for small in sizes[i + 1:]:
+                model = PeakModel.fit(self.traces[small], small, self.traces[large], large)
+                if model is not None:
+                    return model
+        return None
+
+    @property
+    def replays(self) -> bool:
+        """On CUDA (and the simulated device) what runs out is reserved memory: predictions
+        replay the traces through the caching allocator's model (memory/_allocator.py)."""
+        return self.meter.device.type == "cuda" or getattr(self.meter, "allocator_model", False)
+
+    def _event_pair(self) -> tuple[tuple[OpTrace, int], tuple[OpTrace, int]] | None:
+        sizes = sorted(self.traces, reverse=True)[:4]
+        for i, large in enumerate(sizes):
+            for small in sizes[i + 1:]:
+                a, b = self.traces[small], self.traces[large]
+                if memory.scale_events(a.events, small, b.events, large, small) is not None:
+                    return (a, small), (b, large)
+        return None
+
+    def _predicted(self) -> int | None:
+        if self.model is None or self.limit_bytes is None or not self.model.grows:
+            return None
+        if self.replays:
+            pair = self._event_pair()
+            if pair is None:
+                return None
+            (small, b_small), (large, b_large) = pair
+            return memory.largest_batch_size(
+                small.events, b_small, large.events, b_large, self.limit_bytes,
+                multiple_of=self.multiple_of, ceiling=self.ceiling,
+                preallocated=large.preallocated, overhead_bytes=self.unseen_bytes)
+        return self.model.largest_batch_size(self.limit_bytes - self.overhead_bytes,
+                                             multiple_of=self.multiple_of, ceiling=self.ceiling)
+
+    def _predicted_peak(self, size: int) -> int:
+        if self.replays:
+            pair = self._event_pair()
+            if pair is not None:
+                (small, b_small), (large, b_large) = pair
+                events = memory.scale_events(small.events, b_small, large.events, b_large,
+                                                  size)
+                return (memory.replay(events, preallocated=large.preallocated)
+                        .peak_reserved_bytes + self.unseen_bytes)
+        return self.model.peak_bytes(size) + self.overhead_bytes
+
+    def method(self) -> str:
+        """How the search went, in a sentence for the report."""
+        sizes = sorted(self.traces)
+        lowered = (" The memory limit was lowered to the live bytes of a real allocator "
+                   "failure." if self._lowered else "")
+        if _search.misses(self.attempts) >= _search.MAX_MISSES:
+            return ("per-op model missed twice (memory not affine in the batch size here); "
+                    "finished by bisection." + lowered)
+        if self.model is not None:
+            replay = (" replayed through the CUDA caching allocator's model" if self.replays
+                      else "")
+            return (f"per-op model fitted on sizes {self.model.batch_small} and "
+                    f"{self.model.batch_large} ({len(self.model.large.names)} ops){replay}, "
+                    f"then verified." + lowered)
+        if len(sizes) >= 2:
+            return (f"op sequences differ between sizes {sizes[-2]} and {sizes[-1]} "
+                    f"(data-dependent shapes or unpadded lengths?): no per-op model, searched "
+                    f"by measured peaks." + lowered)
+        return "searched by measured peaks." + lowered

@@ -1,0 +1,128 @@
+"""find_batch's first stage: its arguments, checked and resolved once into a frozen ``ProbePlan``
+(what trains, where, under which limit, from which batches), which the later stages only read."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import memory
+from .._batches import as_batch_maker
+from .._state import RngState
+from .._types import OnProgress, ProbeStep, ShouldStop
+from .._util import default_device, usable_device
+from ._checks import check_arguments, notes_on
+
+SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """What one probe does, each argument resolved once (see ``resolve``)."""
+
+    # what trains
+    model: torch.nn.Module | None  # the model form's module; None for a bare step(batch_size)
+    step: ProbeStep | None  # a bare step(batch_size); None in the model form
+    owner: torch.nn.Module | None  # whose weights, buffers and modes come back (model or step=)
+    make: Callable[[int], Any] | None  # make(batch_size) -> batch, in the model form
+    batch_description: str  # what make() repeats, when it reads a Dataset ("" otherwise)
+    loss_fn: Callable | None
+    optimizer: torch.optim.Optimizer | None  # the user's, or a fresh AdamW in the model form
+    scaler: Any  # the user's GradScaler (restored); fp16 without one gets its own per step
+    scheduler: Any
+    amp: str | None
+    # where, and under which limit
+    device: torch.device  # where the trials run (the CPU for a target= plan)
+    home: torch.device  # where the model lives now, and goes back to
+    budget_bytes: int | None
+    target: tuple[str, int] | None  # a GPU that is not here: (its name, the bytes usable on it)
+    # the search
+    start: int
+    ceiling: int
+    multiple_of: int
+    max_batch_size: int | None
+    headroom: float
+    steps_per_trial: int
+    seq_len: tuple[int, ...] | None  # lengths for make(batch_size, seq_len): a frontier
+    what_if: bool
+    on_progress: OnProgress | None
+    should_stop: ShouldStop | None
+    notes: tuple[str, ...]  # what the report says about what was probed
+
+    @property
+    def extras(self) -> tuple[Any, Any]:
+        """The other objects a step changes, snapshotted and restored with the model."""
+        return self.scheduler, self.scaler
+
+    @property
+    def moves(self) -> bool:
+        """The model is probed on another device than its own, and moved back afterwards."""
+        return self.model is not None and self.home != self.device
+
+    def with_change(self, **change: Any) -> ProbePlan:
+        """The same probe with one change (``amp=`` or ``optimizer=``: a what-if, measured)."""
+        return dataclasses.replace(self, on_progress=None, what_if=False, **change)
+
+
+def _device(model: Any, device: torch.device | str | None) -> torch.device:
+    return usable_device(device) if device is not None else default_device(model)
+
+
+def _batches(make_batch: Any) -> Callable[[int], Any]:
+    """make_batch as make(batch_size), the RNGs as they were: reading a Dataset's samples may
+    draw on them (random transforms), and a probe leaves them as it found them."""
+    rng = RngState()
+    try:
+        return as_batch_maker(make_batch)
+    finally:
+        rng.restore()
+
+
+# NOTE [ Why the probe starts at 2 ]
+# Batch size 1 is a special case for many models: BatchNorm cannot train on one sample, and
+# reductions over the batch, squeezes and kernel choices make its memory fall off the line that
+# larger sizes lie on, so a fit through it misleads the jump. Starting at 2 (as Lightning's tuner
+# does) costs nothing when 2 fits; when it does not, the search halves down to 1.
+def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer: Any,
+            device: torch.device | str | None, budget: int | str | None, amp: str | None,
+            max_batch_size: int | None, multiple_of: int, headroom: float, scaler: Any,
+            scheduler: Any, steps_per_trial: int, start: int | None,
+            on_progress: OnProgress | None, should_stop: ShouldStop | None,
+            seq_len: Sequence[int] | None, what_if: bool, target: str | int | None,
+            step: ProbeStep | None) -> ProbePlan:
+    """find_batch's arguments as one plan: checked first (one-line errors, nothing run), then
+    each resolved in one place. Reads a Dataset's samples (``make``) but trains nothing."""
+    check_arguments(model, make_batch, step=step, seq_len=seq_len, amp=amp,
+                    max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom,
+                    steps_per_trial=steps_per_trial, start=start, optimizer=optimizer)
+    owner = model if step is not None or isinstance(model, torch.nn.Module) else None
+    bare = model if step is None and owner is None else step  # a step(batch_size), or None
+    is_module = bare is None
+    budget_bytes = memory.parse_bytes(budget, "budget")
+    resolved = _device(owner, device)
+    planned = memory.parse_target(target) if target is not None else None
+    if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
+        resolved, budget_bytes = torch.device("cpu"), None
+    notes = notes_on(owner=owner, device=resolved, amp=amp)
+    if is_module and optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters())
+    ceiling = (max_batch_size or SEARCH_CEILING) // multiple_of * multiple_of
+    if start is None:
+        start = min(max(multiple_of, 2), ceiling)  # see NOTE [ Why the probe starts at 2 ]
+    make = None
+    if is_module:  # a frontier's make_batch(batch_size, seq_len) is taken at each length
+        make = make_batch if seq_len is not None else _batches(make_batch)
+    return ProbePlan(
+        model=model if is_module else None, step=bare, owner=owner, make=make,
+        batch_description=getattr(make, "description", ""), loss_fn=loss_fn,
+        optimizer=optimizer, scaler=scaler, scheduler=scheduler, amp=amp, device=resolved,
+        home=_device(model, None) if is_module else resolved, budget_bytes=budget_bytes,
+        target=planned, start=start, ceiling=ceiling, multiple_of=multiple_of,
+        max_batch_size=max_batch_size, headroom=float(headroom),
+        steps_per_trial=steps_per_trial,
+        seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None, what_if=what_if,
+        on_progress=on_progress, should_stop=should_stop, notes=tuple(notes))
