@@ -277,6 +277,19 @@ def test_bad_arguments_name_the_argument(kwargs, match):
         bw.accumulate(optimizer, **kwargs)
 
 
+@pytest.mark.parametrize(("name", "value", "match"), [
+    ("scaler", object(), r"scaler should be a torch\.amp\.GradScaler"),
+    ("scheduler", 0.1, r"scheduler should be an LR scheduler with step\(\)"),
+])
+def test_a_scaler_or_scheduler_accumulate_cannot_intercept_is_refused(name, value, match):
+    optimizer = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    step = optimizer.step
+    with pytest.raises(TypeError, match=match) as error:
+        bw.accumulate(optimizer, steps=2, **{name: value})
+    assert "\n" not in str(error.value)
+    assert optimizer.step == step  # nothing was patched
+
+
 def test_optimizer_must_be_an_optimizer():
     with pytest.raises(TypeError, match=r"optimizer should be a torch\.optim\.Optimizer"):
         bw.accumulate(make_model(), steps=2)

@@ -198,6 +198,18 @@ def test_measure_noise_on_dict_datasets_matches_one_backward_per_example(name):
     assert sum("batching rule" in m for m in messages) <= 1
 
 
+def test_measure_noise_forced_to_vmap_on_bert_says_method_in_one_line():
+    """BERT calls .item() inside forward: vmap cannot run it, a loop can (issue 22)."""
+    with pytest.raises(ValueError, match="method should be 'loop' or 'auto' for "
+                                         "BertForSequenceClassification") as info:
+        bw.measure_noise(bert_classifier(), classifier_items(8), batch_sizes=(1,),
+                         method="vmap")
+    assert "\n" not in str(info.value)
+    assert "pass method='loop', or leave method out" in str(info.value)
+    assert bw.measure_noise(bert_classifier(), classifier_items(8),
+                            batch_sizes=(1,)).method == "loop"
+
+
 def test_measure_noise_on_gpt2_by_vmap_says_the_missing_batching_rule_once():
     ids = token_ids(12)  # no attention_mask: GPT-2 checks it in Python, which vmap cannot run
     model, data = gpt2(), Items([{"input_ids": ids[i], "labels": ids[i]} for i in range(12)])

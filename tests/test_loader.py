@@ -181,6 +181,17 @@ def test_bad_arguments_are_one_line_errors():
         bw.data_stall(SleepyDataset(), lambda batch: None, n_steps=0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("call", ["measure_loader", "tune_loader", "data_stall"])
+def test_a_device_this_process_cannot_use_is_one_line_before_any_worker_starts(call):
+    """device="cuda" without CUDA: torch's AssertionError from the first copy before."""
+    arguments = {"data_stall": (lambda batch: None,)}.get(call, ())
+    with pytest.raises(ValueError, match=r"device should be a device this process can "
+                                         r"train on, but got device='cuda'; available") as error:
+        getattr(bw, call)(SleepyDataset(), *arguments, device="cuda")
+    assert "\n" not in str(error.value)
+
+
 # make_loader
 
 

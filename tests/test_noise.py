@@ -107,6 +107,39 @@ def test_auto_falls_back_to_a_loop_when_vmap_cannot_run_the_model():
     assert_close(report.grad_norm_sq, g.mean(0).square().sum().item())
 
 
+def test_forced_vmap_on_a_model_vmap_cannot_run_says_method_in_one_line():
+    model, data = DataDependent(), make_data(12)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="method") as info:
+        bw.measure_noise(model, data, loss_fn, method="vmap")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "method='vmap'" in message
+    assert "method='loop'" in message
+    assert "leave method out" in message
+    assert "vmap: " not in message  # PyTorch's own message is the cause, not the error
+    assert isinstance(info.value, RuntimeError)  # the type vmap's failure had: old code holds
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert_same(before, snapshot(model))
+
+
+class OwnError(nn.Module):
+    """A model whose own forward raises: the user's error, whatever the method."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        raise LookupError("my model's own bug")
+
+
+@pytest.mark.parametrize("method", ["vmap", "loop", "auto"])
+def test_an_error_from_the_models_own_forward_propagates_unchanged(method):
+    with pytest.raises(LookupError, match=r"^my model's own bug$"):
+        bw.measure_noise(OwnError(), make_data(12), loss_fn, method=method)
+
+
 @pytest.mark.parametrize("batch_size", [1, 2, 3, 6])
 def test_grad_variance_matches_enumerating_every_mini_batch(batch_size):
     n, model, data = 6, make_mlp(), make_data(6)

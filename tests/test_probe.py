@@ -427,7 +427,41 @@ def test_synthetic_batches_make_random_inputs_and_labels_of_the_given_shape():
     assert bw.SyntheticBatches((4,))(2).shape == (2, 4)
 
 
-# ---- the arguments resolved once (issue 22) ----------------------------------------------------
+# ---- forced options fail as ours, in one line (issue 22) ---------------------------------------
+
+def test_seq_len_with_a_make_batch_of_one_parameter_says_to_add_seq_len():
+    with pytest.raises(TypeError, match="seq_len") as info:
+        bw.find_batch(mlp(), vectors, loss_fn=nn.functional.cross_entropy, seq_len=[8, 16])
+    assert "\n" not in str(info.value)
+    assert "def vectors(batch_size, seq_len)" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["scaler", "scheduler"])
+def test_a_scaler_or_scheduler_that_cannot_be_put_back_is_refused_before_anything_runs(name):
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TypeError, match=f"{name} should have state_dict") as info:
+        bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy, budget=64 * KIB,
+                      **{name: object()})
+    assert "\n" not in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_amp_that_autocast_would_switch_off_is_refused_not_measured_in_float32():
+    """The rule behind amp=: PyTorch's autocast warns "Disabling autocast" for a dtype a device
+    does not support and runs in float32; the probe refuses it in one line instead (float64 on
+    the CPU stands for bf16 on an MPS or CPU build without it)."""
+    from batchwidgets.engine.probe import _checks
+
+    _checks.check_amp("bf16", torch.device("cpu"))  # supported here: no error
+    saved = dict(_checks.AMP_DTYPES)
+    _checks.AMP_DTYPES["bf16"] = torch.float64
+    try:
+        with pytest.raises(ValueError, match="amp should be a precision autocast runs on cpu"):
+            _checks.check_amp("bf16", torch.device("cpu"))
+    finally:
+        _checks.AMP_DTYPES.update(saved)
+
 
 class CountedReads(torch.utils.data.Dataset):
     def __init__(self, n: int) -> None:

@@ -122,6 +122,15 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int | str = 4,
                          f"remainder={remainder!r}.")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
+    if scaler is not None and not all(callable(getattr(scaler, name, None))
+                                      for name in ("scale", "unscale_", "step", "update")):
+        raise TypeError(f"scaler should be a torch.amp.GradScaler (scale, unscale_, step, "
+                        f"update), but got scaler={scaler!r}; pass the GradScaler your loop "
+                        f"uses, or leave it out.")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"scheduler should be an LR scheduler with step(), but got "
+                        f"scheduler={scheduler!r}; pass the scheduler your loop steps, or leave "
+                        f"it out.")
     if noise is not None and not isinstance(noise, NoiseTracker):
         raise TypeError(f"noise should be a batchwidgets.NoiseTracker, but got noise={noise!r}; "
                         f"e.g. noise=bw.NoiseTracker().")

@@ -10,13 +10,15 @@ from torch.utils.data import DataLoader
 
 from ...results import LoaderTrial
 from .._types import Clock, ShouldStop
-from .._util import default_device, has_accelerator, tensors, to_device
+from .._util import default_device, has_accelerator, tensors, to_device, usable_device
 from ._checks import batch_warnings, setting_warnings
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
-    """None: the current accelerator when there is one (copies are then measured), else CPU."""
-    return torch.device(device) if device is not None else default_device()
+    """None: the current accelerator when there is one (copies are then measured), else CPU.
+    A device given that this process cannot use is a one-line ValueError, before any worker
+    starts (not torch's assertion from the first copy)."""
+    return usable_device(device) if device is not None else default_device()
 
 
 def copy_batch(batch: Any, device: torch.device, non_blocking: bool) -> Any:

@@ -18,7 +18,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
@@ -144,6 +144,35 @@ def _quiet_vmap(run: Callable[[], Any], slow_ops: set[str]) -> Any:
     return result
 
 
+class VmapCannotRun(ValueError, RuntimeError):
+    """``method="vmap"`` was asked of a model torch.func.vmap cannot run. A ValueError (a value
+    of ``method`` that cannot work here) and a RuntimeError, the type vmap's own failure had."""
+
+
+def _refuse_vmap(model: torch.nn.Module, params: dict[str, torch.Tensor],
+                 loss_fn: LossFn | None, batch: Any, error: Exception) -> NoReturn:
+    """vmap failed on a chunk. One example through the loop tells the model's own error (raised
+    from there, as it is) from what vmap cannot do (one line naming ``method=`` and the fix)."""
+    _loop_chunk(model, params, loss_fn, slice_batch(batch, 0, 1))
+    raise VmapCannotRun(
+        f"method should be 'loop' or 'auto' for {type(model).__name__}, but got method='vmap': "
+        f"torch.func.vmap cannot run its forward (it raised {type(error).__name__}: "
+        f"{_vmap_reason(error)}), while one backward pass per example can; pass method='loop', "
+        f"or leave method out ('auto' falls back to the loop by itself).") from error
+
+
+def _vmap_reason(error: Exception) -> str:
+    """What vmap met, in our words (its own message is long and names its internals)."""
+    message = str(error)
+    if ".item()" in message or "data-dependent" in message or "Tensor.item" in message:
+        return "a data-dependent op such as .item() or a branch on a tensor's value"
+    if "in-place" in message or "inplace" in message:
+        return "an in-place update vmap cannot batch"
+    if "batching rule" in message:
+        return "an op without a batching rule"
+    return "an op or a Python branch it cannot batch"
+
+
 def _batchnorm_in_training(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules()
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
@@ -267,10 +296,10 @@ def _accumulate(model: torch.nn.Module, items: list, loss_fn: LossFn | None, chu
             try:
                 grads, losses = _quiet_vmap(
                     lambda batch=batch: _vmap_chunk(model, params, loss_fn, batch), slow_ops)
-            except Exception:  # vmap's limits surface as many types; the loop re-raises real bugs
+            except Exception as error:  # vmap's limits surface as many types
                 if method == "vmap":
-                    raise
-                method = "loop"
+                    _refuse_vmap(model, params, loss_fn, batch, error)
+                method = "loop"  # which re-raises the model's own errors
             else:
                 method = "vmap"
         if method == "loop":

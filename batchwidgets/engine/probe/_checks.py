@@ -3,6 +3,7 @@ and what the report says about what was probed."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -50,7 +51,8 @@ def notes_on(owner: torch.nn.Module | None, device: torch.device, amp: str | Non
 def check_arguments(model: Any, make_batch: Any = None, *, step: Any = None, seq_len: Any = None,
                     amp: str | None = None, max_batch_size: int | None = None,
                     multiple_of: int = 1, headroom: float = 0.9, steps_per_trial: int = 2,
-                    start: int | None = None, optimizer: Any = None) -> None:
+                    start: int | None = None, optimizer: Any = None, scaler: Any = None,
+                    scheduler: Any = None) -> None:
     """Every rule find_batch has for its arguments, one ``if`` each; a one-line TypeError or
     ValueError naming the argument and the fix."""
     if step is not None:
@@ -60,6 +62,16 @@ def check_arguments(model: Any, make_batch: Any = None, *, step: Any = None, seq
                   steps_per_trial, start, optimizer)
     if seq_len is not None:
         _check_lengths(make_batch, seq_len)
+    for name, value in (("scaler", scaler), ("scheduler", scheduler)):
+        if value is not None and not all(hasattr(value, method) for method in _RESTORED):
+            raise TypeError(f"{name} should have state_dict() and load_state_dict() (a "
+                            f"GradScaler, an LR scheduler) so the probe can put it back, but got "
+                            f"{name}={value!r}; pass the object your loop steps, or leave it out.")
+
+
+_RESTORED = ("state_dict", "load_state_dict")  # how the probe puts a scaler or scheduler back
+
+
 def _check_lengths(make_batch: Any, seq_len: Any) -> None:
     lengths = list(seq_len) if not isinstance(seq_len, (int, str)) else None
     if (not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
@@ -71,6 +83,37 @@ def _check_lengths(make_batch: Any, seq_len: Any) -> None:
         raise TypeError(f"make_batch should be a callable make_batch(batch_size, seq_len) with "
                         f"seq_len, but got {type(make_batch).__name__}; write one that builds a "
                         f"batch of that many samples of that length.")
+    try:
+        inspect.signature(make_batch).bind(1, 1)
+    except TypeError:
+        name = getattr(make_batch, "__name__", type(make_batch).__name__)
+        raise TypeError(f"make_batch should take (batch_size, seq_len) with seq_len, but got "
+                        f"{name}{inspect.signature(make_batch)}; add the seq_len parameter, e.g. "
+                        f"def {name}(batch_size, seq_len).") from None
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        pass
+
+
+def check_amp(amp: str | None, device: torch.device) -> None:
+    """A forced ``amp`` the device's autocast cannot run: one line, not a probe that silently
+    measures float32 (autocast warns "Disabling autocast" and runs without it)."""
+    if amp is None:
+        return
+    dtype = AMP_DTYPES[amp]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.autocast(device.type, dtype=dtype):
+                pass
+        except RuntimeError as error:  # a device type autocast does not know at all
+            caught.append(warnings.WarningMessage(str(error), UserWarning, "", 0))
+    refused = [str(w.message) for w in caught if "autocast" in str(w.message).lower()
+               or "not supported" in str(w.message)]
+    if refused:
+        raise ValueError(f"amp should be a precision autocast runs on {device.type}, but got "
+                         f"amp={amp!r}, which this PyTorch does not autocast there; leave amp "
+                         f"out, or try the other of 'bf16' and 'fp16'.")
+
 
 def _check_step(model: Any, make_batch: Any, step: Any, seq_len: Any) -> None:
     if not isinstance(model, torch.nn.Module):

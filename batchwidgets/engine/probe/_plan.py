@@ -15,7 +15,7 @@ from .._batches import as_batch_maker
 from .._state import RngState
 from .._types import OnProgress, ProbeStep, ShouldStop
 from .._util import default_device, usable_device
-from ._checks import check_arguments, notes_on
+from ._checks import check_amp, check_arguments, notes_on
 
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
 
@@ -98,7 +98,8 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     each resolved in one place. Reads a Dataset's samples (``make``) but trains nothing."""
     check_arguments(model, make_batch, step=step, seq_len=seq_len, amp=amp,
                     max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom,
-                    steps_per_trial=steps_per_trial, start=start, optimizer=optimizer)
+                    steps_per_trial=steps_per_trial, start=start, optimizer=optimizer,
+                    scaler=scaler, scheduler=scheduler)
     owner = model if step is not None or isinstance(model, torch.nn.Module) else None
     bare = model if step is None and owner is None else step  # a step(batch_size), or None
     is_module = bare is None
@@ -107,6 +108,7 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     planned = memory.parse_target(target) if target is not None else None
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
         resolved, budget_bytes = torch.device("cpu"), None
+    check_amp(amp, resolved)
     notes = notes_on(owner=owner, device=resolved, amp=amp)
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
