@@ -270,11 +270,11 @@ def noise_tracker(shell: Any, text: str | None) -> NoiseTracker | None:
 # ---- %find_batch's line as a find_batch call ----------------------------------------------
 # find_batch options given as values (the rest name objects in the notebook; see _notebook.py)
 _VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "headroom",
-                  "steps_per_trial", "start", "seq_len", "target")
+                  "steps_per_trial", "start", "seq_len", "target", "trace")
 _NAMED_OPTIONS = {"loss_fn": "--loss-fn", "optimizer": "--optimizer",
                   "scheduler": "--scheduler", "scaler": "--scaler", "step": "--step"}
 _CHECKED = ("step", "seq_len", "amp", "max_batch_size", "multiple_of", "headroom",
-            "steps_per_trial", "start", "optimizer")  # check_arguments' keywords
+            "steps_per_trial", "start", "optimizer", "target", "trace")  # check_arguments' keywords
 
 
 def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:

@@ -197,6 +197,10 @@ class BatchMagics(Magics):
     @argument("--target", type=gpu_target, metavar="GPU",
               help="predict for a GPU that is not here: T4, L4, A10G, V100-16GB, A100-40GB, "
                    "A100-80GB, H100-80GB, H200, or a size such as 24GiB (predicted, not run)")
+    @argument("--trace", choices=("fake", "real"),
+              help="how a --target plan traces its small sizes: on fake tensors (nothing runs; "
+                   "the default, and the only way for a model on the meta device) or by real "
+                   "steps")
     @argument("--what-if", action="store_true",
               help="also probe under bf16, fp16, SGD and foreach=False (report.what_if)")
     @argument("-q", "--quiet", action="store_true",
@@ -220,6 +224,7 @@ class BatchMagics(Magics):
           %find_batch model --input-shape 3,32,32 --num-classes 10 --optimizer opt
           %find_batch model make_tokens --seq-len 128,256,512 --budget 16GiB
           %find_batch model train_dataset --target T4 --what-if
+          %find_batch meta_llama make_tokens --target A100-80GB    # built on the meta device
           report = %find_batch model make_batch --headroom 0.8 -q
         """
         line, silenced = _without_semicolon(line)

@@ -272,6 +272,16 @@ def test_this_rounds_find_batch_options_and_report_fields():
         assert inspect.signature(function).parameters["loss_fn"].default is None
 
 
+def test_the_next_rounds_plan_without_running_names():
+    """DESIGN.md, "Contract additions for the next round": trace=, report.trace, Attempt.fake."""
+    signature = inspect.signature(bw.find_batch)
+    assert signature.parameters["trace"].default is None
+    assert signature.parameters["trace"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "trace" in names(bw.BatchSizeReport)
+    assert "fake" in names(bw.Attempt)
+    assert bw.BatchSizeReport(0, None, (), "cpu", None).trace == "real"
+
+
 def test_sizes_as_people_write_them():
     from batchwidgets.engine import parse_bytes
     assert parse_bytes("512M") == 512 * 2**20

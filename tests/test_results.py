@@ -46,7 +46,8 @@ def test_a_report_is_frozen_comparable_picklable_and_plain_data():
     assert data["attempts"][3] == {"batch_size": 101, "fits": False, "peak_memory_bytes": 65 * MIB,
                                    "step_time_s": None, "peak_reserved_bytes": None,
                                    "activation_peak_bytes": None, "error": "",
-                                   "predicted_peak_bytes": None, "predicted_fits": None}
+                                   "predicted_peak_bytes": None, "predicted_fits": None,
+                                   "fake": False}
     assert data["memory_model"] == {"fixed_bytes": 2 * MIB, "per_sample_bytes": 0.5 * MIB}
 
 

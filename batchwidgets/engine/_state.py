@@ -201,14 +201,16 @@ def _write_back(tensor: torch.Tensor, saved: _Saved) -> None:
 class ModelState:
     """Weights, gradients, buffers and train/eval modes of a module, and which parameters and
     buffers each submodule has; given a list of parameters instead (what the optimizer of a bare
-    step trains), their weights and gradients."""
+    step trains), their weights and gradients. ``weights=False`` leaves the tensors out (a plan on
+    fake tensors never writes them, and an 8B model's host copy would not fit)."""
 
-    def __init__(self, model: torch.nn.Module | list[torch.Tensor]) -> None:
+    def __init__(self, model: torch.nn.Module | list[torch.Tensor], weights: bool = True) -> None:
         is_module = isinstance(model, torch.nn.Module)
         self.model = model
         self.params = [(p, _host_copy(p), None if p.grad is None else _host_copy(p.grad))
-                       for p in (model.parameters() if is_module else model)]
-        self.buffers = [(b, _host_copy(b)) for b in model.buffers()] if is_module else []
+                       for p in (model.parameters() if is_module else model)] if weights else []
+        self.buffers = ([(b, _host_copy(b)) for b in model.buffers()] if is_module and weights
+                        else [])
         # (module, mode, its parameters and buffers by name, its non-persistent buffer names)
         self.modules = [(m, m.training, dict(m._parameters), dict(m._buffers),
                          set(m._non_persistent_buffers_set))
@@ -366,10 +368,10 @@ class TrainingState:
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
-                 extras: tuple[Any, ...] = ()) -> None:
+                 extras: tuple[Any, ...] = (), *, weights: bool = True) -> None:
         if model is None and optimizer is not None:  # a bare step: it trains these parameters
             model = [p for group in optimizer.param_groups for p in group["params"]]
-        self.model = ModelState(model) if model is not None else None
+        self.model = ModelState(model, weights) if model is not None else None
         self.optimizer = OptimizerState(optimizer) if optimizer is not None else None
         # Schedulers and GradScalers both have state_dict/load_state_dict.
         self.extras = [(obj, _host_copy(obj.state_dict())) for obj in extras if obj is not None]

@@ -36,9 +36,11 @@ Clock = Callable[[], float]
 Amp = Literal["bf16", "bfloat16", "fp16", "float16"]
 Remainder = Literal["apply", "drop"]
 NoiseMethod = Literal["auto", "vmap", "loop"]
+Trace = Literal["fake", "real"]
 AMP_NAMES: tuple[str, ...] = get_args(Amp)
 REMAINDERS: tuple[str, ...] = get_args(Remainder)
 NOISE_METHODS: tuple[str, ...] = get_args(NoiseMethod)
+TRACES: tuple[str, ...] = get_args(Trace)
 
 
 def progress(on_progress: OnProgress | None, earlier: OnProgress | None,

@@ -23,6 +23,7 @@ class Attempt:
     # prediction that went the other way, and the search stops trusting the model after two
     predicted_peak_bytes: int | None = None
     predicted_fits: bool | None = None
+    fake: bool = False  # traced on fake tensors (shapes, no storage): nothing ran, nothing fit
 
     @property
     def samples_per_s(self) -> float | None:
@@ -120,7 +121,8 @@ class WhatIf:
 
 def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
     """The probe's attempts as an escaped HTML table (the report's and the live panel's)."""
-    rows = [(a.batch_size, "yes" if a.fits else "OOM", _html.format_bytes(a.peak_memory_bytes),
+    rows = [(a.batch_size, "traced (fake)" if a.fake else "yes" if a.fits else "OOM",
+             _html.format_bytes(a.peak_memory_bytes),
              _html.format_number(a.step_time_s), _html.format_number(a.samples_per_s, 4))
             for a in attempts]
     return _html.table(rows, caption="attempts, in order",
@@ -163,6 +165,9 @@ class BatchSizeReport:
     # the predicted max_batch_size's band on the target: workspaces as the simulated device sizes
     # them (the answer, the low end) up to tensors alone (the high end)
     target_band: tuple[int, int] | None = None
+    # what the answer rests on: "real" steps, or a "fake" trace (FakeTensorMode: shapes, no
+    # compute, no memory) of the small sizes that a target's prediction is made from
+    trace: str = "real"
 
     @property
     def frontier_tokens(self) -> dict[int, int] | None:
@@ -246,10 +251,11 @@ class BatchSizeReport:
     def summary(self) -> str:
         # one short line: the panel shows it beside its progress bar
         if self.target is not None:
+            traced = "a fake trace" if self.trace == "fake" else self.device
             return (f"max_batch_size={self.max_batch_size} on {self.target} (predicted, not run; "
                     f"band {self.target_band[0]}-{self.target_band[1]}), "
                     f"recommended_batch_size={self.recommended_batch_size}, traced on "
-                    f"{self.device} in {self.n_attempts} tries")
+                    f"{traced} in {self.n_attempts} tries")
         return (f"max_batch_size={self.max_batch_size}, "
                 f"recommended_batch_size={self.recommended_batch_size} ({self.device}, "
                 f"{self.n_attempts} tries, {self.n_ooms} OOM)")
@@ -273,6 +279,8 @@ class BatchSizeReport:
              f"{_html.format_bytes(model.per_sample_bytes)} per sample"),
             ("peak at max_batch_size", self.peak_location or "-"),
             ("search", self.method or "-"),
+            ("traced", "fake tensors (shapes only: nothing ran)" if self.trace == "fake"
+             else "real steps"),
             ("batches from", self.worst_case or "-"),
             ("amp", self.amp or "off"),
             ("attempts",

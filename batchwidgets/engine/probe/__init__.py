@@ -4,6 +4,7 @@
 - ``_plan.py``        the arguments resolved once into a frozen ProbePlan
 - ``_checks.py``      the argument checks (one line each), what the report says was probed
 - ``_trials.py``      the step each size runs, and one size's steps measured
+- ``_fake.py``        fake trials: the step on fake tensors, for a plan (meta models too)
 - ``_loop.py``        the search loop: run, fit the per-op model, ask the policy; target plans
 - ``_search.py``      the pure search policy: which batch size next
 - ``_ranks.py``       one outcome for every rank under torch.distributed

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..._warnings import BatchwidgetsWarning
-from .._types import AMP_NAMES
+from .._types import AMP_NAMES, TRACES
 from .._util import check_int
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -52,9 +52,10 @@ def check_arguments(model: Any, make_batch: Any = None, *, step: Any = None, seq
                     amp: str | None = None, max_batch_size: int | None = None,
                     multiple_of: int = 1, headroom: float = 0.9, steps_per_trial: int = 2,
                     start: int | None = None, optimizer: Any = None, scaler: Any = None,
-                    scheduler: Any = None) -> None:
+                    scheduler: Any = None, target: Any = None, trace: str | None = None) -> None:
     """Every rule find_batch has for its arguments, one ``if`` each; a one-line TypeError or
     ValueError naming the argument and the fix."""
+    _check_trace(model, target, trace, step)
     if step is not None:
         _check_step(model, make_batch, step, seq_len)
         model = step
@@ -70,6 +71,31 @@ def check_arguments(model: Any, make_batch: Any = None, *, step: Any = None, seq
 
 
 _RESTORED = ("state_dict", "load_state_dict")  # how the probe puts a scaler or scheduler back
+
+
+def _check_trace(model: Any, target: Any, trace: str | None, step: Any) -> None:
+    """trace= and a model built on the meta device: what can be planned, and how."""
+    if trace is not None and trace not in TRACES:
+        raise ValueError(f"trace should be one of {list(TRACES)} or None, but got "
+                         f"trace={trace!r}; 'fake' traces on fake tensors (nothing runs), "
+                         f"'real' runs real steps.")
+    on_meta = isinstance(model, torch.nn.Module) and any(
+        t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if on_meta and target is None:
+        raise ValueError("target should name a GPU to plan for when the model is on the meta "
+                         "device (it has no weights to run here), but got target=None; pass "
+                         "e.g. target='A100-80GB', or build the model on a real device.")
+    if on_meta and trace == "real":
+        raise ValueError("trace should be 'fake' (or left out) for a model on the meta device, "
+                         "but got trace='real': it has no weights to run real steps with.")
+    if trace == "fake" and target is None:
+        raise ValueError("trace='fake' plans for a GPU that is not here: pass target= (e.g. "
+                         "target='A100-80GB'), or leave trace out to probe this device with "
+                         "real steps.")
+    if trace == "fake" and (step is not None or not isinstance(model, torch.nn.Module)):
+        raise ValueError("trace='fake' needs the model form, find_batch(model, make_batch, ...): "
+                         "a step(batch_size) of your own runs on your real tensors; leave trace "
+                         "out (or trace='real').")
 
 
 def _check_lengths(make_batch: Any, seq_len: Any) -> None:

@@ -23,8 +23,10 @@ from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport
 from .. import memory
 from .._state import InterruptGuard, TrainingState, restore_home
-from .._types import Amp, ProbeStep, ShouldStop, progress
+from .._types import Amp, ProbeStep, ShouldStop, Trace, progress
+from .._util import first_line
 from . import _search, _what_if
+from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step, has_meta_tensors
 from ._loop import Search, planned
 from ._plan import ProbePlan, resolve
 from ._ranks import agree_limit
@@ -42,6 +44,9 @@ class NoBatchSizeFits(RuntimeError):
 
     def __init__(self, report: BatchSizeReport) -> None:
         self.report = report
+        if report.target is not None:
+            super().__init__(_nothing_fits_on_target(report))
+            return
         ran_out = [a for a in report.attempts if not memory.cannot_train_alone(a.error)]
         smallest = min(ran_out or report.attempts, key=lambda a: a.batch_size)
         alone = ("; batch_size=1 cannot train this model (BatchNorm needs more than one value "
@@ -57,6 +62,25 @@ class NoBatchSizeFits(RuntimeError):
             f"or a smaller model. Last error: {smallest.error}")
 
 
+def _nothing_fits_on_target(report: BatchSizeReport) -> str:
+    """A target plan where not even one sample fits: what does not, and what would help."""
+    split, usable = report.memory_split, report.limit_bytes or 0
+    gb = lambda nbytes: f"{nbytes / 1e9:.1f} GB"  # noqa: E731
+    if split is None:
+        held = "the step at batch size 1"
+    else:
+        states = split.parameters_bytes + split.gradients_bytes + split.optimizer_bytes
+        parts = ", ".join(f"{name} {gb(value)}" for name, value in (
+            ("weights", split.parameters_bytes), ("gradients", split.gradients_bytes),
+            ("optimizer state", split.optimizer_bytes)) if value)
+        held = (f"the model's states alone ({parts}) need {gb(states)}" if states > usable
+                else f"batch size 1 needs more than the states' {gb(states)} ({parts}) leave")
+    return (f"No batch size fits on {report.target} (predicted, not run): {held}, of "
+            f"{gb(usable)} usable. Try training in bf16 (model.to(torch.bfloat16)), freezing "
+            f"the base weights (requires_grad=False, as LoRA does), an optimizer with less "
+            f"state (SGD), or more GPUs that shard the states (FSDP, ZeRO).")
+
+
 def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None = None,
                loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
                device: torch.device | str | None = None, budget: int | str | None = None,
@@ -67,7 +91,7 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
                should_stop: ShouldStop | None = None,
                seq_len: Sequence[int] | None = None,
                what_if: bool = False, target: str | int | None = None,
-               step: ProbeStep | None = None,
+               trace: Trace | None = None, step: ProbeStep | None = None,
                on_step: OnStep | None = None) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
@@ -128,6 +152,13 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         at two small sizes on the CPU and replayed through a model of the CUDA caching allocator
         (workspaces included) under the target's memory less the CUDA context; the answer is
         *predicted, not run*, and says so (``stop_reason``, ``summary()``, ``target_band``).
+        A model built on the meta device (``with torch.device("meta"): model = ...``) is
+        planned too: nothing of it is materialised.
+    trace : {"fake", "real"}, optional
+        How a target's small sizes are traced: on fake tensors (``FakeTensorMode``: shapes, no
+        compute, no memory; the default for a target plan of a model) or by real steps. A step
+        fake tensors cannot run (``.item()``, ``nonzero``) is traced by real steps instead, and
+        ``report.method`` says why; ``report.trace`` names what the answer rests on.
     step : callable, optional
         ``find_batch(model, step=my_step, optimizer=optimizer)``: your own ``step(batch_size)``
         trains ``model``, which is then protected (weights, buffers, gradients, modes restored)
@@ -162,7 +193,7 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
                    scheduler=scheduler, steps_per_trial=steps_per_trial, start=start,
                    on_progress=progress(on_progress, on_step, "on_step"),
                    should_stop=should_stop, seq_len=seq_len, what_if=what_if, target=target,
-                   step=step)
+                   step=step, trace=trace)
     if plan.seq_len is not None:
         return _frontier(plan)
     return _probe(plan)
@@ -171,10 +202,13 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
 def _probe(plan: ProbePlan) -> BatchSizeReport:
     """The stages after the plan: the search under the meter and the state guard, the report,
     then what the report adds (a target's prediction, the what-ifs)."""
-    search = _search_guarded(plan)
+    plan, search = _searched(plan)
     report = _report(plan, search)
     if plan.target is not None:
-        return planned(report, search, *plan.target)
+        report = planned(report, search, *plan.target)
+        if report.max_batch_size == 0 and report.stop_reason != "stopped":
+            raise NoBatchSizeFits(report)
+        return report
     rows = _predicted_what_ifs(plan, report, search)
     if plan.what_if and plan.model is not None:
         rows += _what_if.measured(lambda **change: _probe(plan.with_change(**change)),
@@ -182,22 +216,43 @@ def _probe(plan: ProbePlan) -> BatchSizeReport:
     return dataclasses.replace(report, what_if=tuple(rows)) if rows else report
 
 
+def _searched(plan: ProbePlan) -> tuple[ProbePlan, Search]:
+    """The search; a fake trace that cannot run is traced by real steps, the reason kept in
+    the plan's notes (a meta model has none to run: one line naming the op and the module)."""
+    if plan.trace == "real":
+        return plan, _search_guarded(plan)
+    try:
+        return plan, _search_guarded(plan)
+    except Exception as error:
+        if isinstance(error, FakeTraceError) and has_meta_tensors(plan.model):
+            raise ValueError(
+                f"model should run on fake tensors to be planned from the meta device, but "
+                f"{error.op} in {error.module} reads a value back or makes a shape from data; "
+                f"build the model on a real device (it is then traced by real steps), or avoid "
+                f"that op (e.g. pass attention_mask, labels of a fixed shape).") from error
+        if has_meta_tensors(plan.model):
+            raise
+        reason = str(error) if isinstance(error, FakeTraceError) else first_line(error)
+        notes = (*plan.notes, f"Traced by real steps: {reason}.")
+        plan = dataclasses.replace(plan, trace="real", notes=notes)
+        return plan, _search_guarded(plan)
+
+
 def _search_guarded(plan: ProbePlan) -> Search:
     """Enter the meter and the state guard, run the search; every trial starts from the user's
     state, and the user's state comes back however it ends (NOTE [ Restoring under Ctrl-C ] in
-    engine/_state.py)."""
-    home_state = TrainingState(plan.owner, plan.optimizer, plan.extras)
+    engine/_state.py). A fake trace touches none of the user's tensors: only the modes, RNGs
+    and flags are guarded then (see NOTE [ Fake trials ] in _fake.py)."""
+    fake = plan.trace == "fake"
+    home_state = (TrainingState(plan.owner, None, (), weights=False) if fake
+                  else TrainingState(plan.owner, plan.optimizer, plan.extras))
     meter = memory.probe_meter(plan.device, plan.budget_bytes,
                                plan.target[0] if plan.target is not None else None)
     guard = InterruptGuard()
-    search = state = trainer = None
+    search = trainer = None
     try:
         with meter.capped():
-            state = (moved(plan.model, plan.optimizer, plan.device, plan.extras) if plan.moves
-                     else home_state)
-            trainer = Trainer(_step(plan, meter), meter, state, plan.steps_per_trial,
-                              lambda: state_tensors(plan.owner, plan.optimizer),
-                              Marks(plan.owner, plan.optimizer))
+            trainer = _fake_trainer(plan, meter) if fake else _trainer(plan, meter, home_state)
             limit_bytes = agree_limit(meter.limit_bytes)
             meter.warm_up()
             search = Search(trainer, meter, start=plan.start, multiple_of=plan.multiple_of,
@@ -209,7 +264,7 @@ def _search_guarded(plan: ProbePlan) -> Search:
         raise
     finally:
         failed = restore_home(home_state, plan.model if plan.moves else None, plan.home, guard)
-        home_state = state = trainer = None  # the traceback keeps this frame
+        home_state = trainer = None  # the traceback keeps this frame
         if search is not None:
             search.trainer = None
         memory.free_memory(plan.device)
@@ -218,8 +273,27 @@ def _search_guarded(plan: ProbePlan) -> Search:
     return search
 
 
+def _trainer(plan: ProbePlan, meter: Any, home_state: TrainingState) -> Trainer:
+    """Real trials: each starts from the user's state (moved to the device probed)."""
+    state = (moved(plan.model, plan.optimizer, plan.device, plan.extras) if plan.moves
+             else home_state)
+    owned = [] if plan.owner is None else [*plan.owner.parameters(), *plan.owner.buffers()]
+    return Trainer(_step(plan, meter), meter, state, plan.steps_per_trial,
+                   lambda: state_tensors(plan.owner, plan.optimizer),
+                   Marks(owned, plan.optimizer))
+
+
+def _fake_trainer(plan: ProbePlan, meter: Any) -> Trainer:
+    """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ])."""
+    mode = fake_mode()
+    world = FakeWorld(plan.model, plan.optimizer, mode)
+    return Trainer(fake_step(world, plan.make, plan.loss_fn, plan.amp, meter), meter, world,
+                   plan.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
+                   around=world.active)
+
+
 def _step(plan: ProbePlan, meter: Any) -> ProbeStep:
-    """What each trial runs: the model form's training step, or the user's own step."""
+    """What each real trial runs: the model form's training step, or the user's own step."""
     if plan.model is None:
         return plan.step
     scaler = plan.scaler
@@ -249,13 +323,15 @@ def _report(plan: ProbePlan, search: Search) -> BatchSizeReport:
         stop = "boundary"
     segments = () if search.model is None else search.model.envelope(
         1, max(a.batch_size for a in attempts))
+    if plan.trace == "fake":  # nothing ran: no step times, every size marked
+        attempts = [dataclasses.replace(a, fake=True, step_time_s=None) for a in attempts]
     report = BatchSizeReport(
         max_batch_size=lo, first_oom_batch_size=hi, attempts=tuple(attempts),
         device=str(plan.device), budget_bytes=plan.budget_bytes, limit_bytes=search.limit_bytes,
         baseline_bytes=search.meter.baseline_bytes, memory_model=_search.fit_memory(attempts),
         headroom=plan.headroom, multiple_of=plan.multiple_of, amp=plan.amp, stop_reason=stop,
         peak_segments=segments, method=" ".join([search.method(), *plan.notes]),
-        worst_case=plan.batch_description, memory_split=search.split)
+        worst_case=plan.batch_description, memory_split=search.split, trace=plan.trace)
     if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report

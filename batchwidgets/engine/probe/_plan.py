@@ -40,6 +40,7 @@ class ProbePlan:
     home: torch.device  # where the model lives now, and goes back to
     budget_bytes: int | None
     target: tuple[str, int] | None  # a GPU that is not here: (its name, the bytes usable on it)
+    trace: str  # "fake": the sizes run on fake tensors (see NOTE [ Fake trials ]); "real"
     # the search
     start: int
     ceiling: int
@@ -61,7 +62,7 @@ class ProbePlan:
     @property
     def moves(self) -> bool:
         """The model is probed on another device than its own, and moved back afterwards."""
-        return self.model is not None and self.home != self.device
+        return self.model is not None and self.home != self.device and self.trace == "real"
 
     def with_change(self, **change: Any) -> ProbePlan:
         """The same probe with one change (``amp=`` or ``optimizer=``: a what-if, measured)."""
@@ -93,13 +94,13 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
             scheduler: Any, steps_per_trial: int, start: int | None,
             on_progress: OnProgress | None, should_stop: ShouldStop | None,
             seq_len: Sequence[int] | None, what_if: bool, target: str | int | None,
-            step: ProbeStep | None) -> ProbePlan:
+            step: ProbeStep | None, trace: str | None) -> ProbePlan:
     """find_batch's arguments as one plan: checked first (one-line errors, nothing run), then
     each resolved in one place. Reads a Dataset's samples (``make``) but trains nothing."""
     check_arguments(model, make_batch, step=step, seq_len=seq_len, amp=amp,
                     max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom,
                     steps_per_trial=steps_per_trial, start=start, optimizer=optimizer,
-                    scaler=scaler, scheduler=scheduler)
+                    scaler=scaler, scheduler=scheduler, target=target, trace=trace)
     owner = model if step is not None or isinstance(model, torch.nn.Module) else None
     bare = model if step is None and owner is None else step  # a step(batch_size), or None
     is_module = bare is None
@@ -109,6 +110,8 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
         resolved, budget_bytes = torch.device("cpu"), None
     check_amp(amp, resolved)
+    if trace is None:  # see NOTE [ Fake trials ] in _fake.py
+        trace = "fake" if planned is not None and is_module else "real"
     notes = notes_on(owner=owner, device=resolved, amp=amp)
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
@@ -123,7 +126,7 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
         batch_description=getattr(make, "description", ""), loss_fn=loss_fn,
         optimizer=optimizer, scaler=scaler, scheduler=scheduler, amp=amp, device=resolved,
         home=_device(model, None) if is_module else resolved, budget_bytes=budget_bytes,
-        target=planned, start=start, ceiling=ceiling, multiple_of=multiple_of,
+        target=planned, trace=trace, start=start, ceiling=ceiling, multiple_of=multiple_of,
         max_batch_size=max_batch_size, headroom=float(headroom),
         steps_per_trial=steps_per_trial,
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None, what_if=what_if,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -47,9 +47,10 @@ class Marks:
     """Files the step's storages for the memory split (NOTE [ Where the memory goes ] in
     memory/_meters.py): parameters and buffers, gradients as they accumulate, optimizer state."""
 
-    def __init__(self, model: torch.nn.Module | None, optimizer: Any) -> None:
+    def __init__(self, tensors: list[torch.Tensor], optimizer: Any) -> None:
+        """``tensors``: the model's parameters and buffers (the optimizer's are added)."""
         self.optimizer = optimizer
-        self.params = [] if model is None else [*model.parameters(), *model.buffers()]
+        self.params = list(tensors)
         if optimizer is not None:
             self.params += [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -76,15 +77,19 @@ class Marks:
 class Trainer:
     """Runs up to ``steps_per_trial`` training steps at one batch size and measures them."""
 
-    def __init__(self, step: Callable[[int], None], meter: Any, state: TrainingState,
-                 steps_per_trial: int, tracked: Callable[[], list], marks: Marks) -> None:
+    def __init__(self, step: Callable[[int], None], meter: Any, state: Any,
+                 steps_per_trial: int, tracked: Callable[[], list], marks: Marks,
+                 around: Callable[[], Any] = nullcontext) -> None:
+        """``state.restore()`` after each trial; ``around()`` is entered under the meter (the
+        fake trials' FakeTensorMode: see NOTE [ Fake trials ] in _fake.py)."""
         self.step, self.meter, self.state = step, meter, state
         self.steps_per_trial, self.tracked, self.marks = steps_per_trial, tracked, marks
+        self.around = around
 
     def attempt(self, batch_size: int, trace: bool = True) -> tuple[Attempt, Reading]:
         seconds, oom = None, False
         try:
-            with self.meter.measure(self.tracked, trace=trace) as reading, \
+            with self.around(), self.meter.measure(self.tracked, trace=trace) as reading, \
                     self.marks.trial(self.meter), own_steps():  # not a user's micro-step
                 for _ in range(self.steps_per_trial):
                     before = self.meter.live_bytes()

@@ -1,0 +1,190 @@
+"""Fake trials: the training step run on fake tensors (``FakeTensorMode``: shapes, dtypes and
+devices, no storage), so a plan for a GPU that is not here computes nothing and allocates
+nothing, and works on a model built on the meta device. The user's model is only read: its
+parameters and buffers are swapped for fake ones by ``functional_call`` while a step runs."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+
+from .._batches import forward_and_loss
+from .._util import to_device
+from ._checks import AMP_DTYPES
+
+# NOTE [ Fake trials ]
+# A target plan needs the step's op sequence and every storage's size at two small batch sizes,
+# not the numbers in them. Under FakeTensorMode every op runs its meta kernel: shapes, dtypes and
+# strides come out, no data, and a Llama-3-8B-shaped step takes seconds and no memory. The meters
+# above it (the simulated device, the per-op tracer) see the same ops and storages as on real
+# tensors, and count their bytes from the storages' sizes. The fakes live on the CPU device, as
+# the simulated CUDA device's storages do: fake CUDA tensors through autograd or SDPA abort a
+# CPU-only build of PyTorch. The model's parameters and buffers get fake twins (the same shapes,
+# dtypes, strides and requires_grad: a frozen weight gets no gradient and no optimizer state) and
+# the optimizer a shallow copy over them, its state faked from the real state's shapes;
+# ``functional_call`` runs the user's module on the twins. An op fake tensors cannot run (a value
+# read back to Python: .item(), nonzero, a branch on a tensor) raises FakeTraceError, naming the
+# op and the module; a real model is then traced by real steps, a meta model cannot be.
+
+
+class FakeTraceError(RuntimeError):
+    """The step cannot be traced on fake tensors; ``op`` and ``module`` say where."""
+
+    def __init__(self, op: str, module: str, cause: BaseException) -> None:
+        self.op, self.module = op, module
+        super().__init__(f"{op} in {module} cannot run on fake tensors "
+                         f"({type(cause).__name__})")
+
+
+def fake_mode() -> FakeTensorMode:
+    """Real tensors a make_batch slices or collates become fake constants as they meet an op."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor of ``tensor``'s shape, strides and dtype (call under the fake mode)."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+
+
+class FakeWorld:
+    """Fake twins of a model's parameters and buffers and of its optimizer, the state each fake
+    trial starts from (``restore()`` puts it back, as ``TrainingState`` does for real trials)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 mode: FakeTensorMode) -> None:
+        self.model, self.mode = model, mode
+        scalars = _host_scalars(optimizer)  # read before the fake mode: they are real
+        with mode:
+            self.params = {name: torch.nn.Parameter(_fake_like(p), requires_grad=p.requires_grad)
+                           for name, p in model.named_parameters()}
+            self.buffers = {name: _fake_like(b) for name, b in model.named_buffers()}
+            twins = {id(p): self.params[name] for name, p in model.named_parameters()}
+            self.optimizer = _fake_optimizer(optimizer, twins, scalars)
+            # gradients the user holds: a real trial accumulates into them (and frees them)
+            self._grads = {name: _fake_like(p.grad) for name, p in model.named_parameters()
+                           if p.grad is not None}
+        self._start = {param: dict(state) for param, state in self.optimizer.state.items()}
+        self.restore()
+
+    def tensors(self) -> list:
+        """What the step holds before it starts: weights, buffers, gradients, optimizer state."""
+        params = list(self.params.values())
+        return [*params, *self.buffers.values(), *[p.grad for p in params if p.grad is not None],
+                *[dict(state) for state in self.optimizer.state.values()]]
+
+    def marked(self) -> list[torch.Tensor]:
+        """The parameters and buffers, for the memory split's marks."""
+        return [*self.params.values(), *self.buffers.values()]
+
+    def restore(self) -> None:
+        for name, param in self.params.items():
+            param.grad = self._grads.get(name)
+        self.optimizer.state.clear()
+        self.optimizer.state.update({p: dict(state) for p, state in self._start.items()})
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        return functional_call(self.model, {**self.params, **self.buffers}, args, kwargs)
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """The fake mode, with Python's cycle collector paused: fake tensors make many more
+        Python objects than real ones, and a collection inside the step would free cyclic
+        garbage at another op at each size, so the two traces would not line up (a 32-layer
+        model's did not); refcounting frees the rest where a real step frees it."""
+        gc.collect()
+        gc.disable()
+        try:
+            with self.mode:
+                yield
+        finally:
+            gc.enable()
+
+
+def _host_scalars(optimizer: torch.optim.Optimizer) -> dict[int, float]:
+    """The numbers of the state's one-element host tensors (Adam's ``step``), by id."""
+    return {id(value): value.item() for state in optimizer.state.values()
+            for value in state.values() if isinstance(value, torch.Tensor)
+            and value.numel() == 1 and value.device.type == "cpu" and not value.is_meta}
+
+
+def _fake_optimizer(optimizer: torch.optim.Optimizer, twins: dict[int, torch.nn.Parameter],
+                    scalars: dict[int, float]) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` over the fake twins, with its state faked (call under the
+    fake mode): the same class, hyperparameters and hooks, so its step runs the same ops."""
+    fake = copy.copy(optimizer)
+    fake.param_groups = [dict(group, params=[twins[id(p)] for p in group["params"]])
+                         for group in optimizer.param_groups]
+    fake.state = collections.defaultdict(dict)
+    for param, state in optimizer.state.items():
+        if id(param) in twins:
+            fake.state[twins[id(param)]] = {key: _fake_state(value, scalars)
+                                            for key, value in state.items()}
+    return fake
+
+
+def _fake_state(value: Any, scalars: dict[int, float]) -> Any:
+    """A fake of one optimizer state value; a scalar on the host (Adam's ``step``) keeps its
+    number as a fake constant, since the optimizer reads it back as a real step would."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if id(value) in scalars:
+        return torch.tensor(scalars[id(value)], dtype=value.dtype)
+    return _fake_like(value)
+
+
+def fake_step(world: FakeWorld, make: Callable[[int], Any], loss_fn: Callable | None,
+              amp: str | None, meter: Any) -> Callable[[int], None]:
+    """The model form's training step on ``world``'s twins, under its fake mode. Without a
+    GradScaler: scaling changes no storage's size, and its inf check reads a value back."""
+    dtype = AMP_DTYPES.get(amp) if amp else None
+
+    def step(batch_size: int) -> None:
+        world.model.train()  # the user's modes come back with the probe's state guard
+        with _where_it_failed(meter):  # under world.mode: the Trainer enters it (see NOTE)
+            with meter.making_batch():
+                batch = to_device(make(batch_size), torch.device("cpu"))
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                loss = forward_and_loss(world.model, batch, loss_fn, call=world.call)
+            loss.backward()
+            meter.end_forward_backward()
+            world.optimizer.step()
+            world.optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+# What fake tensors cannot do: read a value back, make a shape from data, an op without a meta
+# kernel. Any other error is the user's own and propagates as it is.
+_FAKE_LIMITS = (NotImplementedError, *(
+    getattr(fake_tensor, name) for name in ("DataDependentOutputException",
+                                            "DynamicOutputShapeException",
+                                            "UnsupportedOperatorException",
+                                            "UnsupportedFakeTensorException")
+    if hasattr(fake_tensor, name)))
+
+
+@contextmanager
+def _where_it_failed(meter: Any) -> Iterator[None]:
+    """What fake tensors cannot run, as FakeTraceError (the op, the module it ran in)."""
+    try:
+        yield
+    except _FAKE_LIMITS as error:
+        func = getattr(error, "func", None)
+        where = meter._where.module() if getattr(meter, "_where", None) is not None else "the step"
+        raise FakeTraceError(str(func) if func is not None else type(error).__name__, where,
+                             error) from error
+
+
+def has_meta_tensors(model: Any) -> bool:
+    """A model built on the meta device (any of its parameters or buffers)."""
+    return isinstance(model, torch.nn.Module) and any(
+        t.is_meta for t in (*model.parameters(), *model.buffers()))

@@ -1,0 +1,149 @@
+"""Planning without running: ``find_batch(model, make_batch, target=...)`` on Llama-shaped models
+built on the meta device (125M, 1B and 8B shapes, bf16, 2048 tokens) traced on fake tensors,
+with the time and the peak memory of each plan; and, where a real trace can run on this machine
+(small shapes, short sequences), the same plan traced by real steps beside it: both must agree.
+
+Each plan runs in a fresh process, so its peak RSS is its own.
+
+    python benchmarks/plan_without_running.py          # -> results/plan_without_running_cpu.*
+    python benchmarks/plan_without_running.py --quick  # the small rows only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _machine
+import torch
+
+# name: (hidden, layers, heads, kv heads, intermediate, vocabulary)
+SHAPES = {
+    "Llama 20M": (256, 4, 4, 2, 704, 32_000),
+    "Llama 125M": (768, 12, 12, 4, 2048, 32_000),
+    "Llama-3.2-1B shape": (2048, 16, 32, 8, 8192, 128_256),
+    "Llama-3-8B shape": (4096, 32, 32, 8, 14_336, 128_256),
+}
+# (shape, tokens, target, trace, frozen base, dtype); the real rows are what runs here
+ROWS = [
+    ("Llama 20M", 256, "T4", "real", False, "float32"),
+    ("Llama 20M", 256, "T4", "fake", False, "float32"),
+    ("Llama 125M", 256, "T4", "real", False, "float32"),
+    ("Llama 125M", 256, "T4", "fake", False, "float32"),
+    ("Llama 125M", 2048, "A100-80GB", "fake", False, "bfloat16"),
+    ("Llama-3.2-1B shape", 2048, "A100-80GB", "fake", False, "bfloat16"),
+    ("Llama-3-8B shape", 2048, "A100-80GB", "fake", True, "bfloat16"),
+    ("Llama-3-8B shape", 2048, "A100-80GB", "fake", False, "bfloat16"),
+]
+QUICK = ROWS[:4]
+
+CHILD = r"""
+import json, resource, sys, time, warnings
+warnings.simplefilter("ignore")
+import torch, transformers
+import batchwidgets as bw
+shape, tokens, target, trace, frozen, dtype = json.loads(sys.argv[1])
+hidden, layers, heads, kv, inter, vocab = json.loads(sys.argv[2])
+config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                  num_attention_heads=heads, num_key_value_heads=kv,
+                                  intermediate_size=inter, max_position_embeddings=max(tokens, 256))
+torch.manual_seed(0)
+device = "meta" if trace == "fake" else "cpu"
+with torch.device(device):
+    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
+if frozen:
+    for name, param in model.named_parameters():
+        param.requires_grad_("lm_head" in name or f"layers.{layers - 1}." in name)
+
+def make_batch(batch_size):
+    ids = torch.randint(0, vocab, (batch_size, tokens))
+    return {"input_ids": ids, "labels": ids}
+
+started = time.perf_counter()
+try:
+    report = bw.find_batch(model, make_batch, target=target, trace=trace)
+    answer, band, error = report.max_batch_size, list(report.target_band), ""
+    states = report.memory_split
+    states = (states.parameters_bytes, states.gradients_bytes, states.optimizer_bytes)
+except bw.NoBatchSizeFits as caught:
+    answer, band, error, states = 0, [0, 0], str(caught), None
+seconds = time.perf_counter() - started
+print(json.dumps({"max_batch_size": answer, "band": band, "plan_s": seconds, "error": error,
+                  "states_bytes": states,
+                  "params": sum(p.numel() for p in model.parameters()),
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def run(row: tuple) -> dict:
+    shape, tokens, target, trace, frozen, dtype = row
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(row), json.dumps(SHAPES[shape])],
+        capture_output=True, text=True, check=True)
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    return {"shape": shape, "tokens": tokens, "target": target, "trace": trace,
+            "frozen_base": frozen, "dtype": dtype, **measured}
+
+
+def table(results: list[dict]) -> list[str]:
+    lines = ["| model | params | tokens | dtype | base | target | trace | max batch | plan (s) "
+             "| peak RSS |", "|---|--:|--:|---|---|---|---|--:|--:|--:|"]
+    for r in results:
+        lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['tokens']} | {r['dtype']} | "
+                     f"{'frozen' if r['frozen_base'] else 'trained'} | {r['target']} | "
+                     f"{r['trace']} | {r['max_batch_size']} | {r['plan_s']:.1f} | "
+                     f"{r['peak_rss_bytes'] / 2**30:.2f} GiB |")
+    return lines
+
+
+def agreement(results: list[dict]) -> list[str]:
+    pairs = {}
+    for r in results:
+        pairs.setdefault((r["shape"], r["tokens"], r["target"], r["dtype"]), {})[r["trace"]] = r
+    lines = []
+    for (shape, tokens, target, _), both in pairs.items():
+        if {"real", "fake"} <= set(both):
+            real, fake = both["real"], both["fake"]
+            ratio = fake["max_batch_size"] / real["max_batch_size"]
+            lines.append(f"- {shape}, {tokens} tokens, {target}: fake {fake['max_batch_size']} vs "
+                         f"real {real['max_batch_size']} ({ratio:.3f}x), fake trace "
+                         f"{real['plan_s'] / fake['plan_s']:.1f}x faster")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the small rows only")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    results = []
+    for row in QUICK if args.quick else ROWS:
+        results.append(run(row))
+        print(table(results)[-1], flush=True)
+    header = [
+        "# Planning without running: fake-tensor traces of Llama shapes on this CPU", "",
+        f"- date: {time.strftime('%Y-%m-%d')}",
+        f"- machine: {_machine.device_name(torch.device('cpu'))}",
+        f"- versions: python {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"batchwidgets commit {_machine.commit()}",
+        "- step: forward, the model's own loss on labels = input_ids, backward, AdamW (default "
+        "for find_batch), zero_grad; a fake plan's model is built on the meta device, a real "
+        "plan's on the CPU; each plan in a fresh process (peak RSS is its own)",
+        "- frozen base: every weight but the last layer and lm_head has requires_grad=False",
+        "- regenerate: `python benchmarks/plan_without_running.py`", "",
+    ]
+    lines = [*header, *table(results), "", "Fake against real traces (same target):", "",
+             *agreement(results), ""]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "plan_without_running_cpu.md").write_text("\n".join(lines))
+    (args.out / "plan_without_running_cpu.json").write_text(
+        json.dumps({"header": header, "results": results}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

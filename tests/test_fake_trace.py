@@ -1,0 +1,227 @@
+"""Plans without running (issue 23, first part): target plans traced on fake tensors agree with
+the same plans traced by real steps, models built on the meta device are planned without a
+weight, frozen parameters hold no gradient or optimizer state, and what fake tensors cannot run
+falls back to real steps, or is one line on a meta model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import batchwidgets as bw
+
+CE = nn.functional.cross_entropy
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def vectors(batch_size: int):
+    return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 10))
+
+
+def images(batch_size: int):
+    return torch.randn(batch_size, 3, 32, 32), torch.randint(0, 10, (batch_size,))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(1))
+
+
+def tokens(batch_size: int):
+    return torch.randn(batch_size, 64, 64), torch.randint(0, 4, (batch_size,))
+
+
+def llama_config() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=256)
+
+
+def lm_batch(batch_size: int):
+    ids = torch.randint(0, 1000, (batch_size, 64))
+    return {"input_ids": ids, "labels": ids}
+
+
+CASES = {
+    "mlp": (mlp, vectors, CE, "2GiB"),
+    "cnn with batchnorm": (cnn, images, CE, "T4"),
+    "encoder (sdpa)": (Encoder, tokens, CE, "A100-40GB"),
+    "llama dict batches": (lambda: transformers.LlamaForCausalLM(llama_config()), lm_batch, None,
+                           "T4"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_fake_trace_plans_what_a_real_trace_plans(case):
+    build, make_batch, loss_fn, target = CASES[case]
+    real = bw.find_batch(build(), make_batch, loss_fn=loss_fn, target=target, trace="real")
+    fake = bw.find_batch(build(), make_batch, loss_fn=loss_fn, target=target)
+    assert fake.trace == "fake"
+    assert real.trace == "real"
+    assert fake.max_batch_size == real.max_batch_size > 0
+    assert fake.target_band == real.target_band
+    assert [a.fake for a in fake.attempts] == [True, True]
+    assert [a.fake for a in real.attempts] == [False, False]
+    assert all(a.step_time_s is None for a in fake.attempts)  # nothing ran
+    assert "fake trace" in fake.summary()
+
+
+def test_the_trace_is_real_without_a_target_and_for_a_bare_step():
+    report = bw.find_batch(mlp(), vectors, loss_fn=CE, budget="256KB")
+    assert report.trace == "real"
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch_size):
+        x, y = vectors(batch_size)
+        CE(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    assert bw.find_batch(step, optimizer=optimizer, target="T4").trace == "real"
+
+
+def test_a_fake_plan_leaves_the_model_optimizer_modes_and_rng_as_they_were():
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    x, y = vectors(8)
+    CE(model(x), y).backward()
+    optimizer.step()  # state exists, gradients are held
+    model.eval()
+    params = list(model.parameters())
+    before = copy.deepcopy((model.state_dict(), optimizer.state_dict(),
+                            [p.grad for p in params]))
+    rng = torch.get_rng_state()
+    with pytest.warns(bw.BatchwidgetsWarning, match="held gradients"):
+        report = bw.find_batch(model, vectors, loss_fn=CE, optimizer=optimizer, target="T4")
+    assert report.trace == "fake"
+    assert list(model.parameters()) == params  # the same objects
+    assert not model.training
+    state, optimizer_state, grads = before
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, params))
+    assert (optimizer.state_dict()["state"][0]["exp_avg"]
+            .equal(optimizer_state["state"][0]["exp_avg"]))
+    assert torch.equal(torch.get_rng_state(), rng)
+    with pytest.warns(bw.BatchwidgetsWarning, match="held gradients"):
+        real = bw.find_batch(model, vectors, loss_fn=CE, optimizer=optimizer, target="T4",
+                             trace="real")  # the state and gradients held, traced for real
+    assert real.max_batch_size == report.max_batch_size
+
+
+def test_a_meta_model_is_planned_without_a_weight_and_as_the_same_model_on_the_cpu():
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(llama_config())
+    report = bw.find_batch(meta, lm_batch, target="T4")
+    on_cpu = bw.find_batch(transformers.LlamaForCausalLM(llama_config()), lm_batch,
+                           target="T4", trace="real")
+    assert report.max_batch_size == on_cpu.max_batch_size > 0
+    assert report.trace == "fake"
+    assert all(p.is_meta and p.grad is None for p in meta.parameters())
+
+
+def test_a_bf16_meta_model_with_frozen_weights_holds_gradients_and_state_for_the_rest():
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)], nn.Linear(256, 8))
+    model = model.to(torch.bfloat16)
+    for param in model[:4].parameters():
+        param.requires_grad_(False)  # a frozen base; the head trains
+    head = sum(p.numel() for p in model[4].parameters()) * 2  # bf16 bytes
+    report = bw.find_batch(model, lambda n: (torch.randn(n, 256, dtype=torch.bfloat16),
+                                             torch.randint(0, 8, (n,))),
+                           loss_fn=CE, target="T4", max_batch_size=4096)
+    split = report.memory_split
+    assert split.gradients_bytes == head
+    assert head * 2 <= split.optimizer_bytes <= head * 2 + 64  # exp_avg, exp_avg_sq, step
+    assert split.parameters_bytes == sum(p.numel() for p in model.parameters()) * 2
+
+
+def test_when_the_states_alone_do_not_fit_the_error_says_which_and_what_would():
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(16)])  # 1.07B parameters
+    with pytest.raises(bw.NoBatchSizeFits) as info:
+        bw.find_batch(model, lambda n: (torch.randn(n, 8192), torch.randn(n, 8192)),
+                      loss_fn=nn.functional.mse_loss, target="T4")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("No batch size fits on T4 (predicted, not run): the model's "
+                              "states alone (weights 4.3 GB, gradients 4.3 GB, optimizer state "
+                              "8.6 GB) need 17.2 GB, of 15.3 GB usable.")
+    for hint in ("bf16", "requires_grad=False", "FSDP"):
+        assert hint in message
+    assert info.value.report.max_batch_size == 0
+
+
+class ReadsBack(nn.Module):
+    """A branch on a tensor's value: fake tensors cannot say which way it goes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out * 2 if out.sum().item() > 0 else out
+
+
+def test_what_fake_tensors_cannot_run_is_traced_by_real_steps_and_says_why():
+    report = bw.find_batch(ReadsBack(), vectors, loss_fn=CE, target="T4")
+    assert report.trace == "real"
+    assert not any(a.fake for a in report.attempts)
+    assert "Traced by real steps: aten._local_scalar_dense.default in ReadsBack" in report.method
+    assert report.max_batch_size == bw.find_batch(ReadsBack(), vectors, loss_fn=CE,
+                                                  target="T4", trace="real").max_batch_size
+
+
+def test_on_a_meta_model_it_is_one_line_naming_the_op_and_the_module():
+    with torch.device("meta"):
+        model = ReadsBack()
+    with pytest.raises(ValueError, match=r"_local_scalar_dense\.default in ReadsBack") as info:
+        bw.find_batch(model, vectors, loss_fn=CE, target="T4")
+    assert "\n" not in str(info.value)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_the_users_own_error_in_a_fake_plan_propagates_as_it_is():
+    with pytest.raises(TypeError, match="loss_fn should be given for"):
+        bw.find_batch(mlp(), vectors, target="T4")  # (x, y) batches without a loss_fn
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"trace": "symbolic", "target": "T4"}, r"trace should be one of \['fake', 'real'\]"),
+    ({"trace": "fake"}, "trace='fake' plans for a GPU that is not here: pass target="),
+])
+def test_bad_trace_options_are_one_line(options, match):
+    with pytest.raises(ValueError, match=match):
+        bw.find_batch(mlp(), vectors, loss_fn=CE, **options)
+
+
+def test_a_meta_model_needs_a_target_and_a_fake_trace():
+    with torch.device("meta"):
+        model = mlp()
+    with pytest.raises(ValueError, match="target should name a GPU to plan for when the model "
+                                         "is on the meta device"):
+        bw.find_batch(model, vectors, loss_fn=CE)
+    with pytest.raises(ValueError, match="trace should be 'fake'"):
+        bw.find_batch(model, vectors, loss_fn=CE, target="T4", trace="real")
