@@ -47,7 +47,11 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
                    [(a.peak_memory_bytes or 0) / MIB for a in failed],
                    "x", color="tab:red", markersize=9, label="out of memory")
     sizes = [a.batch_size for a in report.attempts]
-    if report.peak_segments:  # the per-op model: piecewise linear, a kink per change of op
+    if report.target_peaks:  # a target plan: the target's replayed peaks, up to twice the answer
+        memory_ax.plot([size for size, _ in report.target_peaks],
+                       [peak / MIB for _, peak in report.target_peaks], "-", color="tab:gray",
+                       alpha=0.8, label=f"predicted on {report.target}")
+    elif report.peak_segments:  # the per-op model: piecewise linear, a kink per change of op
         kinks = sorted({1, *(s.batch_size for s in report.peak_segments), max(sizes)})
         memory_ax.plot(kinks, [report.predict_peak_bytes(x) / MIB for x in kinks], "-",
                        color="tab:gray", alpha=0.8, label="per-op model")
@@ -65,7 +69,8 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
                       label=f"recommended {report.recommended_batch_size}")
     memory_ax.set_xlabel("batch size")
     memory_ax.set_ylabel("peak memory (MiB)")
-    memory_ax.set_title(f"memory on {report.device}: max batch {report.max_batch_size}")
+    where = f"{report.target} (predicted)" if report.target else report.device
+    memory_ax.set_title(f"memory on {where}: max batch {report.max_batch_size}")
     memory_ax.legend(fontsize="small", loc="lower right")
     speed_ax.plot([a.batch_size for a in ran], [a.samples_per_s or 0 for a in ran], "o-",
                   color="tab:orange")

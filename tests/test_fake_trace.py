@@ -225,3 +225,31 @@ def test_a_meta_model_needs_a_target_and_a_fake_trace():
         bw.find_batch(model, vectors, loss_fn=CE)
     with pytest.raises(ValueError, match="trace should be 'fake'"):
         bw.find_batch(model, vectors, loss_fn=CE, target="T4", trace="real")
+
+
+@pytest.mark.parametrize("trace", ["fake", "real"])
+def test_a_target_reports_predicted_peak_is_the_targets_and_agrees_with_its_answer(trace):
+    """predict_peak_bytes on a target plan is the replay's peak on the target: under the usable
+    memory at max_batch_size, over it one size later (it was the CPU's scale before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    report = bw.find_batch(model, lambda n: (torch.randn(n, 256), torch.randint(0, 10, (n,))),
+                           loss_fn=CE, target="2GiB", trace=trace)
+    top, limit = report.max_batch_size, report.limit_bytes
+    assert limit == 2 * 2**30
+    assert 0.9 * limit < report.predict_peak_bytes(top) <= limit
+    assert report.predict_peak_bytes(top + 1) > limit
+    assert report.predict_peak_bytes(top // 2) < report.predict_peak_bytes(top)
+    assert 0 < report.headroom_bytes < limit
+
+
+def test_the_plot_of_a_target_plan_draws_the_targets_curve_and_names_it():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    report = bw.find_batch(mlp(), vectors, loss_fn=CE, target="T4")
+    figure = bw.plot_probe(report)
+    memory_ax = figure.axes[0]
+    assert memory_ax.get_title() == f"memory on T4 (predicted): max batch {report.max_batch_size}"
+    curve = next(line for line in memory_ax.lines if line.get_label() == "predicted on T4")
+    assert list(curve.get_xdata()) == [size for size, _ in report.target_peaks]

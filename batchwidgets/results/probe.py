@@ -129,6 +129,16 @@ def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
                        header=("batch size", "fits", "peak memory", "step s", "samples/s"))
 
 
+def _interpolate(points: tuple[tuple[int, int], ...], x: int) -> float:
+    """Piecewise-linear through (size, bytes) points, the end segments extended."""
+    if len(points) == 1:
+        return float(points[0][1])
+    segment = next((i for i in range(len(points) - 1) if x <= points[i + 1][0]),
+                   len(points) - 2)
+    (x0, y0), (x1, y1) = points[segment], points[segment + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 # A smaller size must beat the largest one by this much (samples/s) to be preferred: fewer
 # trials than a throughput curve needs, so small timing noise must not flip the recommendation.
 FASTER_BY = 1.10
@@ -168,6 +178,9 @@ class BatchSizeReport:
     # what the answer rests on: "real" steps, or a "fake" trace (FakeTensorMode: shapes, no
     # compute, no memory) of the small sizes that a target's prediction is made from
     trace: str = "real"
+    # a target plan's predicted peak (reserved bytes on the target) at sizes up to twice the
+    # answer, (batch_size, bytes): what predict_peak_bytes interpolates for a target report
+    target_peaks: tuple[tuple[int, int], ...] = ()
 
     @property
     def frontier_tokens(self) -> dict[int, int] | None:
@@ -177,7 +190,10 @@ class BatchSizeReport:
         return {length: length * size for length, size in self.frontier.items()}
 
     def predict_peak_bytes(self, batch_size: int) -> float | None:
-        """The step's peak at any size, by the per-op model (else the fitted line)."""
+        """The step's peak at any size: on the target for a target plan (between the sizes it
+        replayed, linearly), else by the per-op model (else the fitted line)."""
+        if self.target_peaks:
+            return _interpolate(self.target_peaks, batch_size)
         if self.peak_segments:
             return max(s.predict_bytes(batch_size) for s in self.peak_segments)
         return None if self.memory_model is None else self.memory_model.predict_bytes(batch_size)

@@ -47,7 +47,29 @@ def planned(report: BatchSizeReport, search: Search, name: str,
         report, max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
         budget_bytes=None, stop_reason=f"predicted for {name}: not run", target=name,
         target_band=(low, max(low, high)),
+        target_peaks=_target_peaks(pair, usable_bytes, low, report.multiple_of),
         method=report.method.replace("then verified", "then replayed for the target"))
+
+
+def _target_peaks(pair: tuple[tuple[OpTrace, int], tuple[OpTrace, int]], usable_bytes: int,
+                  found: int, multiple_of: int) -> tuple[tuple[int, int], ...]:
+    """The target's predicted reserved peak at sizes from 1 to twice the answer (doubling, and
+    the answer and the next size exactly), the same replay that decided the answer: at the
+    answer it fits under ``usable_bytes``, at the next size it does not."""
+    (small, b_small), (large, b_large) = pair
+    sizes = {found, found + multiple_of}
+    size = 1
+    while size < 2 * max(found, 1) and size <= SEARCH_CEILING:
+        sizes.add(size)
+        size *= 2
+    peaks = []
+    for size in sorted(s for s in sizes if 0 < s <= SEARCH_CEILING):
+        events = memory.scale_events(small.events, b_small, large.events, b_large, size)
+        capped = memory.replay(events, usable_bytes, preallocated=large.preallocated)
+        peak = (capped.peak_reserved_bytes if capped.fits else max(usable_bytes + 1, memory.replay(
+            events, None, preallocated=large.preallocated).peak_reserved_bytes))
+        peaks.append((size, peak))
+    return tuple(peaks)
 
 
 def _memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
