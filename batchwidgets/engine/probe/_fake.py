@@ -17,9 +17,7 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
-from .._batches import forward_and_loss
-from .._util import to_device
-from ._checks import AMP_DTYPES
+from ._trials import model_step
 
 # NOTE [ Fake trials ]
 # A target plan needs the step's op sequence and every storage's size at two small batch sizes,
@@ -143,23 +141,17 @@ def _fake_state(value: Any, scalars: dict[int, float]) -> Any:
 
 def fake_step(world: FakeWorld, make: Callable[[int], Any], loss_fn: Callable | None,
               amp: str | None, meter: Any) -> Callable[[int], None]:
-    """The model form's training step on ``world``'s twins, under its fake mode. Without a
-    GradScaler: scaling changes no storage's size, and its inf check reads a value back."""
-    dtype = AMP_DTYPES.get(amp) if amp else None
+    """The model form's training step on ``world``'s twins (under its fake mode, which the
+    Trainer enters). Without a GradScaler: scaling changes no storage's size, and its inf check
+    reads a value back."""
+    step = model_step(world.model, make, loss_fn, world.optimizer, torch.device("cpu"), amp,
+                      None, meter, call=world.call)
 
-    def step(batch_size: int) -> None:
-        world.model.train()  # the user's modes come back with the probe's state guard
-        with _where_it_failed(meter):  # under world.mode: the Trainer enters it (see NOTE)
-            with meter.making_batch():
-                batch = to_device(make(batch_size), torch.device("cpu"))
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-                loss = forward_and_loss(world.model, batch, loss_fn, call=world.call)
-            loss.backward()
-            meter.end_forward_backward()
-            world.optimizer.step()
-            world.optimizer.zero_grad(set_to_none=True)
+    def traced(batch_size: int) -> None:
+        with _where_it_failed(meter):
+            step(batch_size)
 
-    return step
+    return traced
 
 
 # What fake tensors cannot do: read a value back, make a shape from data, an op without a meta

@@ -145,9 +145,10 @@ def moved(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torc
 
 def model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Callable | None,
                optimizer: torch.optim.Optimizer, device: torch.device, amp: str | None,
-               scaler: Any, meter: Any) -> Callable[[int], None]:
+               scaler: Any, meter: Any, call: Callable | None = None) -> Callable[[int], None]:
     """The model form's step(batch_size): a batch, forward and loss (under autocast with
-    ``amp``), backward, the optimizer's step (through ``scaler`` when there is one)."""
+    ``amp``), backward, the optimizer's step (through ``scaler`` when there is one). ``call``
+    runs the model (a fake trial's ``functional_call`` on fake twins; default ``model``)."""
     dtype = AMP_DTYPES.get(amp) if amp else None
 
     def step(batch_size: int) -> None:
@@ -155,7 +156,7 @@ def model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Call
         with meter.making_batch():  # see TracingTracker.collapsed
             batch = to_device(make(batch_size), device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = forward_and_loss(model, batch, loss_fn)
+            loss = forward_and_loss(model, batch, loss_fn, call=call)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         meter.end_forward_backward()  # see NOTE [ Two phases ] in memory/_meters.py
         if scaler is not None:
