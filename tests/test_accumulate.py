@@ -1,6 +1,7 @@
 """accumulate(): k micro-batches must give the update of one k-times larger batch (PyTorch is
 the oracle), with schedulers, GradScaler, clipping, remainders and DDP handled."""
 
+import gc
 import math
 import os
 import re
@@ -316,7 +317,7 @@ def _ddp_worker(rank, world, init_file, out_dir, steps, use_accumulate):
     micro = 2  # per rank; global micro-batch = micro * world, update = steps micro-batches
     n_micro = 2 * steps
 
-    def loop():
+    def loop(ddp, optimizer):
         for j in range(n_micro):
             start = j * micro * world + rank * micro
             loss_fn(ddp(X[start:start + micro]), Y[start:start + micro]).backward()
@@ -325,13 +326,18 @@ def _ddp_worker(rank, world, init_file, out_dir, steps, use_accumulate):
 
     if use_accumulate:
         with bw.accumulate(optimizer, steps=steps, model=ddp):
-            loop()
+            loop(ddp, optimizer)
     else:
-        loop()
+        loop(ddp, optimizer)
     torch.save({"params": [p.detach() for p in ddp.module.parameters()], "calls": calls[0]},
                os.path.join(out_dir, f"{use_accumulate}-{rank}.pt"))
     # both ranks done before either tears gloo down: a rank that exits while the other still
-    # talks to it makes gloo abort (SIGABRT, about 1 run in 4 on 2 busy cores)
+    # talks to it makes gloo abort (SIGABRT, about 1 run in 4 on 2 busy cores); and DDP's
+    # reducer, which holds the group and its pending work, goes first (with it alive at
+    # teardown, gloo still aborted about 1 run in 6: "terminate called without an active
+    # exception")
+    del ddp, optimizer
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
