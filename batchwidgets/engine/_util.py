@@ -51,7 +51,9 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 
 def leaves(batch: Any) -> Iterator[Any]:
     """What a batch holds below its mappings, lists and tuples (nested), in order."""
-    if isinstance(batch, Mapping):
+    if isinstance(batch, torch.Tensor):  # first: a Mapping check is an ABC's, and slower
+        yield batch
+    elif isinstance(batch, Mapping):
         for value in batch.values():
             yield from leaves(value)
     elif isinstance(batch, (list, tuple)):

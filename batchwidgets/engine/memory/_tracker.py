@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 from .._state import makes_weakref_callbacks
+from .._util import leaves
 
 
 class BudgetExceededError(torch.OutOfMemoryError):
@@ -33,32 +34,18 @@ class BudgetExceededError(torch.OutOfMemoryError):
 
 def unique_tensors(tensors: Iterable[object]) -> Iterator[torch.Tensor]:
     """The strided tensors holding the data in a nested structure: a sparse COO tensor (as
-    ``nn.Embedding(sparse=True)`` makes for gradients) stands for its indices and values."""
-    for item in _leaves(tensors):
-        if not isinstance(item, torch.Tensor):
-            continue
-        if item.layout == torch.strided:
-            yield item
-        elif item.layout == torch.sparse_coo:
-            yield from (item._indices(), item._values())
-
-
-def _leaves(tree: object) -> Iterator[object]:
-    """The leaves of lists, tuples (named ones too) and dicts, walked directly: every op's
-    arguments pass here, and pytree's general walk was a quarter of a fake 8B plan's time.
-    Other registered pytree classes go through ``tree_flatten``."""
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            yield from _leaves(item)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _leaves(item)
-    elif type(tree) in SUPPORTED_NODES:
-        yield from tree_flatten(tree)[0]
-    else:
-        yield tree  # a leaf: a number, a dtype, a device
+    ``nn.Embedding(sparse=True)`` makes for gradients) stands for its indices and values.
+    Every op's arguments pass here: the batch walker of _util.py walks lists, tuples and dicts
+    directly (pytree's general flatten was a quarter of a fake 8B plan's time); another
+    registered pytree class is flattened by pytree."""
+    for leaf in leaves(list(tensors)):
+        for item in tree_flatten(leaf)[0] if type(leaf) in SUPPORTED_NODES else (leaf,):
+            if not isinstance(item, torch.Tensor):
+                continue
+            if item.layout == torch.strided:
+                yield item
+            elif item.layout == torch.sparse_coo:
+                yield from (item._indices(), item._values())
 
 
 class TensorMemoryTracker(TorchDispatchMode):
