@@ -73,14 +73,19 @@ def check_arguments(model: Any, make_batch: Any = None, *, step: Any = None, seq
 _RESTORED = ("state_dict", "load_state_dict")  # how the probe puts a scaler or scheduler back
 
 
+def has_meta_tensors(model: Any) -> bool:
+    """A model built on the meta device (any of its parameters or buffers)."""
+    return isinstance(model, torch.nn.Module) and any(
+        t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
 def _check_trace(model: Any, target: Any, trace: str | None, step: Any) -> None:
     """trace= and a model built on the meta device: what can be planned, and how."""
     if trace is not None and trace not in TRACES:
         raise ValueError(f"trace should be one of {list(TRACES)} or None, but got "
                          f"trace={trace!r}; 'fake' traces on fake tensors (nothing runs), "
                          f"'real' runs real steps.")
-    on_meta = isinstance(model, torch.nn.Module) and any(
-        t.is_meta for t in (*model.parameters(), *model.buffers()))
+    on_meta = has_meta_tensors(model)
     if on_meta and target is None:
         raise ValueError("target should name a GPU to plan for when the model is on the meta "
                          "device (it has no weights to run here), but got target=None; pass "

@@ -174,9 +174,3 @@ def _where_it_failed(meter: Any) -> Iterator[None]:
         where = meter._where.module() if getattr(meter, "_where", None) is not None else "the step"
         raise FakeTraceError(str(func) if func is not None else type(error).__name__, where,
                              error) from error
-
-
-def has_meta_tensors(model: Any) -> bool:
-    """A model built on the meta device (any of its parameters or buffers)."""
-    return isinstance(model, torch.nn.Module) and any(
-        t.is_meta for t in (*model.parameters(), *model.buffers()))

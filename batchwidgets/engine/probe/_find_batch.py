@@ -26,7 +26,8 @@ from .._state import InterruptGuard, TrainingState, restore_home
 from .._types import Amp, ProbeStep, ShouldStop, Trace, progress
 from .._util import first_line
 from . import _search, _what_if
-from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step, has_meta_tensors
+from ._checks import has_meta_tensors
+from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step
 from ._loop import Search, planned
 from ._plan import ProbePlan, resolve
 from ._ranks import agree_limit
@@ -224,13 +225,14 @@ def _searched(plan: ProbePlan) -> tuple[ProbePlan, Search]:
     try:
         return plan, _search_guarded(plan)
     except Exception as error:
-        if isinstance(error, FakeTraceError) and has_meta_tensors(plan.model):
+        on_meta = has_meta_tensors(plan.model)
+        if isinstance(error, FakeTraceError) and on_meta:
             raise ValueError(
                 f"model should run on fake tensors to be planned from the meta device, but "
                 f"{error.op} in {error.module} reads a value back or makes a shape from data; "
                 f"build the model on a real device (it is then traced by real steps), or avoid "
                 f"that op (e.g. pass attention_mask, labels of a fixed shape).") from error
-        if has_meta_tensors(plan.model):
+        if on_meta:
             raise
         reason = str(error) if isinstance(error, FakeTraceError) else first_line(error)
         notes = (*plan.notes, f"Traced by real steps: {reason}.")
