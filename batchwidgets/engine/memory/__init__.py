@@ -7,6 +7,8 @@
 - ``_allocator.py``  a model of PyTorch's CUDA caching allocator; replaying a trace through it
 - ``_simulated.py``  a simulated CUDA device over CPU tensors, with a target's workspaces
 - ``_targets.py``    the GPUs a plan may target, and their memory less the CUDA context
+- ``_kernels.py``    what a CUDA target's kernels keep where the CPU's keep more: dropout,
+                     attention, the foreach optimizer step
 - ``_meters.py``     the probe's meters: CUDA's allocator, or the tracker on the CPU and MPS
 
 It imports the shared modules beside it and nothing of the capabilities.

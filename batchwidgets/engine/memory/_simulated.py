@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._state import makes_weakref_callbacks
 from ._allocator import KIB, MIB, WORKSPACE_FREE_FRACTION, CachingAllocatorModel, Event
+from ._kernels import cuda_kernels
 from ._meters import (
     CudaMeter,
     Reading,
@@ -36,6 +37,7 @@ from ._meters import (
     make_meter,
     tracing,
 )
+from ._targets import GPU_CAPABILITY, SIZE_CAPABILITY
 from ._tracker import unique_tensors
 
 # NOTE [ Workspaces of the simulated device ]
@@ -74,6 +76,9 @@ class Workspaces:
     """Sizes of the simulated workspaces (NOTE [ Workspaces of the simulated device ])."""
 
     cublas_bytes: int = 4096 * KIB * 2 + 16 * KIB * 8  # PyTorch's default CUBLAS_WORKSPACE_CONFIG
+    cublas_threads: int = 1  # handles, each with its workspace: 2 on a GPU, whose backward runs
+    # on the autograd engine's own thread (measured on an H100: 2 x 32 MiB)
+    cublaslt_bytes: int = 0  # cuBLASLt's, made at the first product with a bias (1 MiB measured)
     conv_ratio: float = 1.0  # a convolution wants this times its input (gradient), in bytes
     conv_free_fraction: float = WORKSPACE_FREE_FRACTION  # at most this share of the largest
     # free block
@@ -93,7 +98,7 @@ class _SimulatedDevice(TorchDispatchMode):
         self.allocator, self.workspaces = allocator, workspaces
         self.log: list[Event] | None = None
         self.live: dict[int, int] = {}  # key -> requested bytes
-        self.cublas: tuple[int, Any] | None = None
+        self.cublas: dict[int | str, tuple[int, Any]] = {}  # see _blas_workspaces
         self._keys = iter(range(1, 2**62))
         self._storages: dict[int, tuple[weakref.ref, int, tuple[int, Any]]] = {}
         self._busy = False
@@ -152,11 +157,23 @@ class _SimulatedDevice(TorchDispatchMode):
                 self._free(known[2])
         return release
 
+    def _blas_workspaces(self, name: str) -> None:
+        """cuBLAS's workspace of the thread (forward; backward on a GPU's autograd thread) and
+        cuBLASLt's, each made at its first product and kept for good."""
+        spaces = self.workspaces
+        thread = (1 if spaces.cublas_threads > 1
+                  and torch._C._current_autograd_node() is not None else 0)
+        if spaces.cublas_bytes > 0 and thread not in self.cublas:
+            self.cublas[thread] = self._malloc(spaces.cublas_bytes)
+        if name in ("addmm", "_addmm_activation") and spaces.cublaslt_bytes > 0 \
+                and "lt" not in self.cublas:
+            self.cublas["lt"] = self._malloc(spaces.cublaslt_bytes)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in MATMUL_OPS and self.cublas is None and self.workspaces.cublas_bytes > 0:
-            self.cublas = self._malloc(self.workspaces.cublas_bytes)  # kept for good
+        if name in MATMUL_OPS:
+            self._blas_workspaces(name)
         out = func(*args, **kwargs)
         # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
         inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
@@ -274,16 +291,19 @@ class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
     allocator_model = True  # the probe predicts through _allocator.largest_batch_size
 
     def __init__(self, device: torch.device | str, budget_bytes: int | None, *,
-                 workspaces: Workspaces = Workspaces()) -> None:
+                 workspaces: Workspaces = Workspaces(),
+                 capability: tuple[int, int] | None = None) -> None:
         super().__init__(device, budget_bytes, workspaces=workspaces)
+        self.capability = capability  # a target's: its kernels run (see _kernels.py)
         self._tracker: TracingTracker | None = None
         self._where: _Where | None = None
 
     def warm_up(self) -> None:
-        """The cuBLAS workspace, made once, as CudaMeter.warm_up makes the real one."""
-        with SimulatedCudaMeter.measure(self, []), torch.no_grad():
-            a = torch.ones(2, 2)
-            torch.mm(a, a)
+        """The cuBLAS and cuBLASLt workspaces (the backward's too), made once, as
+        CudaMeter.warm_up makes the real ones."""
+        with SimulatedCudaMeter.measure(self, []):
+            a = torch.ones(2, 2, requires_grad=True)
+            torch.addmm(a, a, a).sum().backward()
 
     def end_forward_backward(self) -> None:
         super().end_forward_backward()
@@ -297,11 +317,12 @@ class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
         del trace  # always: the tracker runs on the CPU anyway
         held = tracked()
         self._where = _Where()
+        kernels = nullcontext() if self.capability is None else cuda_kernels(self.capability)
         with SimulatedCudaMeter.measure(self, held) as reading:
             tracker = self._tracker = TracingTracker(self.device, None, held, self._where)
             held.clear()  # see TensorMeter.measure: a kept list would pin freed gradients
             try:
-                with tracing(tracker, self._where):
+                with tracing(tracker, self._where), kernels:
                     yield reading
             finally:
                 reading.live_bytes = self.allocator.allocated_bytes
@@ -331,12 +352,18 @@ def simulated_workspaces() -> Workspaces | None:
     return _SIMULATED
 
 
+def target_capability(name: str) -> tuple[int, int]:
+    """The compute capability of a target (a size: an Ampere-or-newer GPU)."""
+    return GPU_CAPABILITY.get(name, SIZE_CAPABILITY)
+
+
 def target_workspaces(name: str) -> Workspaces:
     """The workspaces of a target: cuBLAS takes 32 MiB on Hopper (H100, H200), 8 MiB + 128 KiB
     elsewhere (NOTE [ Workspaces of the simulated device ])."""
-    if name.startswith(("H100", "H200")):
-        return Workspaces(cublas_bytes=32 * MIB)
-    return Workspaces()
+    hopper = name.startswith(("H100", "H200")) or name not in GPU_CAPABILITY  # a size: the
+    # larger workspaces, so that the plan errs low
+    return Workspaces(cublas_bytes=32 * MIB if hopper else Workspaces.cublas_bytes,
+                      cublas_threads=2, cublaslt_bytes=1 * MIB)
 
 
 def probe_meter(device: torch.device, budget_bytes: int | None,
@@ -345,7 +372,8 @@ def probe_meter(device: torch.device, budget_bytes: int | None,
     (``target``, the GPU's name), the simulated device inside ``simulated_cuda()`` on the CPU
     (tests), else the device's own (``make_meter``)."""
     if target is not None:
-        return ProbeMeter(device, None, workspaces=target_workspaces(target))
+        return ProbeMeter(device, None, workspaces=target_workspaces(target),
+                          capability=target_capability(target))
     if device.type == "cpu" and _SIMULATED is not None:  # tests: see simulated_cuda
         return ProbeMeter(device, budget_bytes, workspaces=_SIMULATED)
     return make_meter(device, budget_bytes)

@@ -37,6 +37,13 @@ GPU_TARGETS: dict[str, int] = {
     "H200": 143_156 * MIB,  # H200 (141 GB HBM3e), torch printout
 }
 CUDA_CONTEXT_BYTES = 512 * MIB
+# Compute capability, for the kernels a plan models (NOTE [ The target's kernels ] in
+# _kernels.py); a target given as a size is taken as an Ampere-or-newer data-centre GPU.
+GPU_CAPABILITY: dict[str, tuple[int, int]] = {
+    "T4": (7, 5), "L4": (8, 9), "A10G": (8, 6), "V100-16GB": (7, 0), "V100-32GB": (7, 0),
+    "A100-40GB": (8, 0), "A100-80GB": (8, 0), "H100-80GB": (9, 0), "H200": (9, 0),
+}
+SIZE_CAPABILITY = (8, 0)
 _FAMILIES = {"v100": "V100-16GB", "a100": "A100-40GB", "h100": "H100-80GB"}  # smallest variant
 
 
