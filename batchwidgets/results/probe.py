@@ -172,8 +172,9 @@ class BatchSizeReport:
     seq_len: int | None = None
     what_if: tuple[WhatIf, ...] = ()
     target: str | None = None  # find_batch(..., target=): the GPU the answer is predicted for
-    # the predicted max_batch_size's band on the target: workspaces as the simulated device sizes
-    # them (the answer, the low end) up to tensors alone (the high end)
+    # the predicted max_batch_size's band on the target: from the answer times the lowest ratio of
+    # true boundary to plan recorded on a real GPU (0.95) up to the tensors alone, without
+    # convolution workspaces (see NOTE [ The band of a plan, from the evidence ] in probe/_loop.py)
     target_band: tuple[int, int] | None = None
     # what the answer rests on: "real" steps, or a "fake" trace (FakeTensorMode: shapes, no
     # compute, no memory) of the small sizes that a target's prediction is made from

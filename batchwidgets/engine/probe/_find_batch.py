@@ -75,7 +75,8 @@ def _nothing_fits_on_target(report: BatchSizeReport) -> str:
             ("weights", split.parameters_bytes), ("gradients", split.gradients_bytes),
             ("optimizer state", split.optimizer_bytes)) if value)
         held = (f"the model's states alone ({parts}) need {gb(states)}" if states > usable
-                else f"batch size 1 needs more than the states' {gb(states)} ({parts}) leave")
+                else f"batch size 1 needs more than the states' {gb(states)} ({parts or 'none'}) "
+                     f"and the GPU libraries' workspaces (cuBLAS: 65 MiB on a Hopper) leave")
     return (f"No batch size fits on {report.target} (predicted, not run): {held}, of "
             f"{gb(usable)} usable. Try training in bf16 (model.to(torch.bfloat16)), freezing "
             f"the base weights (requires_grad=False, as LoRA does), an optimizer with less "
