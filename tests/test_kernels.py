@@ -170,6 +170,6 @@ def test_the_recorded_h100_boundaries_lie_in_the_plans_band(build, make_batch, t
     report = bw.find_batch(model, make_batch, loss_fn=F.cross_entropy, optimizer=optimizer,
                            target="8GiB")
     low, high = report.target_band
-    assert low <= truth <= report.max_batch_size <= high
-    assert report.max_batch_size <= 1.06 * truth  # 4-5% above: what the rules do not model
+    assert low <= truth <= high
+    assert truth - 2 <= report.max_batch_size <= 1.05 * truth  # the encoder's: 4% above
     assert report.recommended_batch_size < truth

@@ -173,7 +173,7 @@ class BatchSizeReport:
     what_if: tuple[WhatIf, ...] = ()
     target: str | None = None  # find_batch(..., target=): the GPU the answer is predicted for
     # the predicted max_batch_size's band on the target: from the answer times the lowest ratio of
-    # true boundary to plan recorded on a real GPU (0.95) up to the tensors alone, without
+    # true boundary to plan recorded on a real GPU (0.96) up to the tensors alone, without
     # convolution workspaces (see NOTE [ The band of a plan, from the evidence ] in probe/_loop.py)
     target_band: tuple[int, int] | None = None
     # what the answer rests on: "real" steps, or a "fake" trace (FakeTensorMode: shapes, no

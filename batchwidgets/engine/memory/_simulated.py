@@ -66,6 +66,14 @@ from ._tracker import unique_tensors
 # answer; and the recommendation keeps headroom (0.9 by default) below it, which absorbs a
 # boundary that moves by a few samples. The report's what-if row for expandable_segments says
 # how much of the edge is the allocator's segments rather than the tensors.
+# NOTE [ cuDNN's largest plan ]
+# Before a convolution runs, PyTorch's cuDNN path (aten/src/ATen/native/cudnn/Conv_v8.cpp,
+# generate_and_filter_plans) allocates the largest workspace of the plans cuDNN offers, halving it
+# until the allocation succeeds, and frees it; the plan then runs with its own. Among the plans is
+# an explicit GEMM over the unfolded input, whose workspace is the input times the kernel's area
+# (kh x kw): a target plan's convolution wants that much (``conv_unfold``), capped by the free
+# memory as before. On the wide CNN recorded on an H100 capped at 8 GiB (true boundary 641, seen
+# 641-643 between runs), the plan went from 672 (the input once) to 642.
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul",
                         "_addmm_activation"})
 CONV_OPS = frozenset({"convolution", "convolution_backward", "_convolution"})
@@ -80,6 +88,7 @@ class Workspaces:
     # on the autograd engine's own thread (measured on an H100: 2 x 32 MiB)
     cublaslt_bytes: int = 0  # cuBLASLt's, made at the first product with a bias (1 MiB measured)
     conv_ratio: float = 1.0  # a convolution wants this times its input (gradient), in bytes
+    conv_unfold: bool = False  # and times its kernel's area (NOTE [ cuDNN's largest plan ])
     conv_free_fraction: float = WORKSPACE_FREE_FRACTION  # at most this share of the largest
     # free block
 
@@ -183,9 +192,18 @@ class _SimulatedDevice(TorchDispatchMode):
                 self.count(tensor)
         first = next(unique_tensors([args]), None)  # the input, or the output's gradient
         if name in CONV_OPS and first is not None and self.workspaces.conv_ratio > 0:
-            wanted = int(self.workspaces.conv_ratio * first.numel() * first.element_size())
+            wanted = int(self.workspaces.conv_ratio * first.numel() * first.element_size()
+                         * (_kernel_area(name, args) if self.workspaces.conv_unfold else 1))
             self._free(self._malloc(wanted, self.workspaces.conv_free_fraction))
         return out
+
+
+def _kernel_area(name: str, args: tuple) -> int:
+    """kh x kw of a convolution's weight (an argument after the input, or the gradient and the
+    input), 1 where there is none."""
+    weight = args[2 if name == "convolution_backward" else 1] if len(args) > 2 else None
+    return (max(1, int(torch.Size(weight.shape[2:]).numel()))
+            if isinstance(weight, torch.Tensor) else 1)
 
 
 def record_events(run: Callable[[], object], *,
@@ -363,7 +381,7 @@ def target_workspaces(name: str) -> Workspaces:
     hopper = name.startswith(("H100", "H200")) or name not in GPU_CAPABILITY  # a size: the
     # larger workspaces, so that the plan errs low
     return Workspaces(cublas_bytes=32 * MIB if hopper else Workspaces.cublas_bytes,
-                      cublas_threads=2, cublaslt_bytes=1 * MIB)
+                      cublas_threads=2, cublaslt_bytes=1 * MIB, conv_unfold=True)
 
 
 def probe_meter(device: torch.device, budget_bytes: int | None,
