@@ -29,7 +29,8 @@ from ._trials import model_step
 # the simulated CUDA device's storages do: fake CUDA tensors through autograd or SDPA abort a
 # CPU-only build of PyTorch. The model's parameters and buffers get fake twins (the same shapes,
 # dtypes, strides and requires_grad: a frozen weight gets no gradient and no optimizer state) and
-# the optimizer a shallow copy over them, its state faked from the real state's shapes;
+# the optimizer a shallow copy over them, its state faked from the real state's shapes (one
+# fake tensors cannot step: NOTE [ Optimizer state by shape ] in _optimizer_shapes.py);
 # ``functional_call`` runs the user's module on the twins. An op fake tensors cannot run (a value
 # read back to Python: .item(), nonzero, a branch on a tensor) raises FakeTraceError, naming the
 # op and the module; a real model is then traced by real steps, a meta model cannot be.
