@@ -222,3 +222,21 @@ def test_on_a_real_model_it_is_traced_by_real_steps_and_says_why():
                            target="96MiB")
     assert report.trace == "real"
     assert "Traced by real steps: optimizer should step on fake tensors" in report.method
+
+
+def test_bitsandbytes_adam8bit_is_planned_as_real_steps_plan_it():
+    """The real thing, where it installs (bitsandbytes >= 0.45 steps on the CPU): uint8 moments,
+    float32 block scales and a fixed 256-entry quantization map per parameter; parameters under
+    its 4096-element floor keep float32 moments, which the tiny copy (4096 and up) does not see:
+    the state planned is that much lower (0.5% here), the answer the same."""
+    bnb = pytest.importorskip("bitsandbytes")
+    model = mlp()
+    fake = bw.find_batch(model, vectors, loss_fn=CE, optimizer=bnb.optim.Adam8bit(
+        model.parameters()), target="96MiB")
+    real = bw.find_batch(model, vectors, loss_fn=CE, optimizer=bnb.optim.Adam8bit(
+        model.parameters()), target="96MiB", trace="real")
+    assert fake.trace == "fake"
+    assert fake.max_batch_size == real.max_batch_size > 0
+    assert fake.memory_split.optimizer_bytes == pytest.approx(
+        real.memory_split.optimizer_bytes, rel=0.01)
+    assert "qmap1 256 float32" in fake.method
