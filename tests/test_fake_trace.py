@@ -253,3 +253,22 @@ def test_the_plot_of_a_target_plan_draws_the_targets_curve_and_names_it():
     assert memory_ax.get_title() == f"memory on T4 (predicted): max batch {report.max_batch_size}"
     curve = next(line for line in memory_ax.lines if line.get_label() == "predicted on T4")
     assert list(curve.get_xdata()) == [size for size, _ in report.target_peaks]
+
+
+def test_the_what_ifs_of_a_meta_model_are_planned_as_those_of_the_same_model_on_the_cpu():
+    """bf16, activation checkpointing, another optimizer: every row planned for the target on
+    fake tensors (predicted: nothing ran), the meta model never materialised or changed."""
+    with torch.device("meta"):
+        meta = Encoder()
+    params = list(meta.parameters())
+    planned = bw.find_batch(meta, tokens, loss_fn=CE, target="256MiB", what_if=True)
+    on_cpu = bw.find_batch(Encoder(), tokens, loss_fn=CE, target="256MiB", what_if=True)
+    rows = {row.name: row.max_batch_size for row in planned.what_if}
+    assert rows == {row.name: row.max_batch_size for row in on_cpu.what_if}
+    assert {"bf16", "fp16", "SGD without momentum (no optimizer state)", "foreach=False",
+            "checkpoint layer.self_attn (MultiheadAttention)"} <= set(rows)
+    assert rows["bf16"] > planned.max_batch_size > 0  # half the activations' bytes
+    assert rows["checkpoint layer.self_attn (MultiheadAttention)"] > planned.max_batch_size
+    assert not any(row.measured for row in planned.what_if)
+    assert list(meta.parameters()) == params
+    assert all(p.is_meta and p.grad is None for p in params)

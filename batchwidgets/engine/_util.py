@@ -84,8 +84,11 @@ def default_device(model: Any = None) -> torch.device:
         return first.device if first is not None else torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    accelerator = torch.accelerator.current_accelerator() if has_accelerator() else None
-    return torch.device(accelerator.type) if accelerator is not None else torch.device("cpu")
+    if not has_accelerator():
+        return torch.device("cpu")
+    if not hasattr(torch, "accelerator"):  # torch < 2.6 (the floor is 2.4): MPS or XPU
+        return torch.device("mps" if torch.backends.mps.is_available() else "xpu")
+    return torch.device(torch.accelerator.current_accelerator().type)
 
 
 def usable_device(device: torch.device | str) -> torch.device:
@@ -111,7 +114,12 @@ def usable_device(device: torch.device | str) -> torch.device:
 
 
 def has_accelerator() -> bool:
-    return torch.accelerator.is_available()
+    """An accelerator (CUDA, MPS, XPU, ...) is present; torch.accelerator from torch 2.6 on,
+    the three it would name before (pyproject's floor is torch 2.4)."""
+    if hasattr(torch, "accelerator"):
+        return torch.accelerator.is_available()
+    return (torch.cuda.is_available() or torch.backends.mps.is_available()
+            or (hasattr(torch, "xpu") and torch.xpu.is_available()))
 
 
 def world_size() -> int:

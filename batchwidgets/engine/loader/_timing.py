@@ -31,8 +31,10 @@ def synchronize(device: torch.device) -> None:
         event = torch.cuda.Event()
         event.record()
         event.synchronize()
-    elif device.type != "cpu":
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
         torch.accelerator.synchronize(device)
+    elif device.type != "cpu":  # torch < 2.6 (the floor is 2.4): torch.mps, torch.xpu
+        getattr(torch, device.type).synchronize()
 
 
 def _size(batch: Any) -> tuple[int, int]:

@@ -180,7 +180,7 @@ class TracingTracker(TensorMemoryTracker):
         finally:
             if self._batch_peak is not None:
                 self._batch_peak = max(self._batch_peak, self.live_bytes)
-            else:
+            elif func is not torch.ops.prim.device.default:  # torch < 2.6 fakes: uneven counts
                 trace = self.trace
                 trace.names.append(str(func))
                 trace.live.append(self.live_bytes)

@@ -6,9 +6,11 @@
 - ``_trials.py``      the step each size runs, and one size's steps measured
 - ``_fake.py``        fake trials: the step on fake tensors, for a plan (meta models too)
 - ``_loop.py``        the search loop: run, fit the per-op model, ask the policy; target plans
+- ``_optimizer_shapes.py``  optimizer state by shape: a tiny copy's real step, when fakes cannot
 - ``_search.py``      the pure search policy: which batch size next
 - ``_ranks.py``       one outcome for every rank under torch.distributed
-- ``_what_if.py``     the largest batch under a change, predicted from the trace or measured
+- ``_what_if.py``     the largest batch under a change, predicted from the trace or measured;
+  a target plan's rows, each planned again (on a meta model too)
 
 It imports ``memory`` and the shared modules; nothing of accumulate, noise or loader.
 """

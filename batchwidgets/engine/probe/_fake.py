@@ -17,6 +17,7 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
+from ._optimizer_shapes import StandIn, StateRule
 from ._trials import model_step
 
 # NOTE [ Fake trials ]
@@ -28,7 +29,8 @@ from ._trials import model_step
 # the simulated CUDA device's storages do: fake CUDA tensors through autograd or SDPA abort a
 # CPU-only build of PyTorch. The model's parameters and buffers get fake twins (the same shapes,
 # dtypes, strides and requires_grad: a frozen weight gets no gradient and no optimizer state) and
-# the optimizer a shallow copy over them, its state faked from the real state's shapes;
+# the optimizer a shallow copy over them, its state faked from the real state's shapes (one
+# fake tensors cannot step: NOTE [ Optimizer state by shape ] in _optimizer_shapes.py);
 # ``functional_call`` runs the user's module on the twins. An op fake tensors cannot run (a value
 # read back to Python: .item(), nonzero, a branch on a tensor) raises FakeTraceError, naming the
 # op and the module; a real model is then traced by real steps, a meta model cannot be.
@@ -44,7 +46,13 @@ class FakeTraceError(RuntimeError):
 
 
 def fake_mode() -> FakeTensorMode:
-    """Real tensors a make_batch slices or collates become fake constants as they meet an op."""
+    """Real tensors a make_batch slices or collates become fake constants as they meet an op.
+    FakeTensorMode's dispatch cache is shared by every mode in the process; entries an earlier
+    plan left made a later one's trial free 4 storages more at one size than at the other (a
+    second plan with SGD without momentum could not be scaled), so each plan starts it empty."""
+    clear = getattr(FakeTensorMode, "cache_clear", None)
+    if clear is not None:
+        clear()
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
@@ -58,7 +66,9 @@ class FakeWorld:
     trial starts from (``restore()`` puts it back, as ``TrainingState`` does for real trials)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 mode: FakeTensorMode) -> None:
+                 mode: FakeTensorMode, rule: StateRule | None = None) -> None:
+        """``rule``: the optimizer's state learned by shape, when it cannot be faked as it is
+        (NOTE [ Optimizer state by shape ] in _optimizer_shapes.py)."""
         self.model, self.mode = model, mode
         scalars = _host_scalars(optimizer)  # read before the fake mode: they are real
         with mode:
@@ -66,7 +76,8 @@ class FakeWorld:
                            for name, p in model.named_parameters()}
             self.buffers = {name: _fake_like(b) for name, b in model.named_buffers()}
             twins = {id(p): self.params[name] for name, p in model.named_parameters()}
-            self.optimizer = _fake_optimizer(optimizer, twins, scalars)
+            self.optimizer = (_fake_optimizer(optimizer, twins, scalars) if rule is None
+                              else StandIn(optimizer, twins, rule))
             # gradients the user holds: a real trial accumulates into them (and frees them)
             self._grads = {name: _fake_like(p.grad) for name, p in model.named_parameters()
                            if p.grad is not None}

@@ -29,6 +29,7 @@ from . import _search, _what_if
 from ._checks import has_meta_tensors
 from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step
 from ._loop import Search, planned
+from ._optimizer_shapes import OptimizerStateError, StateRule, state_rule
 from ._plan import ProbePlan, resolve
 from ._ranks import agree_limit
 from ._trials import Marks, OnStep, Trainer, model_step, moved, state_tensors
@@ -210,6 +211,13 @@ def _probe(plan: ProbePlan) -> BatchSizeReport:
         report = planned(report, search, *plan.target)
         if report.max_batch_size == 0 and report.stop_reason != "stopped":
             raise NoBatchSizeFits(report)
+        if plan.what_if and plan.model is not None:  # each row planned, never measured
+            modules = {name: type(module).__name__ for name, module in
+                       plan.model.named_modules() if name}
+            report = dataclasses.replace(report, what_if=_what_if.for_target(
+                search.model, report.max_batch_size, plan.target[1],
+                lambda **change: _probe(plan.with_change(**change)), plan.optimizer, plan.amp,
+                multiple_of=plan.multiple_of, ceiling=plan.ceiling, modules=modules))
         return report
     rows = _predicted_what_ifs(plan, report, search)
     if plan.what_if and plan.model is not None:
@@ -224,7 +232,10 @@ def _searched(plan: ProbePlan) -> tuple[ProbePlan, Search]:
     if plan.trace == "real":
         return plan, _search_guarded(plan)
     try:
-        return plan, _search_guarded(plan)
+        rule = state_rule(plan.optimizer)  # see NOTE [ Optimizer state by shape ]
+        planned_plan = plan if rule is None else dataclasses.replace(
+            plan, notes=(*plan.notes, rule.note))
+        return planned_plan, _search_guarded(planned_plan, rule)
     except Exception as error:
         on_meta = has_meta_tensors(plan.model)
         if isinstance(error, FakeTraceError) and on_meta:
@@ -235,13 +246,14 @@ def _searched(plan: ProbePlan) -> tuple[ProbePlan, Search]:
                 f"that op (e.g. pass attention_mask, labels of a fixed shape).") from error
         if on_meta:
             raise
-        reason = str(error) if isinstance(error, FakeTraceError) else first_line(error)
+        reason = (str(error).rstrip(".") if isinstance(error, (FakeTraceError, OptimizerStateError))
+                  else first_line(error))
         notes = (*plan.notes, f"Traced by real steps: {reason}.")
         plan = dataclasses.replace(plan, trace="real", notes=notes)
         return plan, _search_guarded(plan)
 
 
-def _search_guarded(plan: ProbePlan) -> Search:
+def _search_guarded(plan: ProbePlan, rule: StateRule | None = None) -> Search:
     """Enter the meter and the state guard, run the search; every trial starts from the user's
     state, and the user's state comes back however it ends (NOTE [ Restoring under Ctrl-C ] in
     engine/_state.py). A fake trace touches none of the user's tensors: only the modes, RNGs
@@ -255,7 +267,8 @@ def _search_guarded(plan: ProbePlan) -> Search:
     search = trainer = None
     try:
         with meter.capped():
-            trainer = _fake_trainer(plan, meter) if fake else _trainer(plan, meter, home_state)
+            trainer = (_fake_trainer(plan, meter, rule) if fake
+                       else _trainer(plan, meter, home_state))
             limit_bytes = agree_limit(meter.limit_bytes)
             meter.warm_up()
             search = Search(trainer, meter, start=plan.start, multiple_of=plan.multiple_of,
@@ -286,10 +299,10 @@ def _trainer(plan: ProbePlan, meter: Any, home_state: TrainingState) -> Trainer:
                    Marks(owned, plan.optimizer))
 
 
-def _fake_trainer(plan: ProbePlan, meter: Any) -> Trainer:
+def _fake_trainer(plan: ProbePlan, meter: Any, rule: StateRule | None) -> Trainer:
     """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ])."""
     mode = fake_mode()
-    world = FakeWorld(plan.model, plan.optimizer, mode)
+    world = FakeWorld(plan.model, plan.optimizer, mode, rule)
     return Trainer(fake_step(world, plan.make, plan.loss_fn, plan.amp, meter), meter, world,
                    plan.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
                    around=world.active)

@@ -30,8 +30,16 @@ def state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimize
     if optimizer is not None:  # a bare step's weights count too (the tracker counts each once)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         tensors += params + [p.grad for p in params if p.grad is not None]
-        tensors += [dict(s) for s in optimizer.state.values()]
+        tensors += state_values(optimizer)
     return tensors
+
+
+def state_values(optimizer: Any) -> list[dict]:
+    """Each parameter's optimizer state as the tensor walker reads it: a custom object's
+    attributes as a dict (its tensors are the state's too)."""
+    return [{key: vars(value) if hasattr(value, "__dict__") and not isinstance(
+                 value, torch.Tensor) else value for key, value in state.items()}
+            for state in optimizer.state.values()]
 
 
 # NOTE [ A second step only when the first left state behind ]
@@ -71,7 +79,7 @@ class Marks:
     def after_step(self, meter: Any) -> None:
         meter.mark([p.grad for p in self.params if p.grad is not None], "gradient")
         if self.optimizer is not None:
-            meter.mark([dict(state) for state in self.optimizer.state.values()], "optimizer")
+            meter.mark(state_values(self.optimizer), "optimizer")
 
 
 class Trainer:

@@ -13,6 +13,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Collection, Mapping
@@ -130,3 +131,20 @@ def measured(probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optim
         if sequential is not None:
             rows.append(_row("foreach=False", COSTS["foreach"], probe, optimizer=sequential))
     return rows
+
+
+def for_target(model: PeakModel | None, found: int, usable_bytes: int,
+               probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optimizer,
+               amp: str | None, *, multiple_of: int, ceiling: int,
+               modules: Mapping[str, str]) -> tuple[WhatIf, ...]:
+    """A target plan's what-ifs, every row predicted (nothing runs on the target): the per-op
+    model's rows against the tensor bytes at the target's answer ``found``, and each change
+    (bf16, fp16, SGD, foreach=False) planned again for the target by ``probe(**change)``, on
+    fake tensors as the plan was, so a meta model is never materialised or changed."""
+    rows = []
+    if model is not None:
+        rows += predicted(model, model.peak_bytes(found), multiple_of=multiple_of,
+                          ceiling=ceiling, modules=modules)
+        rows += expandable(model, usable_bytes, found, multiple_of=multiple_of, ceiling=ceiling)
+    return tuple(rows + [dataclasses.replace(row, measured=False, samples_per_s=None)
+                         for row in measured(probe, optimizer, amp)])
