@@ -148,8 +148,8 @@ OPTIMIZERS = [Adam8bit, ClippingSGD, ObjectAdam]
 def test_state_learned_on_a_tiny_copy_plans_what_real_steps_plan(optimizer):
     model = mlp()
     users = optimizer(model.parameters())
-    fake = bw.find_batch(model, vectors, loss_fn=CE, optimizer=users, target="96MiB")
-    real = bw.find_batch(model, vectors, loss_fn=CE, optimizer=users, target="96MiB",
+    fake = bw.find_batch(model, vectors, loss_fn=CE, optimizer=users, target="176MiB")
+    real = bw.find_batch(model, vectors, loss_fn=CE, optimizer=users, target="176MiB",
                          trace="real")
     assert fake.trace == "fake"
     assert real.trace == "real"
@@ -167,18 +167,18 @@ def test_a_meta_model_is_planned_with_them_as_the_same_model_on_the_cpu(optimize
     with torch.device("meta"):
         meta = mlp()
     planned = bw.find_batch(meta, vectors, loss_fn=CE, optimizer=optimizer(meta.parameters()),
-                            target="96MiB")
+                            target="176MiB")
     model = mlp()
     assert planned.max_batch_size == bw.find_batch(
         model, vectors, loss_fn=CE, optimizer=optimizer(model.parameters()),
-        target="96MiB").max_batch_size > 0
+        target="176MiB").max_batch_size > 0
     assert all(p.is_meta and p.grad is None for p in meta.parameters())
 
 
 def test_the_method_says_what_the_state_holds_per_parameter():
     model = mlp()
     report = bw.find_batch(model, vectors, loss_fn=CE, optimizer=Adam8bit(model.parameters()),
-                           target="96MiB")
+                           target="176MiB")
     assert ("float32 rank 2: m n uint8, m_absmax n/256 float32, v n uint8, v_absmax n/256 "
             "float32") in report.method
     assert "x the bytes of each parameter, one at a time" in report.method
@@ -191,8 +191,8 @@ def test_state_held_before_the_plan_is_planned_too_and_left_as_it_was():
     users.step()
     users.zero_grad()
     moments = [users.state[p]["moments"].exp_avg.clone() for p in model.parameters()]
-    fake = bw.find_batch(model, vectors, loss_fn=CE, optimizer=users, target="96MiB")
-    real = bw.find_batch(model, vectors, loss_fn=CE, optimizer=users, target="96MiB",
+    fake = bw.find_batch(model, vectors, loss_fn=CE, optimizer=users, target="176MiB")
+    real = bw.find_batch(model, vectors, loss_fn=CE, optimizer=users, target="176MiB",
                          trace="real")  # the moments counted from the start (they were not)
     assert fake.trace == "fake"
     assert fake.max_batch_size == real.max_batch_size > 0
@@ -206,7 +206,7 @@ def test_state_no_tiny_copy_can_scale_is_one_line_on_a_meta_model():
         meta = mlp()
     with pytest.raises(ValueError, match=r"^optimizer should") as info:
         bw.find_batch(meta, vectors, loss_fn=CE, optimizer=FactoredItem(meta.parameters()),
-                      target="96MiB")
+                      target="176MiB")
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("optimizer should step on fake tensors, or on a tiny CPU copy, "
@@ -219,7 +219,7 @@ def test_state_no_tiny_copy_can_scale_is_one_line_on_a_meta_model():
 def test_on_a_real_model_it_is_traced_by_real_steps_and_says_why():
     model = mlp()
     report = bw.find_batch(model, vectors, loss_fn=CE, optimizer=FactoredItem(model.parameters()),
-                           target="96MiB")
+                           target="176MiB")
     assert report.trace == "real"
     assert "Traced by real steps: optimizer should step on fake tensors" in report.method
 
@@ -232,9 +232,9 @@ def test_bitsandbytes_adam8bit_is_planned_as_real_steps_plan_it():
     bnb = pytest.importorskip("bitsandbytes")
     model = mlp()
     fake = bw.find_batch(model, vectors, loss_fn=CE, optimizer=bnb.optim.Adam8bit(
-        model.parameters()), target="96MiB")
+        model.parameters()), target="176MiB")
     real = bw.find_batch(model, vectors, loss_fn=CE, optimizer=bnb.optim.Adam8bit(
-        model.parameters()), target="96MiB", trace="real")
+        model.parameters()), target="176MiB", trace="real")
     assert fake.trace == "fake"
     assert fake.max_batch_size == real.max_batch_size > 0
     assert fake.memory_split.optimizer_bytes == pytest.approx(
