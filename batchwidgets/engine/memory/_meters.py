@@ -178,13 +178,17 @@ class TracingTracker(TensorMemoryTracker):
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         finally:
-            if self._batch_peak is not None:
-                self._batch_peak = max(self._batch_peak, self.live_bytes)
-            else:
-                trace = self.trace
-                trace.names.append(str(func))
-                trace.live.append(self.live_bytes)
-                trace.where.append(self._where())
+            self.record_op(func)
+
+    def record_op(self, func) -> None:
+        """The op's entry in the trace (after it ran or raised), or the batch's running peak."""
+        if self._batch_peak is not None:
+            self._batch_peak = max(self._batch_peak, self.live_bytes)
+        else:
+            trace = self.trace
+            trace.names.append(str(func))
+            trace.live.append(self.live_bytes)
+            trace.where.append(self._where())
 
 
 # NOTE [ Where the memory goes ]
@@ -203,13 +207,13 @@ class TracingTracker(TensorMemoryTracker):
 # marks the end of backward; the meter keeps that phase's peak apart, and the search fits on it.
 
 
-
 @contextmanager
-def tracing(tracker: TracingTracker, where: _Where) -> Iterator[None]:
-    """Run a step under ``tracker``, ``where`` naming the module of each op; a step that raises
-    leaves a trace marked incomplete (no prediction is fitted through it)."""
+def tracing(tracker: TracingTracker, where: _Where, mode: bool = True) -> Iterator[None]:
+    """Run a step under ``tracker`` (``mode=False``: another mode calls it), ``where`` naming the
+    module of each op; a step that raises leaves a trace marked incomplete (no prediction is
+    fitted through it)."""
     try:
-        with where.modules, tracker:
+        with where.modules, tracker if mode else nullcontext():
             yield
     except BaseException:
         tracker.trace.complete = False
@@ -376,15 +380,8 @@ class CudaMeter(_TracedSteps):
         tracker = TracingTracker(self.device, None, tracked(), self._where) if trace else None
         self._tracker = tracker
         try:
-            if tracker is None:
+            with tracing(tracker, self._where) if tracker is not None else nullcontext():
                 yield reading
-            else:
-                with self._where.modules, tracker:
-                    yield reading
-        except BaseException:
-            if tracker is not None:
-                tracker.trace.complete = False
-            raise
         finally:
             self._fold_peaks()
             reading.live_bytes = torch.cuda.memory_allocated(self.device)

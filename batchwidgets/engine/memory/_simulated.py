@@ -86,7 +86,8 @@ class _SimulatedDevice(TorchDispatchMode):
     """Sends every new CPU storage through ``allocator`` and frees it when the storage dies;
     storages that existed before, and views and in-place outputs of them, cost nothing new (the
     rules of ``TensorMemoryTracker``). While ``log`` is a list, every allocation and free is
-    written to it as trace events; ``live`` holds the allocations alive, oldest first."""
+    written to it as trace events; ``live`` holds the allocations alive, oldest first. While
+    ``tracker`` is set, this mode also does its work (NOTE [ One dispatch mode for two ])."""
 
     def __init__(self, allocator: CachingAllocatorModel, workspaces: Workspaces) -> None:
         super().__init__()
@@ -94,13 +95,14 @@ class _SimulatedDevice(TorchDispatchMode):
         self.log: list[Event] | None = None
         self.live: dict[int, int] = {}  # key -> requested bytes
         self.cublas: tuple[int, Any] | None = None
+        self.tracker: TracingTracker | None = None
         self._keys = iter(range(1, 2**62))
         self._storages: dict[int, tuple[weakref.ref, int, tuple[int, Any]]] = {}
         self._busy = False
         self._pending: list[tuple[int, Any]] = []  # frees that arrived inside a malloc (gc)
 
     def count(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cpu" or tensor.is_meta:
+        if tensor.device.type != "cpu":  # so not meta either (is_meta is an op on a fake)
             return
         storage = tensor.untyped_storage()
         key, nbytes = id(storage), storage.nbytes()
@@ -153,22 +155,42 @@ class _SimulatedDevice(TorchDispatchMode):
         return release
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name in MATMUL_OPS and self.cublas is None and self.workspaces.cublas_bytes > 0:
-            self.cublas = self._malloc(self.workspaces.cublas_bytes)  # kept for good
-        out = func(*args, **kwargs)
-        # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
-        inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
-        for tensor in unique_tensors([out]):
-            key = id(tensor.untyped_storage())
-            if key in self._storages or key not in inputs:
-                self.count(tensor)
-        first = next(unique_tensors([args]), None)  # the input, or the output's gradient
-        if name in CONV_OPS and first is not None and self.workspaces.conv_ratio > 0:
-            wanted = int(self.workspaces.conv_ratio * first.numel() * first.element_size())
-            self._free(self._malloc(wanted, self.workspaces.conv_free_fraction))
-        return out
+        tracker = self.tracker
+        try:
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if name in MATMUL_OPS and self.cublas is None and self.workspaces.cublas_bytes > 0:
+                self.cublas = self._malloc(self.workspaces.cublas_bytes)  # kept for good
+            out = func(*args, **kwargs)
+            # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
+            inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
+            outputs = list(unique_tensors([out]))
+            for tensor in outputs:
+                key = id(tensor.untyped_storage())
+                if key in self._storages or key not in inputs:
+                    self.count(tensor)
+            if name in CONV_OPS and self.workspaces.conv_ratio > 0:
+                first = next(unique_tensors([args]), None)  # the input, or the output's gradient
+                if first is not None:
+                    wanted = int(self.workspaces.conv_ratio * first.numel() * first.element_size())
+                    self._free(self._malloc(wanted, self.workspaces.conv_free_fraction))
+            if tracker is not None:
+                tracker.count_outputs(func, inputs, outputs)
+            return out
+        finally:
+            if tracker is not None:
+                tracker.record_op(func)
+
+
+# NOTE [ One dispatch mode for two ]
+# A probe on the simulated device traces every op twice over: the device's allocator and the
+# tracer's per-op trace. As two stacked dispatch modes, each op paid two mode switches and two
+# walks of its arguments and outputs, and the tracer's own tensor queries (is_meta is an op on a
+# fake tensor) went through the device below it: more than a quarter of a fake plan's time for a
+# Llama-3-8B shape. So ProbeMeter does not enter its TracingTracker as a mode: the device's mode
+# hands each op's input storages and outputs to it (``tracker``), in the order the two modes ran
+# (the device's allocations, then the tracer's count, its trace entry even when the op raises),
+# and both keep their own books as before.
 
 
 def record_events(run: Callable[[], object], *,
@@ -301,9 +323,11 @@ class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
             tracker = self._tracker = TracingTracker(self.device, None, held, self._where)
             held.clear()  # see TensorMeter.measure: a kept list would pin freed gradients
             try:
-                with tracing(tracker, self._where):
+                self._device.tracker = tracker  # see NOTE [ One dispatch mode for two ]
+                with tracing(tracker, self._where, mode=False):
                     yield reading
             finally:
+                self._device.tracker = None
                 reading.live_bytes = self.allocator.allocated_bytes
                 tracker.trace.events = self.events
                 tracker.trace.preallocated = list(self.preallocated)

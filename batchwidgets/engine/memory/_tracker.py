@@ -70,7 +70,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.baseline_bytes = self.live_bytes
 
     def _count(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != self.device.type or tensor.is_meta:
+        device = tensor.device.type  # not tensor.is_meta: on a fake tensor that is an op
+        if device != self.device.type or device == "meta":
             return
         storage = tensor.untyped_storage()
         key = id(storage)
@@ -99,12 +100,18 @@ class TensorMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.count_outputs(func, {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])},
+                           list(unique_tensors([out])))
+        return out
+
+    def count_outputs(self, func, inputs: set[int], outputs: list[torch.Tensor]) -> None:
+        """Count the new storages among an op's ``outputs`` (``inputs``: the ids of its inputs'
+        storages) and raise at the budget; a mode that runs the op calls this after it."""
         before = self.live_bytes
         # An output sharing an input's storage (a view, an in-place op) allocates nothing new. A
         # storage made before the block, such as a dataset tensor that make_batch slices, is not
         # the step's memory: counting it would charge the whole dataset to the first slice.
-        inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
-        for tensor in unique_tensors([out]):
+        for tensor in outputs:
             key = id(tensor.untyped_storage())
             if key in self._storages or key not in inputs:
                 self._count(tensor)
@@ -113,7 +120,6 @@ class TensorMemoryTracker(TorchDispatchMode):
                 f"{self.device.type.upper()} out of memory (batchwidgets budget): the step held "
                 f"{self.live_bytes} bytes of tensors after {func}, over the budget of "
                 f"{self.budget_bytes} bytes (tried to allocate {self.live_bytes - before} bytes).")
-        return out
 
 
 @contextmanager
