@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.module_tracker import ModuleTracker
 
 from .._state import makes_weakref_callbacks
 from ._budget import available_memory_bytes
 from ._trace import OpTrace
-from ._tracker import TensorMemoryTracker, unique_tensors
+from ._tracker import TensorMemoryTracker, _Where, unique_tensors
 
 CPU_DEFAULT_FRACTION = 0.5  # without a budget, the CPU probe may use half of the available RAM
 
@@ -28,25 +27,6 @@ class Reading:
     trace: OpTrace | None = None  # per op; see NOTE [ Every op's live bytes are affine ... ]
     live_bytes: int | None = None  # live bytes when the trial ended (or failed)
     split: tuple | None = None  # TracingTracker.split_at_peak() of a trial that ran
-
-
-class _Where:
-    """Where the step is: "forward of encoder.layer.0", "backward of ...", "optimizer step"."""
-
-    def __init__(self) -> None:
-        self.modules = ModuleTracker()
-        self.optimizer_phase = False
-
-    def module(self) -> str:
-        names = [name for name in self.modules.parents if name != "Global"]
-        deepest = max(names, key=lambda name: name.count("."), default="")
-        # ModuleTracker names modules "RootClass.child.grandchild": drop the root's class name
-        return deepest.split(".", 1)[1] if "." in deepest else (deepest or "the step")
-
-    def __call__(self) -> str:
-        if self.optimizer_phase:
-            return "optimizer step"
-        return f"{'backward' if self.modules.is_bw else 'forward'} of {self.module()}"
 
 
 def _saving_activations(tracker: TracingTracker | None) -> Any:
@@ -72,6 +52,7 @@ class TracingTracker(TensorMemoryTracker):
         self.trace: OpTrace | None = None
         super().__init__(device, budget_bytes, baseline)
         self.trace, self._where = OpTrace(), where
+        self._op_names: dict[Any, str] = {}  # str(func) once per op overload
         self._batch_peak: int | None = None  # while making the batch; see collapsed()
         # See NOTE [ Where the memory goes ]: storage key -> serial, serial -> lifetime
         self._serials: dict[int, int] = {}
@@ -185,8 +166,10 @@ class TracingTracker(TensorMemoryTracker):
         if self._batch_peak is not None:
             self._batch_peak = max(self._batch_peak, self.live_bytes)
         else:
-            trace = self.trace
-            trace.names.append(str(func))
+            trace, name = self.trace, self._op_names.get(func)
+            if name is None:
+                name = self._op_names[func] = str(func)
+            trace.names.append(name)
             trace.live.append(self.live_bytes)
             trace.where.append(self._where())
 

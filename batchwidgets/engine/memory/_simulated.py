@@ -32,11 +32,10 @@ from ._meters import (
     TensorMeter,
     TracingTracker,
     _TracedSteps,
-    _Where,
     make_meter,
     tracing,
 )
-from ._tracker import unique_tensors
+from ._tracker import _Where, unique_tensors
 
 # NOTE [ Workspaces of the simulated device ]
 # A GPU step allocates memory that is no tensor, through the same caching allocator:

@@ -1,5 +1,6 @@
 """The tensor-memory tracker: the bytes of tensor storages alive on one device, op by op, and
-out of memory at the op that passes a budget (how the CPU and MPS emulate a device's limit).
+out of memory at the op that passes a budget (how the CPU and MPS emulate a device's limit); and
+where in the step each op runs (``_Where``, for the per-op trace).
 
 Usage:
     >>> import torch
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
+from torch.utils.module_tracker import ModuleTracker
 
 from .._state import makes_weakref_callbacks
 from .._util import leaves
@@ -120,6 +122,32 @@ class TensorMemoryTracker(TorchDispatchMode):
                 f"{self.device.type.upper()} out of memory (batchwidgets budget): the step held "
                 f"{self.live_bytes} bytes of tensors after {func}, over the budget of "
                 f"{self.budget_bytes} bytes (tried to allocate {self.live_bytes - before} bytes).")
+
+
+class _Where:
+    """Where the step is: "forward of encoder.layer.0", "backward of ...", "optimizer step"."""
+
+    def __init__(self) -> None:
+        self.modules = ModuleTracker()
+        self.optimizer_phase = False
+        # asked at every op and every new storage: answered once per set of modules entered
+        self._deepest: dict[tuple, str] = {}
+
+    def module(self) -> str:
+        parents = tuple(self.modules.parents)
+        deepest = self._deepest.get(parents)
+        if deepest is None:
+            names = [name for name in parents if name != "Global"]
+            deepest = max(names, key=lambda name: name.count("."), default="")
+            # ModuleTracker names modules "RootClass.child.grandchild": drop the root's class name
+            deepest = self._deepest[parents] = deepest.split(".", 1)[1] if "." in deepest else (
+                deepest or "the step")
+        return deepest
+
+    def __call__(self) -> str:
+        if self.optimizer_phase:
+            return "optimizer step"
+        return f"{'backward' if self.modules.is_bw else 'forward'} of {self.module()}"
 
 
 @contextmanager
