@@ -162,8 +162,9 @@ class _SimulatedDevice(TorchDispatchMode):
                 self.cublas = self._malloc(self.workspaces.cublas_bytes)  # kept for good
             out = func(*args, **kwargs)
             # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
-            inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
-            outputs = list(unique_tensors([out]))
+            outputs = list(unique_tensors([out]))  # none at all for many (prim.device)
+            inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])} \
+                if outputs else set()
             for tensor in outputs:
                 key = id(tensor.untyped_storage())
                 if key in self._storages or key not in inputs:
