@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -84,19 +85,18 @@ class TracingTracker(TensorMemoryTracker):
         wanted = {"optimizer": "optimizer"}
         for module in sorted(saved, key=saved.get, reverse=True)[:top_modules]:
             wanted[f"activation of {module}"] = module
-        for part, key in wanted.items():
-            delta = [0] * (n + 1)
-            for serial, (born, freed, nbytes, module) in enumerate(self.lifetimes):
-                category = self.categories.get(serial)
-                if (category == key) if part == "optimizer" else (
-                        category == "activation" and module == key):
-                    delta[max(born, 0)] += nbytes
-                    delta[n if freed is None else min(freed, n)] -= nbytes
-            running, values = 0, []
-            for i in range(n):
-                running += delta[i]
-                values.append(running)
-            self.trace.parts[part] = values
+        deltas = {part: [0] * (n + 1) for part in wanted}  # one sweep files them all
+        parts_of = {module: part for part, module in wanted.items() if part != "optimizer"}
+        for serial, (born, freed, nbytes, module) in enumerate(self.lifetimes):
+            category = self.categories.get(serial)
+            part = "optimizer" if category == "optimizer" else (
+                parts_of.get(module) if category == "activation" else None)
+            if part is not None:
+                delta = deltas[part]
+                delta[max(born, 0)] += nbytes
+                delta[n if freed is None else min(freed, n)] -= nbytes
+        for part, delta in deltas.items():
+            self.trace.parts[part] = list(itertools.accumulate(delta[:n]))
 
     def finish(self, reading: Reading) -> None:
         """Hand the trial's trace to ``reading``, with the split and parts of a trial that ran."""
