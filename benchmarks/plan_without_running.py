@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -28,13 +29,18 @@ SHAPES = {
     "Llama-3.2-1B shape": (2048, 16, 32, 8, 8192, 128_256),
     "Llama-3-8B shape": (4096, 32, 32, 8, 14_336, 128_256),
 }
-# (shape, tokens, target, trace, frozen base, dtype); the real rows are what runs here
+# (shape, tokens, target, trace, frozen base, dtype); the real rows are what runs here: a real
+# trace of the 1B shape fits this machine's RAM with its base frozen, in bf16, at 256 tokens
 ROWS = [
     ("Llama 20M", 256, "T4", "real", False, "float32"),
     ("Llama 20M", 256, "T4", "fake", False, "float32"),
     ("Llama 125M", 256, "T4", "real", False, "float32"),
     ("Llama 125M", 256, "T4", "fake", False, "float32"),
+    ("Llama-3.2-1B shape", 256, "T4", "real", True, "bfloat16"),
+    ("Llama-3.2-1B shape", 256, "T4", "fake", True, "bfloat16"),
+    ("Llama 125M", 2048, "A100-80GB", "fake", True, "bfloat16"),
     ("Llama 125M", 2048, "A100-80GB", "fake", False, "bfloat16"),
+    ("Llama-3.2-1B shape", 2048, "A100-80GB", "fake", True, "bfloat16"),
     ("Llama-3.2-1B shape", 2048, "A100-80GB", "fake", False, "bfloat16"),
     ("Llama-3-8B shape", 2048, "A100-80GB", "fake", True, "bfloat16"),
     ("Llama-3-8B shape", 2048, "A100-80GB", "fake", False, "bfloat16"),
@@ -63,7 +69,7 @@ def make_batch(batch_size):
     ids = torch.randint(0, vocab, (batch_size, tokens))
     return {"input_ids": ids, "labels": ids}
 
-started = time.perf_counter()
+started, cpu_started = time.perf_counter(), time.process_time()
 try:
     report = bw.find_batch(model, make_batch, target=target, trace=trace)
     answer, band, error = report.max_batch_size, list(report.target_band), ""
@@ -71,8 +77,9 @@ try:
     states = (states.parameters_bytes, states.gradients_bytes, states.optimizer_bytes)
 except bw.NoBatchSizeFits as caught:
     answer, band, error, states = 0, [0, 0], str(caught), None
-seconds = time.perf_counter() - started
-print(json.dumps({"max_batch_size": answer, "band": band, "plan_s": seconds, "error": error,
+seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+print(json.dumps({"max_batch_size": answer, "band": band, "plan_s": seconds,
+                  "plan_cpu_s": cpu_seconds, "error": error,
                   "states_bytes": states,
                   "params": sum(p.numel() for p in model.parameters()),
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
@@ -91,11 +98,12 @@ def run(row: tuple) -> dict:
 
 def table(results: list[dict]) -> list[str]:
     lines = ["| model | params | tokens | dtype | base | target | trace | max batch | plan (s) "
-             "| peak RSS |", "|---|--:|--:|---|---|---|---|--:|--:|--:|"]
+             "| CPU (s) | peak RSS |", "|---|--:|--:|---|---|---|---|--:|--:|--:|--:|"]
     for r in results:
         lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['tokens']} | {r['dtype']} | "
                      f"{'frozen' if r['frozen_base'] else 'trained'} | {r['target']} | "
                      f"{r['trace']} | {r['max_batch_size']} | {r['plan_s']:.1f} | "
+                     f"{r['plan_cpu_s']:.1f} | "
                      f"{r['peak_rss_bytes'] / 2**30:.2f} GiB |")
     return lines
 
@@ -103,15 +111,22 @@ def table(results: list[dict]) -> list[str]:
 def agreement(results: list[dict]) -> list[str]:
     pairs = {}
     for r in results:
-        pairs.setdefault((r["shape"], r["tokens"], r["target"], r["dtype"]), {})[r["trace"]] = r
+        key = (r["shape"], r["tokens"], r["target"], r["dtype"], r["frozen_base"])
+        pairs.setdefault(key, {})[r["trace"]] = r
     lines = []
-    for (shape, tokens, target, _), both in pairs.items():
+    for (shape, tokens, target, dtype, frozen), both in pairs.items():
         if {"real", "fake"} <= set(both):
             real, fake = both["real"], both["fake"]
             ratio = fake["max_batch_size"] / real["max_batch_size"]
-            lines.append(f"- {shape}, {tokens} tokens, {target}: fake {fake['max_batch_size']} vs "
-                         f"real {real['max_batch_size']} ({ratio:.3f}x), fake trace "
-                         f"{real['plan_s'] / fake['plan_s']:.1f}x faster")
+            base = "frozen base" if frozen else "trained"
+            lines.append(f"- {shape}, {tokens} tokens, {dtype}, {base}, {target}: fake "
+                         f"{fake['max_batch_size']} vs real {real['max_batch_size']} "
+                         f"({ratio:.3f}x, "
+                         f"{'within' if abs(ratio - 1) <= 0.01 else 'NOT within'} 1%); plan "
+                         f"{fake['plan_s']:.1f} s vs {real['plan_s']:.1f} s (fake "
+                         f"{real['plan_s'] / fake['plan_s']:.1f}x faster), peak RSS "
+                         f"{fake['peak_rss_bytes'] / 2**30:.2f} vs "
+                         f"{real['peak_rss_bytes'] / 2**30:.2f} GiB")
     return lines
 
 
@@ -120,9 +135,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the small rows only")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    results = []
+    results, loads = [], [os.getloadavg()[0]]
     for row in QUICK if args.quick else ROWS:
         results.append(run(row))
+        loads.append(os.getloadavg()[0])
         print(table(results)[-1], flush=True)
     header = [
         "# Planning without running: fake-tensor traces of Llama shapes on this CPU", "",
@@ -134,6 +150,9 @@ def main() -> None:
         "for find_batch), zero_grad; a fake plan's model is built on the meta device, a real "
         "plan's on the CPU; each plan in a fresh process (peak RSS is its own)",
         "- frozen base: every weight but the last layer and lm_head has requires_grad=False",
+        f"- time: plan (s) is wall time, CPU (s) the plan process's own user + system time; the "
+        f"machine is shared (1-minute load average {min(loads):.1f}-{max(loads):.1f} on its "
+        f"{os.cpu_count()} cores during the rows), so wall time includes waiting for a core",
         "- regenerate: `python benchmarks/plan_without_running.py`", "",
     ]
     lines = [*header, *table(results), "", "Fake against real traces (same target):", "",

@@ -21,13 +21,12 @@ from batchwidgets.engine.memory._allocator import (
     scale_events,
 )
 from batchwidgets.engine.memory._simulated import (
-    NO_WORKSPACES,
     SimulatedCudaMeter,
-    Workspaces,
     preallocated_sizes,
     record_events,
 )
 from batchwidgets.engine.memory._targets import CUDA_CONTEXT_BYTES, GPU_TARGETS, parse_target
+from batchwidgets.engine.memory._workspaces import NO_WORKSPACES, Workspaces
 
 KIB = 1024
 

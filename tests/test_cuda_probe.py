@@ -12,12 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchwidgets as bw
-from batchwidgets.engine.memory._simulated import (
-    ProbeMeter,
-    Workspaces,
-    simulated_cuda,
-    target_workspaces,
-)
+from batchwidgets.engine.memory._simulated import ProbeMeter, simulated_cuda
+from batchwidgets.engine.memory._workspaces import Workspaces, target_workspaces
 
 MIB = 2**20
 

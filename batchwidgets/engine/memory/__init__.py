@@ -6,6 +6,7 @@
 - ``_trace.py``      the per-op trace of a step, and the peak model fitted on two of them
 - ``_allocator.py``  a model of PyTorch's CUDA caching allocator; replaying a trace through it
 - ``_simulated.py``  a simulated CUDA device over CPU tensors, with a target's workspaces
+- ``_workspaces.py`` cuBLAS's, cuBLASLt's and cuDNN's workspaces, and a target's
 - ``_targets.py``    the GPUs a plan may target, and their memory less the CUDA context
 - ``_kernels.py``    what a CUDA target's kernels keep where the CPU's keep more: dropout,
                      attention, the foreach optimizer step

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -10,12 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.module_tracker import ModuleTracker
 
 from .._state import makes_weakref_callbacks
 from ._budget import available_memory_bytes
 from ._trace import OpTrace
-from ._tracker import TensorMemoryTracker, unique_tensors
+from ._tracker import TensorMemoryTracker, _Where, unique_tensors
 
 CPU_DEFAULT_FRACTION = 0.5  # without a budget, the CPU probe may use half of the available RAM
 
@@ -28,25 +28,6 @@ class Reading:
     trace: OpTrace | None = None  # per op; see NOTE [ Every op's live bytes are affine ... ]
     live_bytes: int | None = None  # live bytes when the trial ended (or failed)
     split: tuple | None = None  # TracingTracker.split_at_peak() of a trial that ran
-
-
-class _Where:
-    """Where the step is: "forward of encoder.layer.0", "backward of ...", "optimizer step"."""
-
-    def __init__(self) -> None:
-        self.modules = ModuleTracker()
-        self.optimizer_phase = False
-
-    def module(self) -> str:
-        names = [name for name in self.modules.parents if name != "Global"]
-        deepest = max(names, key=lambda name: name.count("."), default="")
-        # ModuleTracker names modules "RootClass.child.grandchild": drop the root's class name
-        return deepest.split(".", 1)[1] if "." in deepest else (deepest or "the step")
-
-    def __call__(self) -> str:
-        if self.optimizer_phase:
-            return "optimizer step"
-        return f"{'backward' if self.modules.is_bw else 'forward'} of {self.module()}"
 
 
 def _saving_activations(tracker: TracingTracker | None) -> Any:
@@ -72,6 +53,7 @@ class TracingTracker(TensorMemoryTracker):
         self.trace: OpTrace | None = None
         super().__init__(device, budget_bytes, baseline)
         self.trace, self._where = OpTrace(), where
+        self._op_names: dict[Any, str] = {}  # str(func) once per op overload
         self._batch_peak: int | None = None  # while making the batch; see collapsed()
         # See NOTE [ Where the memory goes ]: storage key -> serial, serial -> lifetime
         self._serials: dict[int, int] = {}
@@ -103,19 +85,18 @@ class TracingTracker(TensorMemoryTracker):
         wanted = {"optimizer": "optimizer"}
         for module in sorted(saved, key=saved.get, reverse=True)[:top_modules]:
             wanted[f"activation of {module}"] = module
-        for part, key in wanted.items():
-            delta = [0] * (n + 1)
-            for serial, (born, freed, nbytes, module) in enumerate(self.lifetimes):
-                category = self.categories.get(serial)
-                if (category == key) if part == "optimizer" else (
-                        category == "activation" and module == key):
-                    delta[max(born, 0)] += nbytes
-                    delta[n if freed is None else min(freed, n)] -= nbytes
-            running, values = 0, []
-            for i in range(n):
-                running += delta[i]
-                values.append(running)
-            self.trace.parts[part] = values
+        deltas = {part: [0] * (n + 1) for part in wanted}  # one sweep files them all
+        parts_of = {module: part for part, module in wanted.items() if part != "optimizer"}
+        for serial, (born, freed, nbytes, module) in enumerate(self.lifetimes):
+            category = self.categories.get(serial)
+            part = "optimizer" if category == "optimizer" else (
+                parts_of.get(module) if category == "activation" else None)
+            if part is not None:
+                delta = deltas[part]
+                delta[max(born, 0)] += nbytes
+                delta[n if freed is None else min(freed, n)] -= nbytes
+        for part, delta in deltas.items():
+            self.trace.parts[part] = list(itertools.accumulate(delta[:n]))
 
     def finish(self, reading: Reading) -> None:
         """Hand the trial's trace to ``reading``, with the split and parts of a trial that ran."""
@@ -178,13 +159,19 @@ class TracingTracker(TensorMemoryTracker):
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         finally:
-            if self._batch_peak is not None:
-                self._batch_peak = max(self._batch_peak, self.live_bytes)
-            elif func is not torch.ops.prim.device.default:  # torch < 2.6 fakes: uneven counts
-                trace = self.trace
-                trace.names.append(str(func))
-                trace.live.append(self.live_bytes)
-                trace.where.append(self._where())
+            self.record_op(func)
+
+    def record_op(self, func) -> None:
+        """The op's entry in the trace (after it ran or raised), or the batch's running peak."""
+        if self._batch_peak is not None:
+            self._batch_peak = max(self._batch_peak, self.live_bytes)
+        elif func is not torch.ops.prim.device.default:  # torch < 2.6 fakes: uneven counts
+            trace, name = self.trace, self._op_names.get(func)
+            if name is None:
+                name = self._op_names[func] = str(func)
+            trace.names.append(name)
+            trace.live.append(self.live_bytes)
+            trace.where.append(self._where())
 
 
 # NOTE [ Where the memory goes ]
@@ -203,13 +190,13 @@ class TracingTracker(TensorMemoryTracker):
 # marks the end of backward; the meter keeps that phase's peak apart, and the search fits on it.
 
 
-
 @contextmanager
-def tracing(tracker: TracingTracker, where: _Where) -> Iterator[None]:
-    """Run a step under ``tracker``, ``where`` naming the module of each op; a step that raises
-    leaves a trace marked incomplete (no prediction is fitted through it)."""
+def tracing(tracker: TracingTracker, where: _Where, mode: bool = True) -> Iterator[None]:
+    """Run a step under ``tracker`` (``mode=False``: another mode calls it), ``where`` naming the
+    module of each op; a step that raises leaves a trace marked incomplete (no prediction is
+    fitted through it)."""
     try:
-        with where.modules, tracker:
+        with where.modules, tracker if mode else nullcontext():
             yield
     except BaseException:
         tracker.trace.complete = False
@@ -376,15 +363,8 @@ class CudaMeter(_TracedSteps):
         tracker = TracingTracker(self.device, None, tracked(), self._where) if trace else None
         self._tracker = tracker
         try:
-            if tracker is None:
+            with tracing(tracker, self._where) if tracker is not None else nullcontext():
                 yield reading
-            else:
-                with self._where.modules, tracker:
-                    yield reading
-        except BaseException:
-            if tracker is not None:
-                tracker.trace.complete = False
-            raise
         finally:
             self._fold_peaks()
             reading.live_bytes = torch.cuda.memory_allocated(self.device)

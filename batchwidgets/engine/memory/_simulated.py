@@ -18,14 +18,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._state import makes_weakref_callbacks
-from ._allocator import KIB, MIB, WORKSPACE_FREE_FRACTION, CachingAllocatorModel, Event
+from ._allocator import CachingAllocatorModel, Event
 from ._kernels import cuda_kernels
 from ._meters import (
     CudaMeter,
@@ -33,74 +32,26 @@ from ._meters import (
     TensorMeter,
     TracingTracker,
     _TracedSteps,
-    _Where,
     make_meter,
     tracing,
 )
-from ._targets import GPU_CAPABILITY, SIZE_CAPABILITY
-from ._tracker import unique_tensors
-
-# NOTE [ Workspaces of the simulated device ]
-# A GPU step allocates memory that is no tensor, through the same caching allocator:
-# - cuBLAS: one workspace per handle and stream, made at the first GEMM and kept for the life of
-#   the process. PyTorch's default CUBLAS_WORKSPACE_CONFIG is ":4096:2:16:8", 2 chunks of 4 MiB
-#   and 8 of 16 KiB = 8 MiB + 128 KiB (Hopper uses ":4096:8", 32 MiB: pass cublas_bytes).
-# - cuDNN: each convolution (forward and both backward passes) takes a workspace for its
-#   algorithm and frees it after. Which algorithm runs depends on the free memory: PyTorch
-#   skips algorithms whose workspace exceeds the largest block it could get (cacheInfo: the
-#   larger of the room left under the cap and the largest cached free block) and falls back to
-#   one with less workspace when allocating it fails. The simulated convolution wants
-#   ``conv_ratio`` times the bytes of its first argument (the input forward, the output's
-#   gradient backward: affine in the batch size, as a trace needs), gets ``min(wanted,
-#   conv_free_fraction * largest_free)`` after the op's outputs, and runs with none when even
-#   that cannot be allocated, so the workspace follows the free memory as cuDNN's choice does,
-#   and never raises by itself.
-# NOTE [ cuDNN's choice of algorithm, and a boundary that moves ]
-# cuDNN picks each convolution's algorithm by the workspace it can get, so the memory a step needs
-# at the edge depends on what is free there, and a real GPU's boundary can move by a sample or two
-# between runs (benchmarks/results/probe_vs_peers_cuda.md saw 641-643). The probe does not pin the
-# choice (a workspace cap while probing would measure a slower step than the user will train
-# with, and torch.backends.cudnn.benchmark is the user's setting, restored untouched). Instead:
-# the prediction replays workspaces by the same rule (min(wanted, a share of the largest free
-# block), none when that fails), so it lands at the edge; the two runs at the edge decide the
-# answer; and the recommendation keeps headroom (0.9 by default) below it, which absorbs a
-# boundary that moves by a few samples. The report's what-if row for expandable_segments says
-# how much of the edge is the allocator's segments rather than the tensors.
-# NOTE [ cuDNN's largest plan ]
-# Before a convolution runs, PyTorch's cuDNN path (aten/src/ATen/native/cudnn/Conv_v8.cpp,
-# generate_and_filter_plans) allocates the largest workspace of the plans cuDNN offers, halving it
-# until the allocation succeeds, and frees it; the plan then runs with its own. Among the plans is
-# an explicit GEMM over the unfolded input, whose workspace is the input times the kernel's area
-# (kh x kw): a target plan's convolution wants that much (``conv_unfold``), capped by the free
-# memory as before. On the wide CNN recorded on an H100 capped at 8 GiB (true boundary 641, seen
-# 641-643 between runs), the plan went from 672 (the input once) to 642.
-MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul",
-                        "_addmm_activation"})
-CONV_OPS = frozenset({"convolution", "convolution_backward", "_convolution"})
-
-
-@dataclass(frozen=True)
-class Workspaces:
-    """Sizes of the simulated workspaces (NOTE [ Workspaces of the simulated device ])."""
-
-    cublas_bytes: int = 4096 * KIB * 2 + 16 * KIB * 8  # PyTorch's default CUBLAS_WORKSPACE_CONFIG
-    cublas_threads: int = 1  # handles, each with its workspace: 2 on a GPU, whose backward runs
-    # on the autograd engine's own thread (measured on an H100: 2 x 32 MiB)
-    cublaslt_bytes: int = 0  # cuBLASLt's, made at the first product with a bias (1 MiB measured)
-    conv_ratio: float = 1.0  # a convolution wants this times its input (gradient), in bytes
-    conv_unfold: bool = False  # and times its kernel's area (NOTE [ cuDNN's largest plan ])
-    conv_free_fraction: float = WORKSPACE_FREE_FRACTION  # at most this share of the largest
-    # free block
-
-
-NO_WORKSPACES = Workspaces(cublas_bytes=0, conv_ratio=0.0)
+from ._tracker import _Where, unique_tensors
+from ._workspaces import (
+    CONV_OPS,
+    MATMUL_OPS,
+    Workspaces,
+    kernel_area,
+    target_capability,
+    target_workspaces,
+)
 
 
 class _SimulatedDevice(TorchDispatchMode):
     """Sends every new CPU storage through ``allocator`` and frees it when the storage dies;
     storages that existed before, and views and in-place outputs of them, cost nothing new (the
     rules of ``TensorMemoryTracker``). While ``log`` is a list, every allocation and free is
-    written to it as trace events; ``live`` holds the allocations alive, oldest first."""
+    written to it as trace events; ``live`` holds the allocations alive, oldest first. While
+    ``tracker`` is set, this mode also does its work (NOTE [ One dispatch mode for two ])."""
 
     def __init__(self, allocator: CachingAllocatorModel, workspaces: Workspaces) -> None:
         super().__init__()
@@ -108,13 +59,14 @@ class _SimulatedDevice(TorchDispatchMode):
         self.log: list[Event] | None = None
         self.live: dict[int, int] = {}  # key -> requested bytes
         self.cublas: dict[int | str, tuple[int, Any]] = {}  # see _blas_workspaces
+        self.tracker: TracingTracker | None = None
         self._keys = iter(range(1, 2**62))
         self._storages: dict[int, tuple[weakref.ref, int, tuple[int, Any]]] = {}
         self._busy = False
         self._pending: list[tuple[int, Any]] = []  # frees that arrived inside a malloc (gc)
 
     def count(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cpu" or tensor.is_meta:
+        if tensor.device.type != "cpu":  # so not meta either (is_meta is an op on a fake)
             return
         storage = tensor.untyped_storage()
         key, nbytes = id(storage), storage.nbytes()
@@ -179,31 +131,44 @@ class _SimulatedDevice(TorchDispatchMode):
             self.cublas["lt"] = self._malloc(spaces.cublaslt_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name in MATMUL_OPS:
-            self._blas_workspaces(name)
-        out = func(*args, **kwargs)
-        # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
-        inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
-        for tensor in unique_tensors([out]):
-            key = id(tensor.untyped_storage())
-            if key in self._storages or key not in inputs:
-                self.count(tensor)
-        first = next(unique_tensors([args]), None)  # the input, or the output's gradient
-        if name in CONV_OPS and first is not None and self.workspaces.conv_ratio > 0:
-            wanted = int(self.workspaces.conv_ratio * first.numel() * first.element_size()
-                         * (_kernel_area(name, args) if self.workspaces.conv_unfold else 1))
-            self._free(self._malloc(wanted, self.workspaces.conv_free_fraction))
-        return out
+        tracker = self.tracker
+        try:
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if name in MATMUL_OPS:
+                self._blas_workspaces(name)
+            out = func(*args, **kwargs)
+            # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
+            outputs = list(unique_tensors([out]))  # none at all for many (prim.device)
+            inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])} \
+                if outputs else set()
+            for tensor in outputs:
+                key = id(tensor.untyped_storage())
+                if key in self._storages or key not in inputs:
+                    self.count(tensor)
+            if name in CONV_OPS and self.workspaces.conv_ratio > 0:
+                first = next(unique_tensors([args]), None)  # the input, or the output's gradient
+                if first is not None:
+                    wanted = int(self.workspaces.conv_ratio * first.numel() * first.element_size()
+                                 * (kernel_area(name, args) if self.workspaces.conv_unfold else 1))
+                    self._free(self._malloc(wanted, self.workspaces.conv_free_fraction))
+            if tracker is not None:
+                tracker.count_outputs(func, inputs, outputs)
+            return out
+        finally:
+            if tracker is not None:
+                tracker.record_op(func)
 
 
-def _kernel_area(name: str, args: tuple) -> int:
-    """kh x kw of a convolution's weight (an argument after the input, or the gradient and the
-    input), 1 where there is none."""
-    weight = args[2 if name == "convolution_backward" else 1] if len(args) > 2 else None
-    return (max(1, int(torch.Size(weight.shape[2:]).numel()))
-            if isinstance(weight, torch.Tensor) else 1)
+# NOTE [ One dispatch mode for two ]
+# A probe on the simulated device traces every op twice over: the device's allocator and the
+# tracer's per-op trace. As two stacked dispatch modes, each op paid two mode switches and two
+# walks of its arguments and outputs, and the tracer's own tensor queries (is_meta is an op on a
+# fake tensor) went through the device below it: more than a quarter of a fake plan's time for a
+# Llama-3-8B shape. So ProbeMeter does not enter its TracingTracker as a mode: the device's mode
+# hands each op's input storages and outputs to it (``tracker``), in the order the two modes ran
+# (the device's allocations, then the tracer's count, its trace entry even when the op raises),
+# and both keep their own books as before.
 
 
 def record_events(run: Callable[[], object], *,
@@ -340,9 +305,11 @@ class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
             tracker = self._tracker = TracingTracker(self.device, None, held, self._where)
             held.clear()  # see TensorMeter.measure: a kept list would pin freed gradients
             try:
-                with tracing(tracker, self._where), kernels:
+                self._device.tracker = tracker  # see NOTE [ One dispatch mode for two ]
+                with tracing(tracker, self._where, mode=False), kernels:
                     yield reading
             finally:
+                self._device.tracker = None
                 reading.live_bytes = self.allocator.allocated_bytes
                 tracker.trace.events = self.events
                 tracker.trace.preallocated = list(self.preallocated)
@@ -368,20 +335,6 @@ _SIMULATED: Workspaces | None = None
 
 def simulated_workspaces() -> Workspaces | None:
     return _SIMULATED
-
-
-def target_capability(name: str) -> tuple[int, int]:
-    """The compute capability of a target (a size: an Ampere-or-newer GPU)."""
-    return GPU_CAPABILITY.get(name, SIZE_CAPABILITY)
-
-
-def target_workspaces(name: str) -> Workspaces:
-    """The workspaces of a target: cuBLAS takes 32 MiB on Hopper (H100, H200), 8 MiB + 128 KiB
-    elsewhere (NOTE [ Workspaces of the simulated device ])."""
-    hopper = name.startswith(("H100", "H200")) or name not in GPU_CAPABILITY  # a size: the
-    # larger workspaces, so that the plan errs low
-    return Workspaces(cublas_bytes=32 * MIB if hopper else Workspaces.cublas_bytes,
-                      cublas_threads=2, cublaslt_bytes=1 * MIB, conv_unfold=True)
 
 
 def probe_meter(device: torch.device, budget_bytes: int | None,

@@ -1,5 +1,6 @@
 """The tensor-memory tracker: the bytes of tensor storages alive on one device, op by op, and
-out of memory at the op that passes a budget (how the CPU and MPS emulate a device's limit).
+out of memory at the op that passes a budget (how the CPU and MPS emulate a device's limit); and
+where in the step each op runs (``_Where``, for the per-op trace).
 
 Usage:
     >>> import torch
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
+from torch.utils.module_tracker import ModuleTracker
 
 from .._state import makes_weakref_callbacks
 from .._util import leaves
@@ -35,17 +37,49 @@ class BudgetExceededError(torch.OutOfMemoryError):
 def unique_tensors(tensors: Iterable[object]) -> Iterator[torch.Tensor]:
     """The strided tensors holding the data in a nested structure: a sparse COO tensor (as
     ``nn.Embedding(sparse=True)`` makes for gradients) stands for its indices and values.
-    Every op's arguments pass here: the batch walker of _util.py walks lists, tuples and dicts
-    directly (pytree's general flatten was a quarter of a fake 8B plan's time); another
-    registered pytree class is flattened by pytree."""
-    for leaf in leaves(list(tensors)):
-        for item in tree_flatten(leaf)[0] if type(leaf) in SUPPORTED_NODES else (leaf,):
-            if not isinstance(item, torch.Tensor):
-                continue
-            if item.layout == torch.strided:
-                yield item
-            elif item.layout == torch.sparse_coo:
-                yield from (item._indices(), item._values())
+    Every op's arguments pass here: see NOTE [ Walking every op's arguments ]."""
+    found: list[torch.Tensor] = []
+    _collect(list(tensors), found)
+    return iter(found)
+
+
+# NOTE [ Walking every op's arguments ]
+# Every op's arguments and outputs are walked for their tensors, a hundred thousand times in a
+# fake trace of a Llama-3-8B shape, so the walk is a plain recursive function filling one list:
+# an op's arguments are lists, tuples and dicts of tensors and numbers, and those are taken
+# without a generator or an ABC check; anything else goes the way of the engine's one batch walker
+# (_util.leaves: mappings, lists and tuples), and a leaf that is another registered pytree class
+# is flattened by pytree (pytree's general flatten for every op was a quarter of a fake 8B
+# plan's time). The tensors come out in the same order as by that walk.
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format, torch.Size})  # what holds no tensor
+
+
+def _collect(value: object, found: list) -> None:
+    kind = type(value)
+    if kind is list or kind is tuple:
+        for item in value:
+            _collect(item, found)
+    elif kind is dict:
+        for item in value.values():
+            _collect(item, found)
+    elif kind in _ATOMS:
+        return
+    elif isinstance(value, torch.Tensor) and kind not in SUPPORTED_NODES:
+        _add(value, found)
+    else:  # mappings, other sequences, registered pytree classes: the general walk
+        for leaf in leaves(value):
+            for item in tree_flatten(leaf)[0] if type(leaf) in SUPPORTED_NODES else (leaf,):
+                if isinstance(item, torch.Tensor):
+                    _add(item, found)
+
+
+def _add(tensor: torch.Tensor, found: list) -> None:
+    layout = tensor.layout
+    if layout == torch.strided:
+        found.append(tensor)
+    elif layout == torch.sparse_coo:
+        found += (tensor._indices(), tensor._values())
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -70,7 +104,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.baseline_bytes = self.live_bytes
 
     def _count(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != self.device.type or tensor.is_meta:
+        device = tensor.device.type  # not tensor.is_meta: on a fake tensor that is an op
+        if device != self.device.type or device == "meta":
             return
         storage = tensor.untyped_storage()
         key = id(storage)
@@ -99,12 +134,18 @@ class TensorMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.count_outputs(func, {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])},
+                           list(unique_tensors([out])))
+        return out
+
+    def count_outputs(self, func, inputs: set[int], outputs: list[torch.Tensor]) -> None:
+        """Count the new storages among an op's ``outputs`` (``inputs``: the ids of its inputs'
+        storages) and raise at the budget; a mode that runs the op calls this after it."""
         before = self.live_bytes
         # An output sharing an input's storage (a view, an in-place op) allocates nothing new. A
         # storage made before the block, such as a dataset tensor that make_batch slices, is not
         # the step's memory: counting it would charge the whole dataset to the first slice.
-        inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])}
-        for tensor in unique_tensors([out]):
+        for tensor in outputs:
             key = id(tensor.untyped_storage())
             if key in self._storages or key not in inputs:
                 self._count(tensor)
@@ -113,7 +154,32 @@ class TensorMemoryTracker(TorchDispatchMode):
                 f"{self.device.type.upper()} out of memory (batchwidgets budget): the step held "
                 f"{self.live_bytes} bytes of tensors after {func}, over the budget of "
                 f"{self.budget_bytes} bytes (tried to allocate {self.live_bytes - before} bytes).")
-        return out
+
+
+class _Where:
+    """Where the step is: "forward of encoder.layer.0", "backward of ...", "optimizer step"."""
+
+    def __init__(self) -> None:
+        self.modules = ModuleTracker()
+        self.optimizer_phase = False
+        # asked at every op and every new storage: answered once per set of modules entered
+        self._deepest: dict[tuple, str] = {}
+
+    def module(self) -> str:
+        parents = tuple(self.modules.parents)
+        deepest = self._deepest.get(parents)
+        if deepest is None:
+            names = [name for name in parents if name != "Global"]
+            deepest = max(names, key=lambda name: name.count("."), default="")
+            # ModuleTracker names modules "RootClass.child.grandchild": drop the root's class name
+            deepest = self._deepest[parents] = deepest.split(".", 1)[1] if "." in deepest else (
+                deepest or "the step")
+        return deepest
+
+    def __call__(self) -> str:
+        if self.optimizer_phase:
+            return "optimizer step"
+        return f"{'backward' if self.modules.is_bw else 'forward'} of {self.module()}"
 
 
 @contextmanager

@@ -283,7 +283,7 @@ def _search_guarded(plan: ProbePlan, rule: StateRule | None = None) -> Search:
         home_state = trainer = None  # the traceback keeps this frame
         if search is not None:
             search.trainer = None
-        memory.free_memory(plan.device)
+        memory.free_memory(plan.device, collect=not fake)  # fake tensors hold no memory
         if failed is not None:
             raise failed
     return search
