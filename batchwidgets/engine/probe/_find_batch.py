@@ -260,6 +260,9 @@ def _search_guarded(plan: ProbePlan) -> Search:
             search = Search(trainer, meter, start=plan.start, multiple_of=plan.multiple_of,
                             ceiling=plan.ceiling, limit_bytes=limit_bytes,
                             traced_only=plan.target is not None)
+            if plan.fake_first:  # see NOTE [ A free first guess ] in _loop.py
+                search.seed(lambda: _fake_trainer(plan, meter), plan.on_progress,
+                            plan.should_stop)
             search.run(plan.on_progress, plan.should_stop)
     except BaseException as error:  # its traceback (kept by IPython) must not keep them alive
         memory.drop_own_frames(error)
@@ -308,7 +311,7 @@ def _step(plan: ProbePlan, meter: Any) -> ProbeStep:
 def _report(plan: ProbePlan, search: Search) -> BatchSizeReport:
     """The report of what the search found (``NoBatchSizeFits`` when nothing fits)."""
     attempts = search.attempts
-    lo, hi = _search.bracket(attempts)
+    lo, hi = _search.bracket([a for a in attempts if not a.fake])  # what ran decides
     if search.stopped:
         stop = "stopped"
     elif lo == 0:
