@@ -48,10 +48,11 @@ class NoBatchSizeFits(RuntimeError):
         if report.target is not None:
             super().__init__(_nothing_fits_on_target(report))
             return
-        ran_out = [a for a in report.attempts if not memory.cannot_train_alone(a.error)]
-        smallest = min(ran_out or report.attempts, key=lambda a: a.batch_size)
+        real = [a for a in report.attempts if not a.fake]  # not the fake search's
+        ran_out = [a for a in real if not memory.cannot_train_alone(a.error)]
+        smallest = min(ran_out or real, key=lambda a: a.batch_size)
         alone = ("; batch_size=1 cannot train this model (BatchNorm needs more than one value "
-                 "per channel)" if len(ran_out) < len(report.attempts) else "")
+                 "per channel)" if len(ran_out) < len(real) else "")
         budget = (f"a budget of {report.budget_bytes} bytes" if report.budget_bytes
                   else "the whole device")
         peak = (f" (peak {smallest.peak_memory_bytes} bytes or more)"
@@ -159,7 +160,11 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         How a target's small sizes are traced: on fake tensors (``FakeTensorMode``: shapes, no
         compute, no memory; the default for a target plan of a model) or by real steps. A step
         fake tensors cannot run (``.item()``, ``nonzero``) is traced by real steps instead, and
-        ``report.method`` says why; ``report.trace`` names what the answer rests on.
+        ``report.method`` says why; ``report.trace`` names what the answer rests on. On this
+        device (no ``target``) the model form searches on fake tensors first, under the same
+        budget, and spends real steps only at the edge it found (the answer rests on them:
+        ``report.trace == "real"``, the fake attempts say ``fake=True``); ``trace="real"`` runs
+        real steps only.
     step : callable, optional
         ``find_batch(model, step=my_step, optimizer=optimizer)``: your own ``step(batch_size)``
         trains ``model``, which is then protected (weights, buffers, gradients, modes restored)
@@ -261,7 +266,7 @@ def _search_guarded(plan: ProbePlan) -> Search:
                             ceiling=plan.ceiling, limit_bytes=limit_bytes,
                             traced_only=plan.target is not None)
             if plan.fake_first:  # see NOTE [ A free first guess ] in _loop.py
-                search.seed(lambda: _fake_trainer(plan, meter), plan.on_progress,
+                search.seed(lambda: _fake_trainer(plan, meter, paused=True), plan.on_progress,
                             plan.should_stop)
             search.run(plan.on_progress, plan.should_stop)
     except BaseException as error:  # its traceback (kept by IPython) must not keep them alive
@@ -288,13 +293,17 @@ def _trainer(plan: ProbePlan, meter: Any, home_state: TrainingState) -> Trainer:
                    Marks(owned, plan.optimizer))
 
 
-def _fake_trainer(plan: ProbePlan, meter: Any) -> Trainer:
-    """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ])."""
+def _fake_trainer(plan: ProbePlan, meter: Any, paused: bool = False) -> Trainer:
+    """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ]).
+    ``paused``: the caller holds the cycle collector paused over all the trials (one collection
+    instead of one per trial, which costs more than a small fake trial in a large process: see
+    Search.seed)."""
     mode = fake_mode()
     world = FakeWorld(plan.model, plan.optimizer, mode)
     return Trainer(fake_step(world, plan.make, plan.loss_fn, plan.amp, meter), meter, world,
                    plan.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
-                   around=world.active)
+                   around=(lambda: mode) if paused else world.active)
+
 
 
 def _step(plan: ProbePlan, meter: Any) -> ProbeStep:

@@ -4,9 +4,11 @@ GPU that is not here (``planned``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...results import Attempt, BatchSizeReport, MemorySplit
@@ -85,22 +87,40 @@ def _memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
         where=f"{trace.where[peak]} ({trace.names[peak]})")
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off over the fake trials (as FakeWorld.active pauses it over
+    each), then run once, so that their garbage is not collected inside a real step (its time
+    and its trace); as it was afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        if enabled:
+            gc.enable()
+
+
 # NOTE [ A free first guess ]
-# On this device the search's small sizes need no compute either: the whole search (its two small
-# sizes, the predicted edge, the next size, any refit) first runs on fake tensors (NOTE [ Fake
-# trials ] in _fake.py), under the same meter and limit as the real steps, so a fake trial runs
-# out of memory where the tensors' bytes would (a budget's bytes; the simulated device's
-# allocator), and costs a trace, not a step. The real steps then begin at the fake search's
-# answer B and go on as predict-then-verify does, the per-op model fitted on the fake traces and
-# refitted on each real one (the same storages, the same bytes): B runs, B + 1 runs out of
-# memory, and the answer rests on these two real steps alone (report.trace stays "real"; the fake
-# attempts say fake=True and count in no bracket). A real size that goes the other way than
-# predicted means the fake trace missed something the real step holds: its traces are dropped
-# and the search goes on from the real sizes alone. A step fake tensors cannot run (a value read
-# back, a shape from data, anything else that fails) leaves the search to real steps from the
-# start, and report.method says why. Not on CUDA (the fakes run the CPU's kernels, whose
-# temporaries and attention differ), not for a step(batch_size) of the user's own (it runs on
-# the user's real tensors), not with trace="real".
+# On this device the search's small sizes need no compute either. The search first runs on fake
+# tensors (NOTE [ Fake trials ] in _fake.py), under the same meter and limit as the real steps:
+# the same storages, counted the same way, so a fake trial runs out of memory where the real
+# tensors would (a budget's bytes; the simulated device's allocator), at the cost of a trace, not
+# a step. Its sizes are the real search's: 2 and 4, then the edge B the per-op model predicts,
+# then refits until the model says B is the edge (one fake size past the two small ones when
+# memory is affine; at most MAX_FAKE_SIZES). Its verification, B + 1, is left to real steps: they
+# begin at B, and go on as predict-then-verify does, B runs, B + 1 runs out of memory, and the
+# answer rests on those two real steps alone (report.trace stays "real"; the fake attempts say
+# fake=True and count in no bracket). The model the real steps verify is the fake search's own
+# (a real trace at a size the fake search traced is kept aside). A real size that goes the other
+# way than predicted means the fake trace missed something the real step holds: the fake traces
+# are dropped, and the search goes on from the real sizes alone. A step that fake tensors cannot
+# run (a value read back, a shape from data, anything else that fails) or whose fake sizes give
+# no model leaves the search to real steps from the start, and report.method says why. Not on
+# CUDA (the fakes run the CPU's kernels, whose workspaces and attention differ), not for a
+# step(batch_size) of the user's own (it runs on the user's real tensors), not under
+# torch.distributed (every rank must take the same path), not with trace="real".
 MAX_FAKE_SIZES = 6  # a fake search that has not found its edge by then leaves it to real steps
 
 
@@ -134,8 +154,9 @@ class Search:
         first guess ])."""
         real, self._seeding = self.trainer, True
         try:
-            self.trainer = fake()
-            self.run(on_step, should_stop)
+            with _collector_paused():
+                self.trainer = fake()
+                self.run(on_step, should_stop)
         except Exception as error:  # the real steps search alone, and the report says why
             reason = str(error) if isinstance(error, FakeTraceError) else first_line(error)
             memory.drop_own_frames(error)
@@ -144,16 +165,17 @@ class Search:
             return
         finally:
             self.trainer, self._seeding = real, False
-        if self.model is None:
+        lo = _search.bracket(self.attempts)[0]
+        if self.model is None and lo > 0:
             self.seed_note = (f" No fake trace first: the fake sizes "
                               f"{', '.join(str(a.batch_size) for a in self.attempts)} gave no "
                               f"per-op model to predict from.")
             self._drop_fakes()
-        elif not self.stopped:
-            self.seed_size = _search.bracket(self.attempts)[0]
+        elif not self.stopped:  # lo == 0: nothing fits, the real steps confirm it at the least
+            self.seed_size = lo
             self.seed_note = (f" Traced first on fake tensors (sizes "
                               f"{', '.join(str(a.batch_size) for a in self.attempts)}), so the "
-                              f"real steps began at {self.seed_size}.")
+                              f"real steps began at {max(lo, self.multiple_of)}.")
 
     def _drop_fakes(self) -> None:
         """Forget the fake traces: the per-op model is fitted on real ones alone from here."""
@@ -180,14 +202,14 @@ class Search:
                 ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
             if size is None or (self.traced_only and self._event_pair() is not None):
                 break
-            if self._seeding and (len(searched) >= MAX_FAKE_SIZES or (
-                    predicted is None if len(searched) >= 2 else False)
-                    or (predicted is not None and size > predicted)):
+            if self._seeding and (len(searched) >= MAX_FAKE_SIZES
+                                  or (predicted is None and len(self.traces) >= 2)
+                                  or (predicted is not None and size > predicted)):
                 break  # the fake edge is known (the real steps verify it), or it will not be
             attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
             if predicted is not None:
                 attempt = dataclasses.replace(attempt, predicted_peak_bytes=self._predicted_peak(
-                    size), predicted_fits=size <= predicted)
+                    size) if self.model is not None else None, predicted_fits=size <= predicted)
             if self._seeding:  # nothing ran: no step time
                 attempt = dataclasses.replace(attempt, fake=True, step_time_s=None)
             failed_here = not attempt.fits  # this rank's own outcome
