@@ -147,6 +147,7 @@ class Search:
         self._shadowed: dict[int, OpTrace] = {}  # real traces at those sizes, kept for later
         self.seed_size: int | None = None  # the fake search's answer, the first real size
         self.seed_note = ""  # why there was no fake search first, when it failed
+        self._gave_up = False  # the fake search found no model to predict from
 
     def seed(self, fake: Callable[[], Trainer], on_step: OnStep | None,
              should_stop: Callable[[], bool] | None) -> None:
@@ -166,10 +167,11 @@ class Search:
         finally:
             self.trainer, self._seeding = real, False
         lo = _search.bracket(self.attempts)[0]
-        if self.model is None and lo > 0:
+        if self._gave_up and (self.model is None or self._predicted() is None):
             self.seed_note = (f" No fake trace first: the fake sizes "
                               f"{', '.join(str(a.batch_size) for a in self.attempts)} gave no "
-                              f"per-op model to predict from.")
+                              f"prediction (op sequences that differ, or memory that does not "
+                              f"grow with the batch size).")
             self._drop_fakes()
         elif not self.stopped:  # lo == 0: nothing fits, the real steps confirm it at the least
             self.seed_size = lo
@@ -202,10 +204,12 @@ class Search:
                 ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
             if size is None or (self.traced_only and self._event_pair() is not None):
                 break
+            if self._seeding and predicted is not None and size > predicted:
+                break  # the fake edge is known: the real steps verify it
             if self._seeding and (len(searched) >= MAX_FAKE_SIZES
-                                  or (predicted is None and len(self.traces) >= 2)
-                                  or (predicted is not None and size > predicted)):
-                break  # the fake edge is known (the real steps verify it), or it will not be
+                                  or (predicted is None and len(self.traces) >= 2)):
+                self._gave_up = True  # no model to predict from: the real steps search alone
+                break
             attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
             if predicted is not None:
                 attempt = dataclasses.replace(attempt, predicted_peak_bytes=self._predicted_peak(
