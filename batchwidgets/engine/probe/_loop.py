@@ -161,6 +161,7 @@ class Search:
         except Exception as error:  # the real steps search alone, and the report says why
             reason = str(error) if isinstance(error, FakeTraceError) else first_line(error)
             memory.drop_own_frames(error)
+            error.__traceback__ = None  # swallowed: its frames keep nothing alive
             self.seed_note = f" No fake trace first: {reason}."
             self._drop_fakes()
             return
@@ -173,11 +174,15 @@ class Search:
                               f"prediction (op sequences that differ, or memory that does not "
                               f"grow with the batch size).")
             self._drop_fakes()
-        elif not self.stopped:  # lo == 0: nothing fits, the real steps confirm it at the least
-            self.seed_size = lo
+        elif not self.stopped:
+            if lo > 0:
+                self.seed_size = lo
+            else:  # nothing fits: the real steps confirm it from the smallest fake OOM down
+                self.start = min((a.batch_size for a in self.attempts if not a.fits
+                                  and not memory.cannot_train_alone(a.error)), default=self.start)
             self.seed_note = (f" Traced first on fake tensors (sizes "
                               f"{', '.join(str(a.batch_size) for a in self.attempts)}), so the "
-                              f"real steps began at {max(lo, self.multiple_of)}.")
+                              f"real steps began at {self.seed_size or self.start}.")
 
     def _drop_fakes(self) -> None:
         """Forget the fake traces: the per-op model is fitted on real ones alone from here."""
