@@ -38,8 +38,8 @@ def _print_report(report) -> None:
         peak = f"{a.peak_memory_bytes / 2**20:.1f}" if a.peak_memory_bytes else "-"
         step = f"{a.step_time_s:.4f}" if a.step_time_s else "-"
         speed = f"{a.samples_per_s:.0f}" if a.samples_per_s else "-"
-        print(f"{a.batch_size:>10}  {'yes' if a.fits else 'OOM':>4}  {peak:>9}  {step:>8}  "
-              f"{speed:>10}")
+        fits = "fake" if a.fake else "yes" if a.fits else "OOM"  # fake: traced, not run
+        print(f"{a.batch_size:>10}  {fits:>4}  {peak:>9}  {step:>8}  {speed:>10}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

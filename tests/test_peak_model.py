@@ -1,6 +1,7 @@
 """The per-op peak model (issue 11): exact predictions from two traces, and find_batch finding
-the exact boundary in four sizes with one out-of-memory error on every memory shape, falling
-back to its search where the model cannot hold."""
+the exact boundary in four sizes with one out-of-memory error on every memory shape (three real
+sizes at most in the model form, whose first sizes are traced on fake tensors: issue 23),
+falling back to its search where the model cannot hold."""
 
 from __future__ import annotations
 
@@ -299,12 +300,17 @@ def lm_batch(batch_size: int, length: int = 16) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def test_a_bert_with_dict_batches_takes_four_sizes_and_one_oom():
+def real_sizes(report: bw.BatchSizeReport) -> list[bw.Attempt]:
+    """The sizes that really ran: a model's small sizes are traced on fake tensors first."""
+    return [a for a in report.attempts if not a.fake]
+
+
+def test_a_bert_with_dict_batches_takes_three_real_sizes_and_one_oom():
     model = tiny_bert()
     budget = 48 * 2**20
     report = bw.find_batch(model, lm_batch, budget=budget)
-    assert report.n_attempts <= 4
-    assert report.n_ooms == 1
+    assert len(real_sizes(report)) <= 3
+    assert sum(not a.fits for a in real_sizes(report)) == 1
     assert fits_oracle(model, lm_batch, report.max_batch_size, budget)
     assert not fits_oracle(model, lm_batch, report.max_batch_size + 1, budget)
 
@@ -342,8 +348,8 @@ def test_through_a_padding_dataloader_the_probe_sizes_for_the_longest_sample_and
     loader = torch.utils.data.DataLoader(Sequences(), batch_size=4, shuffle=True, collate_fn=pad)
     budget = 48 * 2**20
     report = bw.find_batch(model, loader, budget=budget)
-    assert report.n_attempts <= 4
-    assert report.n_ooms == 1
+    assert len(real_sizes(report)) <= 3
+    assert sum(not a.fits for a in real_sizes(report)) == 1
     assert "index 17" in report.worst_case
 
     def worst(batch_size: int) -> dict:

@@ -1,6 +1,7 @@
 """``find_batch``: the largest batch that trains, as stages read top to bottom.
 
-- ``_find_batch.py``  find_batch and NoBatchSizeFits: plan, search under the guard, report
+- ``_find_batch.py``  find_batch: plan, search under the guard, report
+- ``_nothing_fits.py`` NoBatchSizeFits: not even the smallest batch trains, and what would help
 - ``_plan.py``        the arguments resolved once into a frozen ProbePlan
 - ``_checks.py``      the argument checks (one line each), what the report says was probed
 - ``_trials.py``      the step each size runs, and one size's steps measured
@@ -16,6 +17,7 @@ It imports ``memory`` and the shared modules; nothing of accumulate, noise or lo
 """
 
 from ._checks import check_arguments
-from ._find_batch import MakeBatch, NoBatchSizeFits, Step, find_batch
+from ._find_batch import MakeBatch, Step, find_batch
+from ._nothing_fits import NoBatchSizeFits
 
 __all__ = ["MakeBatch", "NoBatchSizeFits", "Step", "check_arguments", "find_batch"]

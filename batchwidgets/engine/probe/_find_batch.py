@@ -29,6 +29,7 @@ from . import _search, _what_if
 from ._checks import has_meta_tensors
 from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step
 from ._loop import Search, planned
+from ._nothing_fits import NoBatchSizeFits
 from ._optimizer_shapes import OptimizerStateError, StateRule, state_rule
 from ._plan import ProbePlan, resolve
 from ._ranks import agree_limit
@@ -39,49 +40,6 @@ MakeBatch = Union[Callable[[int], Any], torch.utils.data.Dataset, torch.utils.da
                   torch.Tensor]
 
 _FLAT = "memory did not grow with the batch size: check make_batch"
-
-
-class NoBatchSizeFits(RuntimeError):
-    """Even the smallest batch size ran out of memory; ``.report`` holds every attempt."""
-
-    def __init__(self, report: BatchSizeReport) -> None:
-        self.report = report
-        if report.target is not None:
-            super().__init__(_nothing_fits_on_target(report))
-            return
-        ran_out = [a for a in report.attempts if not memory.cannot_train_alone(a.error)]
-        smallest = min(ran_out or report.attempts, key=lambda a: a.batch_size)
-        alone = ("; batch_size=1 cannot train this model (BatchNorm needs more than one value "
-                 "per channel)" if len(ran_out) < len(report.attempts) else "")
-        budget = (f"a budget of {report.budget_bytes} bytes" if report.budget_bytes
-                  else "the whole device")
-        peak = (f" (peak {smallest.peak_memory_bytes} bytes or more)"
-                if smallest.peak_memory_bytes else "")
-        super().__init__(
-            f"No batch size fits: batch_size={smallest.batch_size} ran out of memory on "
-            f"{report.device} with {budget}{peak}{alone}. Try amp='bf16' (or 'fp16'), a smaller "
-            f"micro-batch with gradient accumulation (batchwidgets.accumulate), a larger budget, "
-            f"or a smaller model. Last error: {smallest.error}")
-
-
-def _nothing_fits_on_target(report: BatchSizeReport) -> str:
-    """A target plan where not even one sample fits: what does not, and what would help."""
-    split, usable = report.memory_split, report.limit_bytes or 0
-    gb = lambda nbytes: f"{nbytes / 1e9:.1f} GB"  # noqa: E731
-    if split is None:
-        held = "the step at batch size 1"
-    else:
-        states = split.parameters_bytes + split.gradients_bytes + split.optimizer_bytes
-        parts = ", ".join(f"{name} {gb(value)}" for name, value in (
-            ("weights", split.parameters_bytes), ("gradients", split.gradients_bytes),
-            ("optimizer state", split.optimizer_bytes)) if value)
-        held = (f"the model's states alone ({parts}) need {gb(states)}" if states > usable
-                else f"batch size 1 needs more than the states' {gb(states)} ({parts or 'none'}) "
-                     f"and the GPU libraries' workspaces (cuBLAS: 65 MiB on a Hopper) leave")
-    return (f"No batch size fits on {report.target} (predicted, not run): {held}, of "
-            f"{gb(usable)} usable. Try training in bf16 (model.to(torch.bfloat16)), freezing "
-            f"the base weights (requires_grad=False, as LoRA does), an optimizer with less "
-            f"state (SGD), or more GPUs that shard the states (FSDP, ZeRO).")
 
 
 def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None = None,
@@ -161,7 +119,11 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         How a target's small sizes are traced: on fake tensors (``FakeTensorMode``: shapes, no
         compute, no memory; the default for a target plan of a model) or by real steps. A step
         fake tensors cannot run (``.item()``, ``nonzero``) is traced by real steps instead, and
-        ``report.method`` says why; ``report.trace`` names what the answer rests on.
+        ``report.method`` says why; ``report.trace`` names what the answer rests on. On this
+        device (no ``target``) the model form searches on fake tensors first, under the same
+        budget, and spends real steps only at the edge it found (the answer rests on them:
+        ``report.trace == "real"``, the fake attempts say ``fake=True``); ``trace="real"`` runs
+        real steps only.
     step : callable, optional
         ``find_batch(model, step=my_step, optimizer=optimizer)``: your own ``step(batch_size)``
         trains ``model``, which is then protected (weights, buffers, gradients, modes restored)
@@ -274,6 +236,9 @@ def _search_guarded(plan: ProbePlan, rule: StateRule | None = None) -> Search:
             search = Search(trainer, meter, start=plan.start, multiple_of=plan.multiple_of,
                             ceiling=plan.ceiling, limit_bytes=limit_bytes,
                             traced_only=plan.target is not None)
+            if plan.fake_first:  # see NOTE [ A free first guess ] in _loop.py
+                search.seed(lambda: _fake_trainer(plan, meter, paused=True), plan.on_progress,
+                            plan.should_stop)
             search.run(plan.on_progress, plan.should_stop)
     except BaseException as error:  # its traceback (kept by IPython) must not keep them alive
         memory.drop_own_frames(error)
@@ -299,13 +264,18 @@ def _trainer(plan: ProbePlan, meter: Any, home_state: TrainingState) -> Trainer:
                    Marks(owned, plan.optimizer))
 
 
-def _fake_trainer(plan: ProbePlan, meter: Any, rule: StateRule | None) -> Trainer:
-    """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ])."""
+def _fake_trainer(plan: ProbePlan, meter: Any, rule: StateRule | None = None,
+                  paused: bool = False) -> Trainer:
+    """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ]).
+    ``rule``: the optimizer's state by shape (NOTE [ Optimizer state by shape ]). ``paused``: the
+    caller holds the cycle collector paused over all the trials (one collection instead of one
+    per trial, which costs more than a small fake trial in a large process: see Search.seed)."""
     mode = fake_mode()
     world = FakeWorld(plan.model, plan.optimizer, mode, rule)
     return Trainer(fake_step(world, plan.make, plan.loss_fn, plan.amp, meter), meter, world,
                    plan.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
-                   around=world.active)
+                   around=(lambda: mode) if paused else world.active)
+
 
 
 def _step(plan: ProbePlan, meter: Any) -> ProbeStep:
@@ -322,7 +292,7 @@ def _step(plan: ProbePlan, meter: Any) -> ProbeStep:
 def _report(plan: ProbePlan, search: Search) -> BatchSizeReport:
     """The report of what the search found (``NoBatchSizeFits`` when nothing fits)."""
     attempts = search.attempts
-    lo, hi = _search.bracket(attempts)
+    lo, hi = _search.bracket([a for a in attempts if not a.fake])  # what ran decides
     if search.stopped:
         stop = "stopped"
     elif lo == 0:

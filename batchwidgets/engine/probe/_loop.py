@@ -4,15 +4,19 @@ GPU that is not here (``planned``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...results import Attempt, BatchSizeReport, MemorySplit
 from .. import memory
+from .._util import first_line
 from ..memory import OpTrace, PeakModel, Reading
 from . import _search
+from ._fake import FakeTraceError
 from ._plan import SEARCH_CEILING
 from ._ranks import agree
 from ._trials import OnStep, Trainer
@@ -97,6 +101,43 @@ def _memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
         where=f"{trace.where[peak]} ({trace.names[peak]})")
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off over the fake trials (as FakeWorld.active pauses it over
+    each), then run once, so that their garbage is not collected inside a real step (its time
+    and its trace); as it was afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        if enabled:
+            gc.enable()
+
+
+# NOTE [ A free first guess ]
+# On this device the search's small sizes need no compute either. The search first runs on fake
+# tensors (NOTE [ Fake trials ] in _fake.py), under the same meter and limit as the real steps:
+# the same storages, counted the same way, so a fake trial runs out of memory where the real
+# tensors would (a budget's bytes; the simulated device's allocator), at the cost of a trace, not
+# a step. Its sizes are the real search's: 2 and 4, then the edge B the per-op model predicts,
+# then refits until the model says B is the edge (one fake size past the two small ones when
+# memory is affine; at most MAX_FAKE_SIZES). Its verification, B + 1, is left to real steps: they
+# begin at B, and go on as predict-then-verify does, B runs, B + 1 runs out of memory, and the
+# answer rests on those two real steps alone (report.trace stays "real"; the fake attempts say
+# fake=True and count in no bracket). The model the real steps verify is the fake search's own
+# (a real trace at a size the fake search traced is kept aside). A real size that goes the other
+# way than predicted means the fake trace missed something the real step holds: the fake traces
+# are dropped, and the search goes on from the real sizes alone. A step that fake tensors cannot
+# run (a value read back, a shape from data, anything else that fails) or whose fake sizes give
+# no model leaves the search to real steps from the start, and report.method says why. Not on
+# CUDA (the fakes run the CPU's kernels, whose workspaces and attention differ), not for a
+# step(batch_size) of the user's own (it runs on the user's real tensors), not under
+# torch.distributed (every rank must take the same path), not with trace="real".
+MAX_FAKE_SIZES = 6  # a fake search that has not found its edge by then leaves it to real steps
+
+
 class Search:
     """The probe's loop: fit the per-op model on what ran, ask the policy for the next size, run
     it (see NOTE [ Predict, then verify ] in _search.py)."""
@@ -115,29 +156,98 @@ class Search:
         self._lowered = False
         self.traced_only = traced_only  # stop once two sizes are traced (target=)
         self.split: MemorySplit | None = None  # at the largest size that ran with a trace
+        self._seeding = False  # trials now are fake (NOTE [ A free first guess ])
+        self._fake_sizes: set[int] = set()  # sizes whose trace in self.traces is fake
+        self._shadowed: dict[int, OpTrace] = {}  # real traces at those sizes, kept for later
+        self.seed_size: int | None = None  # the fake search's answer, the first real size
+        self.seed_note = ""  # why there was no fake search first, when it failed
+        self._gave_up = False  # the fake search found no model to predict from
+
+    def seed(self, fake: Callable[[], Trainer], on_step: OnStep | None,
+             should_stop: Callable[[], bool] | None) -> None:
+        """The search on fake tensors first, through the Trainer ``fake()`` makes (NOTE [ A free
+        first guess ])."""
+        real, self._seeding = self.trainer, True
+        try:
+            with _collector_paused():
+                self.trainer = fake()
+                self.run(on_step, should_stop)
+        except Exception as error:  # the real steps search alone, and the report says why
+            reason = str(error) if isinstance(error, FakeTraceError) else first_line(error)
+            memory.drop_own_frames(error)
+            error.__traceback__ = None  # swallowed: its frames keep nothing alive
+            self.seed_note = f" No fake trace first: {reason}."
+            self._drop_fakes()
+            return
+        finally:
+            self.trainer, self._seeding = real, False
+        lo = _search.bracket(self.attempts)[0]
+        if self._gave_up and (self.model is None or self._predicted() is None):
+            self.seed_note = (f" No fake trace first: the fake sizes "
+                              f"{', '.join(str(a.batch_size) for a in self.attempts)} gave no "
+                              f"prediction (op sequences that differ, or memory that does not "
+                              f"grow with the batch size).")
+            self._drop_fakes()
+        elif not self.stopped:
+            if lo > 0:
+                self.seed_size = lo
+            else:  # nothing fits: the real steps confirm it from the smallest fake OOM down
+                self.start = min((a.batch_size for a in self.attempts if not a.fits
+                                  and not memory.cannot_train_alone(a.error)), default=self.start)
+            self.seed_note = (f" Traced first on fake tensors (sizes "
+                              f"{', '.join(str(a.batch_size) for a in self.attempts)}), so the "
+                              f"real steps began at {self.seed_size or self.start}.")
+
+    def _drop_fakes(self) -> None:
+        """Forget the fake traces: the per-op model is fitted on real ones alone from here."""
+        for size in self._fake_sizes:
+            self.traces.pop(size, None)
+        self.traces.update(self._shadowed)
+        self._shadowed.clear()
+        if self.split is not None and self.split.batch_size in self._fake_sizes:
+            self.split = None
+        self._fake_sizes.clear()
+        self.model = self._fit()
 
     def run(self, on_step: OnStep | None, should_stop: Callable[[], bool] | None) -> list[Attempt]:
-        while True:
+        while not self.stopped:
             if should_stop is not None and should_stop():
                 self.stopped = True
                 break
+            searched = self._searched()  # this phase's attempts: fake, or real
             predicted = self._predicted()
+            if not searched and self.seed_size is not None:
+                predicted = self.seed_size  # NOTE [ A free first guess ]
             size = _search.next_batch_size(
-                self.attempts, start=self.start, multiple_of=self.multiple_of,
+                searched, start=self.start, multiple_of=self.multiple_of,
                 ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
             if size is None or (self.traced_only and self._event_pair() is not None):
+                break
+            if self._seeding and predicted is not None and size > predicted:
+                break  # the fake edge is known: the real steps verify it
+            if self._seeding and (len(searched) >= MAX_FAKE_SIZES
+                                  or (predicted is None and len(self.traces) >= 2)):
+                self._gave_up = True  # no model to predict from: the real steps search alone
                 break
             attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
             if predicted is not None:
                 attempt = dataclasses.replace(attempt, predicted_peak_bytes=self._predicted_peak(
-                    size), predicted_fits=size <= predicted)
+                    size) if self.model is not None else None, predicted_fits=size <= predicted)
+            if self._seeding:  # nothing ran: no step time
+                attempt = dataclasses.replace(attempt, fake=True, step_time_s=None)
             failed_here = not attempt.fits  # this rank's own outcome
             attempt = agree(attempt)  # every rank learns from the same outcome
             self._learn(attempt, reading, failed_here)
             self.attempts.append(attempt)
+            if self._fake_sizes and not self._seeding and _search.misses([attempt]):
+                self._drop_fakes()  # the fake trace missed what the real step holds
             if on_step is not None:
                 on_step(self.attempts[-1])
         return self.attempts
+
+    def _searched(self) -> list[Attempt]:
+        """The attempts the policy searches on: the fake ones while seeding, else the real."""
+        return [a for a in self.attempts if a.fake == self._seeding]
 
     def _wants_trace(self) -> bool:
         """CPU: always (the tracker sees every op anyway). CUDA: only to fit or refit the model,
@@ -149,9 +259,13 @@ class Search:
     def _learn(self, attempt: Attempt, reading: Reading, failed_here: bool) -> None:
         trace = reading.trace
         if attempt.fits and trace is not None and trace.complete:
-            self.traces[attempt.batch_size] = trace
+            if attempt.fake:
+                self._fake_sizes.add(attempt.batch_size)
+            # the model the real steps verify is the fake search's (NOTE [ A free first guess ])
+            shadowed = not attempt.fake and attempt.batch_size in self._fake_sizes
+            (self._shadowed if shadowed else self.traces)[attempt.batch_size] = trace
             if reading.split is not None and (self.split is None
-                                              or attempt.batch_size > self.split.batch_size):
+                                              or attempt.batch_size >= self.split.batch_size):
                 self.split = _memory_split(attempt.batch_size, trace, *reading.split)
             if reading.peak_reserved_bytes:
                 self.overhead_bytes = max(0, reading.peak_reserved_bytes - max(trace.live))
@@ -220,7 +334,7 @@ class Search:
         """How the search went, in a sentence for the report."""
         sizes = sorted(self.traces)
         lowered = (" The memory limit was lowered to the live bytes of a real allocator "
-                   "failure." if self._lowered else "")
+                   "failure." if self._lowered else "") + self.seed_note
         if _search.misses(self.attempts) >= _search.MAX_MISSES:
             return ("per-op model missed twice (memory not affine in the batch size here); "
                     "finished by bisection." + lowered)

@@ -41,6 +41,7 @@ class ProbePlan:
     budget_bytes: int | None
     target: tuple[str, int] | None  # a GPU that is not here: (its name, the bytes usable on it)
     trace: str  # "fake": the sizes run on fake tensors (see NOTE [ Fake trials ]); "real"
+    fake_first: bool  # a local search traced on fake tensors first (NOTE [ A free first guess ])
     # the search
     start: int
     ceiling: int
@@ -83,6 +84,24 @@ def _batches(make_batch: Any) -> Callable[[int], Any]:
         rng.restore()
 
 
+def _fake_first(trace: str | None, planned: bool, is_module: bool,
+                device: torch.device) -> tuple[bool, list[str]]:
+    """Whether a local search traces on fake tensors first (NOTE [ A free first guess ] in
+    _loop.py), and why not, for the report, where it could have (``trace`` left out)."""
+    if planned or trace is not None:
+        return False, []  # a plan is all fake; trace='real' asks for real steps only
+    if not is_module:
+        return False, ["No fake trace first: a step(batch_size) of your own runs on your own "
+                       "tensors."]
+    if device.type != "cpu":
+        return False, [f"No fake trace first: fake tensors run the CPU's kernels, not "
+                       f"{device.type.upper()}'s."]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False, ["No fake trace first under torch.distributed: every rank takes the "
+                       "same real steps."]
+    return True, []
+
+
 # NOTE [ Why the probe starts at 2 ]
 # Batch size 1 is a special case for many models: BatchNorm cannot train on one sample, and
 # reductions over the batch, squeezes and kernel choices make its memory fall off the line that
@@ -110,9 +129,10 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
         resolved, budget_bytes = torch.device("cpu"), None
     check_amp(amp, resolved)
+    fake_first, why_not = _fake_first(trace, planned is not None, is_module, resolved)
     if trace is None:  # see NOTE [ Fake trials ] in _fake.py
         trace = "fake" if planned is not None and is_module else "real"
-    notes = notes_on(owner=owner, device=resolved, amp=amp)
+    notes = notes_on(owner=owner, device=resolved, amp=amp) + why_not
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
     ceiling = (max_batch_size or SEARCH_CEILING) // multiple_of * multiple_of
@@ -126,8 +146,8 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
         batch_description=getattr(make, "description", ""), loss_fn=loss_fn,
         optimizer=optimizer, scaler=scaler, scheduler=scheduler, amp=amp, device=resolved,
         home=_device(model, None) if is_module else resolved, budget_bytes=budget_bytes,
-        target=planned, trace=trace, start=start, ceiling=ceiling, multiple_of=multiple_of,
-        max_batch_size=max_batch_size, headroom=float(headroom),
+        target=planned, trace=trace, fake_first=fake_first, start=start, ceiling=ceiling,
+        multiple_of=multiple_of, max_batch_size=max_batch_size, headroom=float(headroom),
         steps_per_trial=steps_per_trial,
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None, what_if=what_if,
         on_progress=on_progress, should_stop=should_stop, notes=tuple(notes))

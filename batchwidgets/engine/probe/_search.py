@@ -140,8 +140,8 @@ def next_batch_size(attempts: Sequence[Attempt], *, start: int, multiple_of: int
     ``predicted`` is the largest size the per-op model says fits, None without a model.
     """
     m = multiple_of
-    if not attempts:
-        return start
+    if not attempts:  # a fake search's answer, when there was one (NOTE [ A free first guess ])
+        return start if predicted is None else min(max(predicted // m * m, m), ceiling)
     lo, hi = bracket(attempts)
     if lo == 0:  # nothing ran yet: halve down to multiple_of, then give up
         return None if hi <= m else max(m, hi // 2 // m * m)

@@ -102,7 +102,8 @@ def _row(name: str, cost: str, probe: Callable[..., BatchSizeReport], **change: 
         if type(error).__name__ != "NoBatchSizeFits" and "autocast" not in str(error):
             raise
         return WhatIf(name, 0, True, cost)
-    top = max((a for a in report.attempts if a.fits), key=lambda a: a.batch_size, default=None)
+    top = max((a for a in report.attempts if a.fits and not a.fake), key=lambda a: a.batch_size,
+              default=None)
     return WhatIf(name, report.max_batch_size, True, cost,
                   None if top is None else top.samples_per_s)
 
