@@ -213,7 +213,13 @@ class BatchSizeReport:
 
     @property
     def n_ooms(self) -> int:
-        return sum(not a.fits for a in self.attempts)
+        """Out-of-memory errors real steps hit (one on fake tensors costs nothing), or a plan's."""
+        return sum(not a.fits for a in self.attempts if not a.fake or self.trace == "fake")
+
+    @property
+    def n_fake(self) -> int:
+        """Sizes traced on fake tensors: a plan's, or a local search's free first guess."""
+        return sum(a.fake for a in self.attempts)
 
     @property
     def _headroom_batch_size(self) -> int:
@@ -273,9 +279,11 @@ class BatchSizeReport:
                     f"band {self.target_band[0]}-{self.target_band[1]}), "
                     f"recommended_batch_size={self.recommended_batch_size}, traced on "
                     f"{traced} in {self.n_attempts} tries")
+        real = self.n_attempts - self.n_fake
+        fake = f" after {self.n_fake} on fake tensors" if self.n_fake else ""
         return (f"max_batch_size={self.max_batch_size}, "
                 f"recommended_batch_size={self.recommended_batch_size} ({self.device}, "
-                f"{self.n_attempts} tries, {self.n_ooms} OOM)")
+                f"{real} tries{fake}, {self.n_ooms} OOM)")
 
     def rows(self) -> list[tuple[str, object]]:
         """The rows of the report's table (label, value)."""
@@ -301,7 +309,8 @@ class BatchSizeReport:
             ("batches from", self.worst_case or "-"),
             ("amp", self.amp or "off"),
             ("attempts",
-             f"{self.n_attempts} ({self.n_ooms} out of memory); stop: {self.stop_reason}"),
+             f"{self.n_attempts} ({self.n_fake} on fake tensors, {self.n_ooms} out of memory); "
+             f"stop: {self.stop_reason}"),
         ]
 
     def _repr_html_(self) -> str:
