@@ -23,8 +23,11 @@ WORKER = textwrap.dedent("""
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         make_batch = lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,)))
+        # real steps only: under torch.distributed the search takes no fake first guess, and
+        # alone it must search as it does together
         return bw.find_batch(model, make_batch, loss_fn=nn.functional.cross_entropy,
-                             optimizer=torch.optim.Adam(model.parameters()), budget=budget)
+                             optimizer=torch.optim.Adam(model.parameters()), budget=budget,
+                             trace="real")
 
     alone = probe()
     torch.distributed.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
