@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from _oracles import fits_on_a_fresh_device
 from torch import nn
 from torch.nn import functional as F
 
@@ -45,26 +46,6 @@ def images(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def token_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 1000, (batch_size, 32)), torch.randint(0, 10, (batch_size,))
-
-
-def fits_on_a_fresh_device(build, make_batch, batch_size: int, budget: int) -> bool:
-    """The oracle: a fresh simulated device, warmed up as the probe's is, two Adam steps."""
-    torch.manual_seed(0)
-    model = build()
-    optimizer = torch.optim.Adam(model.parameters())
-    meter = ProbeMeter("cpu", budget)
-    meter.warm_up()
-    model.train()
-    try:
-        with meter.measure(lambda: [*model.parameters(), *model.buffers()]):
-            for _ in range(2):
-                x, y = make_batch(batch_size)
-                F.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-    except torch.OutOfMemoryError:
-        return False
-    return True
 
 
 CASES = {

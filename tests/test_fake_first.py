@@ -9,12 +9,13 @@ import copy
 
 import pytest
 import torch
+from _oracles import fits_on_a_fresh_device
 from torch import nn
 from torch.nn import functional as F
 
 import batchwidgets as bw
 from batchwidgets.engine.memory import BudgetExceededError, TensorMemoryTracker
-from batchwidgets.engine.memory._simulated import ProbeMeter, simulated_cuda
+from batchwidgets.engine.memory._simulated import simulated_cuda
 
 MIB = 2**20
 
@@ -153,26 +154,6 @@ def test_a_bert_from_its_config_fed_dict_batches_is_exact_in_two_or_three_real_s
     assert not fits_under_budget(model, batch, report.max_batch_size + 1, budget)
 
 
-def fits_on_a_fresh_simulated_device(build, make_batch, batch_size: int, budget: int) -> bool:
-    """The oracle on the simulated CUDA device: a fresh one, warmed up as the probe's is, two
-    Adam steps."""
-    model = build()
-    optimizer = torch.optim.Adam(model.parameters())
-    meter = ProbeMeter("cpu", budget)
-    meter.warm_up()
-    model.train()
-    try:
-        with meter.measure(lambda: [*model.parameters(), *model.buffers()]):
-            for _ in range(2):
-                x, y = make_batch(batch_size)
-                F.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-    except torch.OutOfMemoryError:
-        return False
-    return True
-
-
 def test_on_the_simulated_cuda_device_the_fake_search_places_the_real_steps_at_the_edge():
     model = Encoder()
     budget = 24 * MIB
@@ -182,8 +163,8 @@ def test_on_the_simulated_cuda_device_the_fake_search_places_the_real_steps_at_t
     assert_real_steps_only_at_the_edge(report)
     assert "caching allocator" in report.method
     assert report.first_oom_batch_size == report.max_batch_size + 1
-    assert fits_on_a_fresh_simulated_device(Encoder, token_batch, report.max_batch_size, budget)
-    assert not fits_on_a_fresh_simulated_device(Encoder, token_batch,
+    assert fits_on_a_fresh_device(Encoder, token_batch, report.max_batch_size, budget)
+    assert not fits_on_a_fresh_device(Encoder, token_batch,
                                                 report.max_batch_size + 1, budget)
 
 
