@@ -173,3 +173,26 @@ def test_the_recorded_h100_boundaries_lie_in_the_plans_band(build, make_batch, t
     assert low <= truth <= high
     assert truth - 2 <= report.max_batch_size <= 1.05 * truth  # the encoder's: 4% above
     assert report.recommended_batch_size < truth
+
+
+def test_the_foreach_step_is_the_plans_thread_only():
+    seen = {}
+    param = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([param])
+
+    def record(opt, args, kwargs) -> None:  # runs after the global hooks
+        seen[threading.get_ident()] = opt.param_groups[0]["foreach"]
+
+    optimizer.register_step_pre_hook(record)
+
+    def step() -> None:
+        param.grad = torch.ones(3)
+        optimizer.step()
+
+    with cuda_kernels((9, 0)):
+        step()
+        worker = threading.Thread(target=step)
+        worker.start()
+        worker.join()
+    assert seen == {threading.get_ident(): True, worker.ident: None}
+    assert optimizer.param_groups[0]["foreach"] is None

@@ -262,11 +262,15 @@ def _target_functions(capability: tuple[int, int]) -> Iterator[None]:
 
 @contextmanager
 def foreach_as_on_cuda() -> Iterator[None]:
-    """Each optimizer step inside takes the multi-tensor path CUDA takes by default: groups
-    with foreach=None (and neither fused nor differentiable) get foreach=True for the step."""
+    """Each optimizer step inside, on this thread, takes the multi-tensor path CUDA takes by
+    default: groups with foreach=None (and neither fused nor differentiable) get foreach=True
+    for the step; the hooks are global, so another thread's steps are left as they are."""
     changed: list[dict] = []
+    owner = threading.get_ident()
 
     def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != owner:  # another thread's training: its own path
+            return
         for group in optimizer.param_groups:
             if ("foreach" in group and group["foreach"] is None and not group.get("fused")
                     and not group.get("differentiable")):
