@@ -24,6 +24,7 @@ PUBLIC = {
     "plot_noise_tracker", "NoisePanel",
     "tune_loader", "measure_loader", "make_loader", "data_stall", "LoaderReport", "LoaderTrial",
     "DataStallReport", "plot_loader", "LoaderPanel",
+    "live_loader", "LiveLoader", "LiveLoaderReport", "LoaderSegment", "LoaderSwitch",
     "BatchwidgetsWarning",
 }
 # Importable from the top level as before, but internals: not in __all__.
@@ -133,6 +134,11 @@ def test_loader_functions_parameters():
                      "batch_size", "samples_per_s", "bytes_per_s", "first_batch_s",
                      "n_epoch_ends", "settings", "label"}),
     ("DataStallReport", {"stall_fraction", "step_time_s", "data_wait_s"}),
+    ("LiveLoaderReport", {"samples_per_s", "stall_fraction", "segments", "switches", "settings",
+                          "current", "n_batches", "n_samples", "wall_s", "wait_s"}),
+    ("LoaderSegment", {"settings", "samples_per_s", "stall_fraction", "n_batches", "n_samples",
+                       "wall_s", "wait_s", "step_s", "epoch", "batch", "label"}),
+    ("LoaderSwitch", {"old", "new", "epoch", "batch", "cost_s", "shutdown_s", "by", "note"}),
 ])
 def test_report_names(report_class, required):
     cls = getattr(bw, report_class)

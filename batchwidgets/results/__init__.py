@@ -1,8 +1,8 @@
 """Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
 
 One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``), ``accumulate``,
-``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``loader`` and
-``schedule``; every name is re-exported here.
+``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``loader``,
+``live_loader`` and ``schedule``; every name is re-exported here.
 
 Usage:
     >>> from batchwidgets.results import Attempt, BatchSizeReport
@@ -22,6 +22,7 @@ from ._noise_theory import (
     steps_over_min,
 )
 from .accumulate import AccumulationReport
+from .live_loader import LiveLoaderReport, LoaderSegment, LoaderSwitch
 from .loader import DataStallReport, LoaderReport, LoaderTrial
 from .noise import LayerNoise, NoiseReport
 from .noise_tracker import LOSS_WINDOW, NoisePoint, NoiseTrackerReport
@@ -46,7 +47,10 @@ __all__ = [
     "BatchSizeReport",
     "DataStallReport",
     "LayerNoise",
+    "LiveLoaderReport",
     "LoaderReport",
+    "LoaderSegment",
+    "LoaderSwitch",
     "LoaderTrial",
     "MemoryModel",
     "MemorySplit",

@@ -5,12 +5,16 @@ training step waits on data.
 - ``_search.py``  tune_loader's pure search policy: which setting next
 - ``_timing.py``  timing one DataLoader; workers always shut down
 - ``_checks.py``  argument checks, unpicklable datasets, warnings with numbers
+- ``_live.py``    live_loader: the running loop's loader, switched at its next batch, measured
+- ``_epoch.py``   one live epoch: the same order across a switch, the loop's time around next()
+- ``_autotune.py`` live_loader(autotune=True)'s policy: which setting to try next, from the stall
 
 It imports the shared modules only.
 """
 
 from .._types import TrainStep
 from ._checks import usable_cpus
+from ._live import SWITCHABLE, LiveLoader, live_loader
 from ._timing import one_line
 from ._tune import (
     DEFAULT_BATCH_SIZE,
@@ -22,5 +26,6 @@ from ._tune import (
     with_data,
 )
 
-__all__ = ["DEFAULT_BATCH_SIZE", "TrainStep", "data_stall", "loader_report", "make_loader",
-           "measure_loader", "one_line", "tune_loader", "usable_cpus", "with_data"]
+__all__ = ["DEFAULT_BATCH_SIZE", "SWITCHABLE", "LiveLoader", "TrainStep", "data_stall",
+           "live_loader", "loader_report", "make_loader", "measure_loader", "one_line",
+           "tune_loader", "usable_cpus", "with_data"]

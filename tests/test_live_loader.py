@@ -1,0 +1,333 @@
+"""live_loader on the CPU: the wrapped DataLoader's batches and order, epoch after epoch, across
+switches made mid-epoch (from the loop, another thread, attribute assignment); worker seeds and
+generators as PyTorch draws them; workers always shut down; bad settings refused at set() with
+the loader carrying on; the loop's own numbers in the report. PyTorch's DataLoader is the oracle."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    TensorDataset,
+    get_worker_info,
+)
+
+import batchwidgets as bw
+from batchwidgets import BatchwidgetsWarning
+
+
+class Noisy(Dataset):
+    """Each sample carries a draw from the loading process's torch RNG: worker seeds show."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"index": torch.tensor(i), "noise": torch.randint(0, 2**30, ())}
+
+
+class Stream(IterableDataset):
+    def __init__(self, n: int = 24) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(torch.arange(self.n, dtype=torch.float32)[start::step])
+
+
+class DiesAt(Dataset):
+    """A worker process that dies (as by the OOM killer) when it loads sample ``at``."""
+
+    def __init__(self, n: int = 32, at: int = 20) -> None:
+        self.n, self.at = n, at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.at and get_worker_info() is not None:
+            os._exit(1)
+        return torch.tensor(float(i))
+
+
+def indices(batch) -> list[int]:
+    if isinstance(batch, dict):
+        return batch["index"].reshape(-1).tolist()
+    if isinstance(batch, (list, tuple)):
+        return batch[0].reshape(-1).tolist()
+    return batch.reshape(-1).tolist()
+
+
+SWITCHES = {2: {"num_workers": 2}, 5: {"num_workers": 1, "prefetch_factor": 4},
+            7: {"num_workers": 0}, 9: {"num_workers": 2, "persistent_workers": True}}
+
+
+def run_epochs(loader, epochs: int, switches=None, set_epoch: bool = False):
+    out = []
+    for epoch in range(epochs):
+        if set_epoch:
+            loader.sampler.set_epoch(epoch)
+        batches = []
+        for i, batch in enumerate(loader):
+            batches.append(indices(batch))
+            if switches and i in switches:
+                loader.set(**switches[i])
+        out.append(batches)
+    return out
+
+
+def make(kind: str, seed: int = 0) -> DataLoader:
+    data = TensorDataset(torch.arange(60))
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "shuffle":
+        return DataLoader(data, batch_size=4, shuffle=True, generator=generator)
+    if kind == "drop_last":
+        return DataLoader(data, batch_size=4, shuffle=True, drop_last=True, generator=generator)
+    if kind == "batch_sampler":
+        sampler = RandomSampler(data, generator=generator)
+        return DataLoader(data, batch_sampler=BatchSampler(sampler, 3, drop_last=False))
+    if kind == "no_batching":
+        return DataLoader(data, batch_size=None, shuffle=True, generator=generator)
+    if kind == "distributed":
+        return DataLoader(data, batch_size=4, sampler=DistributedSampler(
+            data, num_replicas=2, rank=1, shuffle=True, seed=seed))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "drop_last", "batch_sampler", "no_batching",
+                                  "distributed"])
+def test_the_batches_and_order_of_the_wrapped_loader_across_switches_epoch_after_epoch(kind):
+    want = run_epochs(make(kind), 3, set_epoch=kind == "distributed")
+    live = bw.live_loader(make(kind))
+    got = run_epochs(live, 3, SWITCHES, set_epoch=kind == "distributed")
+    assert got == want
+    assert len(live.report().switches) >= 3
+    live.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_the_global_generator_is_drawn_as_the_wrapped_loader_draws_it():
+    data = TensorDataset(torch.arange(30))
+    torch.manual_seed(7)
+    want = run_epochs(DataLoader(data, batch_size=4, shuffle=True), 2)
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    live = bw.live_loader(data, batch_size=4, shuffle=True)
+    assert run_epochs(live, 2, SWITCHES) == want
+    assert torch.equal(torch.rand(3), after)  # the switches drew nothing from the user's RNG
+    live.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_seeds_are_the_wrapped_loaders_with_its_starting_settings(persistent):
+    def loader():
+        return DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2,
+                          persistent_workers=persistent,
+                          generator=torch.Generator().manual_seed(3))
+    reference = loader()
+    want = [[batch["noise"].tolist() for batch in reference] for _ in range(2)]
+    del reference
+    live = bw.live_loader(loader())
+    got = [[batch["noise"].tolist() for batch in live] for _ in range(2)]
+    assert got == want
+    live.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_a_switch_from_another_thread_lands_at_the_next_batch_without_losing_the_place():
+    live = bw.live_loader(make("shuffle"))
+    want = run_epochs(make("shuffle"), 1)[0]
+    got, asked = [], threading.Event()
+    for i, batch in enumerate(live):
+        got.append(indices(batch))
+        if i == 1:
+            thread = threading.Thread(target=lambda: (live.set(num_workers=1), asked.set()))
+            thread.start()
+            thread.join()
+    assert asked.is_set()
+    assert got == want
+    (switch,) = live.report().switches
+    assert (switch.epoch, switch.batch) == (0, 2)
+    assert switch.old["num_workers"] == 0
+    assert switch.new == {"num_workers": 1, "pin_memory": False, "prefetch_factor": 2,
+                          "persistent_workers": False}
+    assert switch.cost_s > 0
+    assert live.num_workers == 1
+
+
+def test_it_is_used_where_the_dataloader_was():
+    source = make("distributed")
+    live = bw.live_loader(source)
+    assert isinstance(live, DataLoader)
+    assert len(live) == len(source) == 8
+    assert live.dataset is source.dataset
+    assert live.sampler is source.sampler
+    assert live.batch_size == 4
+    live.sampler.set_epoch(1)
+    assert run_epochs(live, 1) == run_epochs(source, 1)
+
+
+def test_assigning_a_setting_switches_it_as_set_does():
+    live = bw.live_loader(make("shuffle"))
+    live.num_workers = 2  # between epochs: in force now
+    live.pin_memory = False
+    assert live.num_workers == 2
+    assert live.prefetch_factor == 2
+    assert run_epochs(live, 1) == run_epochs(make("shuffle"), 1)
+    live.close()
+
+
+def test_switching_to_zero_workers_drops_what_only_workers_take():
+    live = bw.live_loader(make("shuffle"), num_workers=2, prefetch_factor=4,
+                          persistent_workers=True)
+    live.set(num_workers=0)
+    assert run_epochs(live, 1) == run_epochs(make("shuffle"), 1)
+    assert live.settings == {"num_workers": 0, "pin_memory": False, "prefetch_factor": None,
+                             "persistent_workers": False}
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"num_workers": -1}, "num_workers should be an int >= 0, but got num_workers=-1"),
+    ({"num_workers": 0, "prefetch_factor": 4},
+     "prefetch_factor should be None with num_workers=0"),
+    ({"persistent_workers": True}, "persistent_workers should be False with num_workers=0"),
+    ({"pin_memory": "yes"}, "pin_memory should be True or False"),
+    ({"batch_size": 8}, "settings should be among"),
+])
+def test_bad_settings_are_one_line_errors_and_the_loader_carries_on(settings, message):
+    live = bw.live_loader(make("shuffle"))
+    got = []
+    for i, batch in enumerate(live):
+        got.append(indices(batch))
+        if i == 1:
+            with pytest.raises((ValueError, TypeError)) as error:
+                live.set(**settings)
+            assert message in str(error.value)
+            assert "\n" not in str(error.value)
+    assert got == run_epochs(make("shuffle"), 1)[0]
+    assert live.report().switches == ()
+
+
+def test_a_dataset_spawned_workers_cannot_unpickle_is_refused_at_set():
+    class LocalDataset(TensorDataset):  # like a class defined in a notebook
+        pass
+
+    live = bw.live_loader(LocalDataset(torch.arange(8)), batch_size=2,
+                          multiprocessing_context="spawn")
+    with pytest.raises(TypeError, match="dataset should be picklable for DataLoader workers "
+                                        "started by 'spawn'"):
+        live.set(num_workers=2)
+    assert live.num_workers == 0
+    assert [indices(b) for b in live] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_worker_that_dies_mid_epoch_raises_in_the_loop_and_leaves_nothing_running():
+    live = bw.live_loader(DiesAt(), batch_size=2)
+    # What PyTorch raises depends on when it notices: the lost connection or the dead worker.
+    with pytest.raises((RuntimeError, ConnectionError)):  # noqa: PT012
+        for i, _ in enumerate(live):
+            if i == 1:
+                live.set(num_workers=2)
+    assert multiprocessing.active_children() == []
+
+
+def test_breaking_out_keeps_persistent_workers_and_close_stops_them():
+    live = bw.live_loader(make("shuffle"), num_workers=1, persistent_workers=True)
+    for i, _ in enumerate(live):
+        if i == 2:
+            break
+    assert len(multiprocessing.active_children()) == 1
+    reference = DataLoader(live.dataset, batch_size=4, shuffle=True, num_workers=1,
+                           persistent_workers=True, generator=torch.Generator().manual_seed(0))
+    for i, _ in enumerate(reference):  # the oracle: a DataLoader, broken off alike
+        if i == 2:
+            break
+    assert run_epochs(live, 1) == run_epochs(reference, 1)
+    reference._iterator._shutdown_workers()
+    assert len(multiprocessing.active_children()) == 1  # the same worker, next epoch
+    live.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_an_iterable_dataset_switches_at_the_next_epoch_and_says_so():
+    live = bw.live_loader(Stream(), batch_size=5)
+    first = []
+    for i, batch in enumerate(live):
+        first.append(indices(batch))
+        if i == 1:
+            with pytest.warns(BatchwidgetsWarning, match="IterableDataset cannot resume at a"):
+                live.set(num_workers=2)
+    assert live.num_workers == 0
+    assert [i for batch in first for i in batch] == list(range(24))
+    second = [indices(b) for b in live]
+    assert live.num_workers == 2
+    assert sorted(i for batch in second for i in batch) == list(range(24))
+    (switch,) = live.report().switches
+    assert (switch.epoch, switch.batch) == (1, 0)
+    assert "next epoch" in switch.note
+    live.close()
+
+
+def test_the_report_is_the_loops_own_time_per_setting():
+    class Slow(TensorDataset):
+        def __getitem__(self, i):
+            time.sleep(0.004)
+            return super().__getitem__(i)
+
+    live = bw.live_loader(Slow(torch.arange(24)), batch_size=2)
+    for i, _ in enumerate(live):
+        time.sleep(0.002)  # the step
+        if i == 5:
+            live.set(num_workers=2)
+    report = live.report()
+    assert report.n_batches == 12
+    assert report.n_samples == 24
+    assert [s.n_batches for s in report.segments] == [6, 6]
+    first, second = report.segments
+    assert first.settings["num_workers"] == 0
+    assert second.settings["num_workers"] == 2
+    assert (second.epoch, second.batch) == (0, 6)
+    assert report.samples_per_s == pytest.approx(24 / report.wall_s)
+    assert report.stall_fraction == pytest.approx(report.wait_s / report.wall_s)
+    # each batch waited >= 8 ms of loading without workers, the step took >= 2 ms
+    assert first.stall_fraction > 0.5
+    assert first.step_s >= 0.001  # 5 steps of 2 ms over 6 batches
+    assert report.current is second
+    assert "2 workers" in report.summary()
+    assert "switch" in report._repr_html_()
+    assert live.stats.n_batches == 12
+    live.close()
+
+
+def test_no_worker_process_or_shared_memory_is_left_after_many_switches():
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    live = bw.live_loader(TensorDataset(torch.randn(64, 16)), batch_size=2)
+    options = [{"num_workers": 1}, {"num_workers": 2, "persistent_workers": True},
+               {"num_workers": 0}, {"num_workers": 2, "prefetch_factor": 1}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _epoch in range(2):
+            for i, _ in enumerate(live):
+                live.set(**options[i % len(options)])
+    live.close()
+    assert multiprocessing.active_children() == []
+    time.sleep(0.1)
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert after - before == set()
