@@ -176,3 +176,38 @@ def test_lightning_callback_feeds_the_tracker_from_accumulate_grad_batches():
     plain = lightning_fit(None, n_examples)
     for p, q in zip(trained.parameters(), plain.parameters()):
         assert torch.equal(p, q)
+
+
+class Indexed(lightning.pytorch.LightningModule):
+    """Records the sample indices of every batch; at batch 2 switches the live loader the
+    Trainer runs, as a panel's click would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.seen = nn.Linear(4, 1), []
+
+    def training_step(self, batch, index):
+        x, ids = batch
+        self.seen.append(ids.tolist())
+        if index == 2:
+            self.trainer.train_dataloader.set(num_workers=1)
+        return self.net(x).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_lightnings_trainer_runs_a_live_loader_as_is_and_a_switch_lands_mid_epoch():
+    data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.arange(40))
+    live = bw.live_loader(data, batch_size=8, shuffle=True,
+                          generator=torch.Generator().manual_seed(0))
+    module = Indexed()
+    lightning.pytorch.Trainer(
+        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu").fit(module, live)
+    plain = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True,
+                                        generator=torch.Generator().manual_seed(0))
+    assert module.seen == [batch[1].tolist() for _ in range(2) for batch in plain]
+    (switch,) = live.report().switches
+    assert (switch.epoch, switch.batch) == (0, 3)
+    live.close()

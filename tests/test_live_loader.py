@@ -331,3 +331,17 @@ def test_no_worker_process_or_shared_memory_is_left_after_many_switches():
     time.sleep(0.1)
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert after - before == set()
+
+
+def test_workers_started_by_spawn_switch_with_the_order_kept_and_the_cost_said():
+    threads = threading.active_count()
+    live = bw.live_loader(TensorDataset(torch.arange(60)), batch_size=4, shuffle=True,
+                          generator=torch.Generator().manual_seed(0),
+                          multiprocessing_context="spawn")
+    got = run_epochs(live, 1, {1: {"num_workers": 1}, 6: {"num_workers": 0}})
+    assert got == run_epochs(make("shuffle"), 1)
+    first, _back = live.report().switches
+    assert first.cost_s > first.shutdown_s >= 0  # a new interpreter per worker: seconds, said
+    live.close()
+    assert multiprocessing.active_children() == []
+    assert threading.active_count() == threads
