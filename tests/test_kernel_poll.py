@@ -46,7 +46,8 @@ for step in range(1000):
     time.sleep(0.02)
 helper.join()
 print("after the loop", poll.available, repr(poll.reason), from_a_thread == [0] * 100)
-print(seen.index(7) if 7 in seen else None, len(seen), dispatched)
+print(seen.index(7) if 7 in seen else None, len(seen), dispatched, flush=True)
+time.sleep(0.3)  # no more polls: the client's last request waits in the kernel's socket
 """
 
 
@@ -81,22 +82,22 @@ def outputs(client, code: str) -> str:
 
 def run_scenario(line: str) -> dict:
     """Set up a slider, start the training cell, and once it prints "start" send a widget update,
-    then an execute_request, a kernel_info_request and another execute_request; collect every
-    IOPub message until the last cell is idle, and the shell replies in the order they came."""
+    then an execute_request and a kernel_info_request (both held by a poll), and once the loop is
+    over another execute_request (never seen by a poll); collect every IOPub message until the
+    last cell is idle, and the shell replies in the order they came."""
     manager, client = start_kernel(line)
     try:
         version = outputs(client, "import ipykernel; print(ipykernel.__version__)").strip()
         model_id = outputs(client, SETUP).strip()
         training = client.execute(TRAINING)
         iopub: list[dict] = []
-        while not any(m["msg_type"] == "stream" and m["content"]["text"].startswith("start")
-                      for m in iopub):
-            iopub.append(client.get_iopub_msg(timeout=60))
+        read_until(client, iopub, "start")
         update = client.session.msg("comm_msg", content={"comm_id": model_id, "data": {
             "method": "update", "state": {"value": 7}, "buffer_paths": []}})
         client.shell_channel.send(update)
         after = client.execute("print('after', len(seen), slider.value)")
         info = client.kernel_info()
+        read_until(client, iopub, "after the loop")
         last = client.execute("print('last')")
         while not (iopub[-1]["msg_type"] == "status"
                    and iopub[-1]["parent_header"].get("msg_id") == last
@@ -111,15 +112,24 @@ def run_scenario(line: str) -> dict:
             "update": update["header"]["msg_id"], "after": after, "info": info, "last": last}
 
 
+def read_until(client, iopub: list[dict], text: str) -> None:
+    while not any(m["msg_type"] == "stream" and text in m["content"]["text"] for m in iopub):
+        iopub.append(client.get_iopub_msg(timeout=60))
+
+
 def text_of(iopub: list[dict], parent: str) -> str:
     return "".join(m["content"]["text"] for m in iopub
                    if m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == parent)
 
 
 def first(iopub: list[dict], parent: str, state: str) -> int:
-    return next(i for i, m in enumerate(iopub) if m["msg_type"] == "status"
-                and m["parent_header"].get("msg_id") == parent
-                and m["content"]["execution_state"] == state)
+    """Where the first ``state`` status of request ``parent`` is in IOPub (the test fails
+    if that request had not run by the time the last one was idle)."""
+    found = [i for i, m in enumerate(iopub) if m["msg_type"] == "status"
+             and m["parent_header"].get("msg_id") == parent
+             and m["content"]["execution_state"] == state]
+    assert found, f"no {state} status for {parent} before the last request was idle"
+    return found[0]
 
 
 @pytest.mark.slow
