@@ -222,3 +222,50 @@ def test_a_failure_while_polling_turns_polling_off_with_one_warning(shell_with):
     assert len(caught) == 1
     assert poll.available is False
     assert "OSError: socket closed" in poll.reason
+
+
+INTERRUPTED = """
+poll = WidgetPoll(min_interval_s=0.0)
+for step in range(1000):
+    poll.poll()
+    if step == 2:
+        print("start", flush=True)
+    if slider.value == 7:
+        slider.value = 8  # print once
+        print("landed", flush=True)
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line", ["7", "6"])
+def test_an_interrupt_while_polling_leaves_the_kernel_as_without_the_poll(line):
+    # Stop pressed while requests are held by the poll: the cell ends in KeyboardInterrupt, the
+    # held execute_request is aborted as the kernel aborts queued cells after an error, and the
+    # next cell runs in a kernel that still answers.
+    pytest.importorskip("jupyter_client")
+    pytest.importorskip("ipywidgets")
+    manager, client = start_kernel(line)
+    try:
+        model_id = outputs(client, SETUP).strip()
+        training, iopub = client.execute(INTERRUPTED), []
+        read_until(client, iopub, "start")
+        client.shell_channel.send(client.session.msg("comm_msg", content={
+            "comm_id": model_id, "data": {"method": "update", "state": {"value": 7},
+                                          "buffer_paths": []}}))
+        queued = client.execute("print('queued')")
+        read_until(client, iopub, "landed")
+        manager.interrupt_kernel()
+        replies = {}
+        while len(replies) < 2:
+            reply = client.get_shell_msg(timeout=30)
+            replies[reply["parent_header"]["msg_id"]] = reply["content"]
+        after = outputs(client, "print(slider.value, step)").split()
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    assert replies[training]["status"] == "error"
+    assert replies[training]["ename"] == "KeyboardInterrupt"
+    assert replies[queued]["status"] == "aborted"
+    assert after[0] == "8"
+    assert 3 <= int(after[1]) < 999
