@@ -197,11 +197,12 @@ def main() -> None:
         "- regenerate: `python benchmarks/widget_poll.py` (ipykernel 6 from `.ipykernel6`, "
         "as `.ci/run` installs it)", "", table(rows), "",
         "Reading: a look at the kernel's queue costs a few µs in a tight loop, and 100-200 µs "
-        "once 10 ms of other work has passed (cold caches, the kernel's other threads taking the "
-        "GIL). Looks are time-based (one per `min_interval_s`, 0.05 s by default), so the share "
-        "of the loop is about one look's cost over 0.05 s, whatever the step time; the target is "
-        "under 1% of a 10 ms step. Dispatching an update (the widget's echo and the busy/idle "
-        "status messages included) is paid only when the user changes a widget.", ""])
+        "once 10 ms of other work has passed (cold caches, likely also the kernel's other "
+        "threads contending for the GIL). Looks are time-based (one per `min_interval_s`, 0.05 s "
+        "by default), so the share of the loop is about one look's cost over 0.05 s, whatever "
+        "the step time; the target is under 1% of a 10 ms step. Dispatching an update (the "
+        "widget's echo and the busy/idle status messages included) is paid only when the user "
+        "changes a widget.", ""])
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "widget_poll.md").write_text(text)
