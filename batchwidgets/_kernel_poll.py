@@ -44,9 +44,16 @@ from ._warnings import BatchwidgetsWarning
 # ipywidgets' front end counts a widget's updates in flight and holds further ones until the
 # kernel says idle with that update as parent. Afterwards ``kernel.set_parent`` puts back the
 # cell's parent header and identity (both lines keep them in ``get_parent("shell")`` and
-# ``_parent_ident["shell"]``), so the cell's later prints and displays stay in the cell.
+# ``_parent_ident["shell"]``), so the cell's later prints and displays stay in the cell, and
+# poll() says busy again under the cell: JupyterLab's kernel indicator and jupyter_server's
+# execution_state (which the idle-kernel culler reads) follow every status message whatever its
+# parent, and would show an idle kernel for the rest of the cell.
 # A held message is classified from its header frame without ``session.deserialize(content=
 # True)``: that records the signature, and the kernel would then drop the message as a replay.
+# Taking and handing back run with Ctrl-C deferred to the end of each, so an interrupt cannot
+# fall between the two and lose a request. On ipykernel <= 6.2x (Colab's 6.17, checked by hand)
+# output streams keep one buffer sent under whatever parent is current at flush time: poll()
+# flushes the cell's output before it sets a comm message as parent.
 # Comm messages that arrive after a queued execute_request still run now (ipykernel 7.4 does the
 # same for an async cell); everything else keeps its order and waits for the cell.
 
@@ -228,8 +235,9 @@ class WidgetPoll:
         finally:
             with _interrupts_deferred():  # an interrupt may have left some untouched
                 queue.give_back(held + taken[done:])
-            if dispatched:
+            if dispatched:  # the cell's parent back, and its busy (the update said idle)
                 kernel.set_parent(ident, parent, channel="shell")
+                kernel._publish_status("busy", "shell")
         return dispatched
 
     def _comm_message(self, frames: list[Any] | None) -> tuple[list, dict] | None:

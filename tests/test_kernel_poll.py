@@ -150,8 +150,11 @@ def test_a_widget_update_lands_mid_loop_and_every_other_message_waits_for_the_ce
     # while the training cell was still busy: ipywidgets' front end holds that widget's further
     # updates until this idle comes.
     training_idle = first(iopub, training, "idle")
-    assert first(iopub, run["update"], "busy") < first(iopub, run["update"], "idle") \
-        < training_idle
+    update_idle = first(iopub, run["update"], "idle")
+    assert first(iopub, run["update"], "busy") < update_idle < training_idle
+    # ... and then the kernel says busy again under the cell, for the rest of the cell
+    assert [m["parent_header"]["msg_id"] for m in iopub[update_idle + 1:training_idle]
+            if m["msg_type"] == "status"][:1] == [training]
     # The other requests waited for the training cell, in the order sent.
     assert first(iopub, run["after"], "busy") > training_idle
     assert text_of(iopub, run["after"]) == f"after {steps} 7\n"
