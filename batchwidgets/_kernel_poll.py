@@ -162,6 +162,9 @@ class WidgetPoll:
     """
 
     def __init__(self, min_interval_s: float = 0.05) -> None:
+        if isinstance(min_interval_s, bool) or not isinstance(min_interval_s, (int, float)):
+            raise TypeError(f"min_interval_s should be a number of seconds, but got "
+                            f"min_interval_s={min_interval_s!r}; pass a number such as 0.05.")
         if not min_interval_s >= 0:
             raise ValueError(f"min_interval_s should be >= 0, but got min_interval_s="
                              f"{min_interval_s!r}; pass a number of seconds such as 0.05.")

@@ -171,6 +171,15 @@ def test_outside_a_kernel_poll_does_nothing_and_says_nothing():
     assert poll.reason == "not running in an IPython kernel"
 
 
+def test_a_bad_interval_is_a_one_line_error_naming_it():
+    with pytest.raises(ValueError, match="min_interval_s") as negative:
+        WidgetPoll(min_interval_s=-1)
+    with pytest.raises(TypeError, match="min_interval_s") as text:
+        WidgetPoll(min_interval_s="50ms")
+    assert "min_interval_s=-1" in str(negative.value)
+    assert "min_interval_s='50ms'" in str(text.value)
+
+
 class FakeShell:
     """What get_ipython() returns in a kernel: an object with a ``kernel``."""
 
