@@ -6,6 +6,7 @@ output stays the cell's. Outside a kernel it does nothing."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 import types
@@ -169,6 +170,15 @@ def test_outside_a_kernel_poll_does_nothing_and_says_nothing():
         assert [poll.poll() for _ in range(3)] == [0, 0, 0]
     assert poll.available is False
     assert poll.reason == "not running in an IPython kernel"
+
+
+def test_the_module_imports_nothing_heavy_so_the_engine_may_use_it():
+    code = ("import sys, batchwidgets._kernel_poll as k; k.WidgetPoll().poll(); print(sorted("
+            "m for m in ('torch', 'IPython', 'ipykernel', 'ipywidgets', 'zmq') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=ROOT)
+    assert result.stdout.strip() == "[]"
 
 
 def test_a_bad_interval_is_a_one_line_error_naming_it():
