@@ -51,9 +51,9 @@ from ._warnings import BatchwidgetsWarning
 # A held message is classified from its header frame without ``session.deserialize(content=
 # True)``: that records the signature, and the kernel would then drop the message as a replay.
 # Taking and handing back run with Ctrl-C deferred to the end of each, so an interrupt cannot
-# fall between the two and lose a request. On ipykernel <= 6.2x (Colab's 6.17, checked by hand)
-# output streams keep one buffer sent under whatever parent is current at flush time: poll()
-# flushes the cell's output before it sets a comm message as parent.
+# fall between the two and lose a request. Older 6.x output streams (Colab's 6.17.1, on which
+# the kernel tests pass too, run by hand) keep one buffer, sent under whatever parent is current
+# at flush time: poll() flushes the cell's output before it sets a comm message as parent.
 # Comm messages that arrive after a queued execute_request still run now (ipykernel 7.4 does the
 # same for an async cell); everything else keeps its order and waits for the cell.
 
