@@ -120,10 +120,11 @@ class _Kernel6Queue:
         self.pollin = sys.modules["zmq"].POLLIN
 
     def pending(self) -> bool:
-        self.kernel.shell_stream.flush(self.pollin)  # socket -> msg_queue, as do_one_iteration
-        return bool(self.kernel.msg_queue.qsize())
+        return bool(self.kernel.msg_queue.qsize()
+                    or self.kernel.shell_stream.socket.EVENTS & self.pollin)
 
     def take(self) -> list[Any]:
+        self.kernel.shell_stream.flush(self.pollin)  # socket -> msg_queue, as do_one_iteration
         queue, taken = self.kernel.msg_queue, []
         while queue.qsize():
             taken.append(queue.get_nowait())
