@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from ..._kernel_poll import WidgetPoll
 from ..._warnings import BatchwidgetsWarning
 from ...results import LiveLoaderReport, LoaderSegment, LoaderSwitch
 from .._util import check_int
@@ -32,10 +33,6 @@ from ._epoch import Epoch
 from ._tune import DEFAULT_BATCH_SIZE, SETTINGS, _check_source, _source_kwargs
 
 SWITCHABLE = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
-
-
-def _no_poll() -> int:
-    return 0
 
 
 def _setting(name: str) -> property:
@@ -106,7 +103,8 @@ class LiveLoader(DataLoader):
         self._epochs = 0
         self._epoch: Epoch | None = None
         self._kept: tuple[DataLoader, Any] | None = None  # persistent workers between epochs
-        self._poll = _no_poll
+        # Clicks on any widget, while the loop's cell runs, land between batches (in a kernel).
+        self._poll = WidgetPoll().poll
         self._tuner: Any = None
         self._ready = True
         self._check_workers(self.settings)
