@@ -140,6 +140,13 @@ class LiveLoader(DataLoader):
         """The worker settings in force: ``set`` keywords."""
         return {name: self._settings[name] for name in SWITCHABLE}
 
+    @property
+    def requested(self) -> dict[str, Any]:
+        """The settings from the next batch on: those asked for and not in force yet (by
+        ``set``, a panel or autotune), else those in force. A panel's controls show these."""
+        with self._lock:
+            return dict(self._pending[0]) if self._pending is not None else self.settings
+
     # -- switching -------------------------------------------------------------------------------
 
     def set(self, **settings: Any) -> None:
