@@ -341,8 +341,9 @@ def plot_live_loader(report: LiveLoaderReport, *, ax: Axes | None = None) -> Fig
         ax.text(s.samples_per_s, i, f" {s.stall_fraction:.0%} waiting, {s.n_batches} batches",
                 va="center", fontsize="small")
     ax.set_xlabel("samples/s of the training loop (its steps and its waits for data)")
-    ax.margins(x=0.35)
-    ax.set_title(f"the running loop, {len(report.switches)} switches")
+    ax.margins(x=0.45)
+    switches = len(report.switches)
+    ax.set_title(f"the running loop, {switches} switch{'' if switches == 1 else 'es'}")
     return ax.figure
 
 

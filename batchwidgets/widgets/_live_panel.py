@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .loader import LoaderPanel
 
 REFRESH_S = 0.5  # the readout follows the loop at most this often
-CHART_S = 2.0  # the chart (a PNG, ~50 ms of CPU to draw) at most this often
+CHART_S = 30.0  # while the loop runs steadily, the chart at most this often; See NOTE below
 JOIN_S = 10.0  # close() waits this long for a refresh in flight
 
 # NOTE [ Controls of a running loop ]
@@ -38,6 +38,12 @@ JOIN_S = 10.0  # close() waits this long for a refresh in flight
 # and, when they differ, sets the controls while ``_quiet`` is on in its own thread, so their
 # observers do not call ``set`` back (which would turn autotune off). The readout, the chart and
 # the autotune checkbox follow the report; nothing is computed here but formatting.
+#
+# The chart is a PNG that takes 70-95 ms of CPU to draw (2-core CPU), mostly holding the GIL the
+# training loop needs too: drawn every 2 s, it would take 4-5% of the loop's time. So it is drawn
+# after a switch, when the loop has paused (no batch since the last look: the cell ended, or it
+# waits) and otherwise at most every CHART_S (under 0.3%). The readout, a few hundred bytes of
+# HTML (0.25 ms a refresh), follows every REFRESH_S.
 
 
 def _part(name: str, value: str, unit: str = "") -> str:
@@ -123,7 +129,8 @@ class LiveBinding:
         self._shown: dict[str, Any] = {}  # the controls show live.requested from refresh()
         self._seen: tuple | None = None
         self._chart_at = -CHART_S  # time.monotonic() of the last chart
-        self._chart_seen: tuple | None = None
+        self._chart_seen = (0, 0)  # (segments, batches) it showed
+        self._batches_seen = 0  # at the last refresh
         self._build(live)
         self.batch_size.disabled = True
         self.status.value = "bound to the running loop"
@@ -220,12 +227,21 @@ class LiveBinding:
                                               for note in report.warnings)
                 if self.error is None:
                     self.status.value = report.summary()
-            chart = (len(report.segments), report.n_batches)
-            if chart != self._chart_seen and report.segments and \
-                    time.monotonic() - self._chart_at >= CHART_S:
-                self._chart_seen, self._chart_at = chart, time.monotonic()
-                self.chart.value = figure_png(plot_live_loader(report))
+            self._draw_chart(report)
             return report
+
+    def _draw_chart(self, report: LiveLoaderReport) -> None:
+        """Draw the chart when it is out of date and the loop can spare it (NOTE [ Controls of
+        a running loop ])."""
+        chart = (len(report.segments), report.n_batches)
+        paused, self._batches_seen = report.n_batches == self._batches_seen, report.n_batches
+        if chart[1] == self._chart_seen[1]:
+            return
+        switched = chart[0] != self._chart_seen[0] and chart[0] > 1
+        if switched or paused or \
+                time.monotonic() - self._chart_at >= CHART_S:
+            self._chart_seen, self._chart_at = chart, time.monotonic()
+            self.chart.value = figure_png(plot_live_loader(report))
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.refresh_s):
