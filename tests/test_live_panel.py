@@ -182,10 +182,14 @@ def test_a_switch_waiting_for_the_next_batch_is_shown_as_such(panels):
     assert 'from the next batch: <span class="batchwidgets-loader-requested">num_workers=2' \
         in panel.readout.value
     assert live.num_workers == 0  # in force: still none, until the next batch
+    panel.num_workers.value = 1  # changed again before the next batch: only the latest counts
+    panel.refresh()
+    assert '<span class="batchwidgets-loader-requested">num_workers=1' in panel.readout.value
     next(epoch)
     panel.refresh()
     assert "from the next batch" not in panel.readout.value
-    assert live.num_workers == 2
+    assert live.num_workers == 1
+    assert [s.new["num_workers"] for s in live.report().switches] == [1]
     epoch.close()
 
 

@@ -163,29 +163,29 @@ class LiveBinding:
     def _on_control(self: LoaderPanel, _change: dict) -> None:
         if getattr(self._quiet, "on", False):
             return
-        self._sync_worker_options()
-        settings = {k: v for k, v in self.settings.items() if k != "batch_size"}
-        try:
-            self._live.set(**settings)
-        except (TypeError, ValueError) as error:  # the engine's one-line checks
-            self._show_error(error)
-        else:
-            self.error = None
-            self.status.value = "switching at the next batch"
-        with self._refreshing:
+        with self._refreshing:  # the refresher does not write the controls meanwhile
+            self._sync_worker_options()
+            settings = {k: v for k, v in self.settings.items() if k != "batch_size"}
+            try:
+                self._live.set(**settings)
+            except (TypeError, ValueError) as error:  # the engine's one-line checks
+                self._show_error(error)
+            else:
+                self.error = None
+                self.status.value = "switching at the next batch"
             self._follow(force=True)  # autotune is off now; a refused setting goes back
 
     def _on_autotune_box(self: LoaderPanel, change: dict) -> None:
         if getattr(self._quiet, "on", False):
             return
-        try:
-            self._live.autotune = change["new"]
-        except (ImportError, ValueError) as error:
-            self._show_error(error)
-        else:
-            self.error = None
-            self.status.value = f"autotune {'on' if change['new'] else 'off'}"
         with self._refreshing:
+            try:
+                self._live.autotune = change["new"]
+            except (ImportError, ValueError) as error:
+                self._show_error(error)
+            else:
+                self.error = None
+                self.status.value = f"autotune {'on' if change['new'] else 'off'}"
             self._follow(force=True)
 
     def _show_error(self, error: Exception) -> None:
@@ -197,7 +197,9 @@ class LiveBinding:
     def _follow(self: LoaderPanel, force: bool = False) -> None:
         """Show ``live.requested`` and ``live.autotune`` in the controls without calling ``set``
         (NOTE [ Controls of a running loop ]): when they changed since last shown, or ``force``."""
-        requested = self._live.requested
+        requested, autotune = self._live.requested, self._live.autotune
+        if not force and requested == self._shown and autotune == self.autotune.value:
+            return  # the refresher's common case: it writes nothing a user may be changing
         self._quiet.on = True
         try:
             if force or requested != self._shown:
@@ -207,7 +209,7 @@ class LiveBinding:
                     if isinstance(control, widgets.Dropdown):
                         _offer(control, value)
                     control.value = value
-            self.autotune.value = self._live.autotune
+            self.autotune.value = autotune
         finally:
             self._quiet.on = False
         self._sync_worker_options()
@@ -218,7 +220,7 @@ class LiveBinding:
         with self._refreshing:
             report, requested = self._live.report(), self._live.requested
             self._follow()
-            seen = (report.n_batches, len(report.switches), report.settings == requested,
+            seen = (report.n_batches, len(report.switches), tuple(requested.items()),
                     report.autotune, report.warnings)
             if seen != self._seen:
                 self._seen = seen
@@ -238,8 +240,7 @@ class LiveBinding:
         if chart[1] == self._chart_seen[1]:
             return
         switched = chart[0] != self._chart_seen[0] and chart[0] > 1
-        if switched or paused or \
-                time.monotonic() - self._chart_at >= CHART_S:
+        if switched or paused or time.monotonic() - self._chart_at >= CHART_S:
             self._chart_seen, self._chart_at = chart, time.monotonic()
             self.chart.value = figure_png(plot_live_loader(report))
 
