@@ -97,7 +97,7 @@ def test_the_panel_of_a_live_loader_is_bound_to_it_and_starts_at_its_settings(pa
 
 def test_a_control_set_between_batches_switches_the_loop_at_the_next_batch_in_order(panels):
     live = bw.live_loader(shuffled())
-    panel = panels(live)
+    panel = panels(live, refresh_s=0.001)  # a refresher racing the clicks, the switches
     changes = {2: ("num_workers", 2), 5: ("prefetch_factor", 4), 7: ("num_workers", 0)}
 
     def click(i: int) -> None:  # what the poller does with a click, between two batches

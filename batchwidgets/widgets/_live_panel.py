@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 REFRESH_S = 0.5  # the readout follows the loop at most this often
 CHART_S = 30.0  # while the loop runs steadily, the chart at most this often; See NOTE below
+PAUSE_S = 2.0  # no batch for this long: the loop has paused, the chart catches up
 JOIN_S = 10.0  # close() waits this long for a refresh in flight
 
 # NOTE [ Controls of a running loop ]
@@ -41,9 +42,9 @@ JOIN_S = 10.0  # close() waits this long for a refresh in flight
 #
 # The chart is a PNG that takes 70-95 ms of CPU to draw (2-core CPU), mostly holding the GIL the
 # training loop needs too: drawn every 2 s, it would take 4-5% of the loop's time. So it is drawn
-# after a switch, when the loop has paused (no batch since the last look: the cell ended, or it
-# waits) and otherwise at most every CHART_S (under 0.3%). The readout, a few hundred bytes of
-# HTML (0.25 ms a refresh), follows every REFRESH_S.
+# after a switch, when the loop has paused (no batch for PAUSE_S: the cell ended, or it waits)
+# and otherwise at most every CHART_S (under 0.3%). The readout, a few hundred bytes of HTML
+# (0.25 ms a refresh), follows every REFRESH_S. ``wait()`` draws it at once.
 
 
 def _part(name: str, value: str, unit: str = "") -> str:
@@ -130,7 +131,7 @@ class LiveBinding:
         self._seen: tuple | None = None
         self._chart_at = -CHART_S  # time.monotonic() of the last chart
         self._chart_seen = (0, 0)  # (segments, batches) it showed
-        self._batches_seen = 0  # at the last refresh
+        self._batches_seen = (0, time.monotonic())  # batches at the last look, when they grew
         self._build(live)
         self.batch_size.disabled = True
         self.status.value = "bound to the running loop"
@@ -214,9 +215,10 @@ class LiveBinding:
             self._quiet.on = False
         self._sync_worker_options()
 
-    def refresh(self: LoaderPanel) -> LiveLoaderReport:
+    def refresh(self: LoaderPanel, *, chart: bool = False) -> LiveLoaderReport:
         """Show the loop's numbers now (the refresher does it every ``refresh_s`` while they
-        change; any thread) and return ``report``."""
+        change; any thread) and return ``report``; ``chart``: draw the chart too if it is out
+        of date (it is drawn seldom while the loop runs)."""
         with self._refreshing:
             report, requested = self._live.report(), self._live.requested
             self._follow()
@@ -229,18 +231,20 @@ class LiveBinding:
                                               for note in report.warnings)
                 if self.error is None:
                     self.status.value = report.summary()
-            self._draw_chart(report)
+            self._draw_chart(report, now=chart)
             return report
 
-    def _draw_chart(self, report: LiveLoaderReport) -> None:
+    def _draw_chart(self, report: LiveLoaderReport, now: bool) -> None:
         """Draw the chart when it is out of date and the loop can spare it (NOTE [ Controls of
         a running loop ])."""
-        chart = (len(report.segments), report.n_batches)
-        paused, self._batches_seen = report.n_batches == self._batches_seen, report.n_batches
+        chart, clock = (len(report.segments), report.n_batches), time.monotonic()
+        if report.n_batches != self._batches_seen[0]:
+            self._batches_seen = (report.n_batches, clock)
         if chart[1] == self._chart_seen[1]:
             return
         switched = chart[0] != self._chart_seen[0] and chart[0] > 1
-        if switched or paused or time.monotonic() - self._chart_at >= CHART_S:
+        paused = clock - self._batches_seen[1] >= PAUSE_S
+        if now or switched or paused or clock - self._chart_at >= CHART_S:
             self._chart_seen, self._chart_at = chart, time.monotonic()
             self.chart.value = figure_png(plot_live_loader(report))
 
@@ -251,7 +255,7 @@ class LiveBinding:
     def wait(self, timeout: float | None = None) -> LiveLoaderReport:
         """Refresh now and return ``report``, also written into the static copy of the panel's
         displays (what a saved notebook shows). Nothing is measured, so nothing to wait for."""
-        report = self.refresh()
+        report = self.refresh(chart=True)
         if threading.current_thread() is threading.main_thread():
             self.refresh_displays()
         return report
