@@ -17,6 +17,7 @@ from matplotlib.ticker import ScalarFormatter
 from .results import (
     AccumulationReport,
     BatchSizeReport,
+    LiveLoaderReport,
     LoaderReport,
     NoiseReport,
     NoiseTrackerReport,
@@ -319,3 +320,31 @@ def plot_loader(report: LoaderReport, *, ax: Axes | None = None) -> Figure:
 
 
 _PLOTTERS[LoaderReport] = plot_loader
+
+
+def plot_live_loader(report: LiveLoaderReport, *, ax: Axes | None = None) -> Figure:
+    """The training loop's own samples/s with each setting a live loader ran (one bar per
+    segment, in the order run; the one in force outlined), each with its data stall."""
+    segments = report.segments
+    if ax is None:
+        figure = Figure(figsize=(7, 1.2 + 0.42 * max(1, len(segments))), layout="constrained")
+        ax = figure.subplots()
+    rows = range(len(segments))
+    bars = ax.barh(rows, [s.samples_per_s for s in segments], color="tab:blue")
+    if segments:
+        bars[-1].set_edgecolor("black")
+        bars[-1].set_linewidth(1.5)
+    ax.set_yticks(list(rows), [f"{s.label} (from {s.epoch}:{s.batch})" for s in segments],
+                  fontsize="small")
+    ax.invert_yaxis()  # first run on top
+    for i, s in enumerate(segments):
+        ax.text(s.samples_per_s, i, f" {s.stall_fraction:.0%} waiting, {s.n_batches} batches",
+                va="center", fontsize="small")
+    ax.set_xlabel("samples/s of the training loop (its steps and its waits for data)")
+    ax.margins(x=0.45)
+    switches = len(report.switches)
+    ax.set_title(f"the running loop, {switches} switch{'' if switches == 1 else 'es'}")
+    return ax.figure
+
+
+_PLOTTERS[LiveLoaderReport] = plot_live_loader

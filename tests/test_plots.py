@@ -12,6 +12,9 @@ from batchwidgets.results import (
     AccumulationReport,
     Attempt,
     BatchSizeReport,
+    LiveLoaderReport,
+    LoaderSegment,
+    LoaderSwitch,
     MemoryModel,
     NoiseReport,
     NoiseTrackerReport,
@@ -102,3 +105,21 @@ def test_plot_noise_tracker_draws_losses_and_the_measurable_noise_scale():
     assert list(loss_ax.lines[0].get_ydata()) == [2.0, 1.9, 1.8]
     assert list(noise_ax.lines[0].get_xdata()) == [2, 3]  # the unmeasurable first one left out
     assert noise_ax.get_ylabel() == "B_simple (samples)"
+
+
+def test_plot_live_loader_draws_the_loops_samples_per_s_per_setting():
+    none = {"num_workers": 0, "pin_memory": False, "prefetch_factor": None,
+            "persistent_workers": False}
+    two = {**none, "num_workers": 2, "prefetch_factor": 2}
+    report = LiveLoaderReport(
+        segments=(LoaderSegment(none, 5, 160, 0.5, 0.4, 0, 0),
+                  LoaderSegment(two, 11, 352, 0.8, 0.2, 0, 5)),
+        switches=(LoaderSwitch(none, two, 0, 5, 0.0, 0.02),), settings=two, epoch=1)
+    figure = plots.plot(report)
+    ax = figure.axes[0]
+    assert [bar.get_width() for bar in ax.patches] == pytest.approx([320.0, 440.0])
+    assert [label.get_text() for label in ax.get_yticklabels()] == [
+        "no workers (from 0:0)", "2 workers, prefetch 2 (from 0:5)"]
+    assert ax.patches[1].get_linewidth() == 1.5  # the setting in force
+    assert ax.get_title() == "the running loop, 1 switch"
+    assert "80% waiting, 5 batches" in [text.get_text().strip() for text in ax.texts]

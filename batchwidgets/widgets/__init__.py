@@ -3,6 +3,8 @@
 - ``probe.py``   ProbePanel   ``find_batch`` live: progress, memory and throughput plots, headroom
 - ``noise.py``   NoisePanel   per-batch losses and the gradient noise scale while training runs
 - ``loader.py``  LoaderPanel  DataLoader options as live toggles, throughput, auto-tune
+- ``_live_panel.py`` LoaderPanel(live): the controls switch a running loop's live loader at its
+  next batch; the readout is that loop's own numbers, refreshed while the cell runs
 - ``_panel.py``  what every panel shares: live display with a static copy refreshed in place,
   the plot's PNG at one resolution, CSS class names of the parts
 - ``_runner.py`` the background worker: the latest request wins, the one in flight is stopped

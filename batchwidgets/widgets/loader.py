@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from .. import _html
 from .._warnings import BatchwidgetsWarning
 from ..engine.loader import (
+    LiveLoader,
     loader_report,
     make_loader,
     measure_loader,
@@ -35,6 +36,7 @@ from ..engine.loader import (
 )
 from ..plots import plot_loader
 from ..results import LoaderReport, LoaderTrial
+from ._live_panel import LiveBinding
 from ._panel import ReportDisplay, figure_png, name_parts
 from ._runner import Runner, Task
 
@@ -81,6 +83,11 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
     first batch, and adds the setting to a chart. "Auto-tune" runs ``tune_loader`` and sets the
     controls to the best setting measured.
 
+    Given a live loader (``bw.live_loader``) instead, the panel is bound to the training loop
+    that iterates it: its controls switch that loader at its next batch, and its readout shows
+    the loop's own numbers (see ``LivePanel``, the class it then is; ``isinstance(panel,
+    LoaderPanel)`` holds).
+
     Parameters
     ----------
     loader_or_dataset : DataLoader or Dataset
@@ -123,6 +130,11 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
     >>> panel.wait().samples_per_s                           # doctest: +SKIP
     """
 
+    def __new__(cls, loader_or_dataset: Any = None, *args: Any, **kwargs: Any) -> LoaderPanel:
+        if cls is LoaderPanel and isinstance(loader_or_dataset, LiveLoader):
+            cls = LivePanel  # bound to the running loop: its __init__ runs instead
+        return super().__new__(cls, loader_or_dataset, *args, **kwargs)
+
     def __init__(self, loader_or_dataset: DataLoader | Any, device: Any = None, *,
                  batch_size: int | None = None, duration_s: float = 1.0,
                  max_workers: int | None = None, start: bool = True) -> None:
@@ -164,16 +176,13 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
         self.batch_size = widgets.BoundedIntText(
             value=initial.batch_size or 1, min=1, max=2**24, description="batch_size",
             disabled=not self._batching, style=wide, layout=widgets.Layout(width="11em"))
-        self.autotune = widgets.Button(description="Auto-tune",
-                                       tooltip="tune_loader: measure a few settings, keep the "
-                                               "fastest (off the main thread)")
+        self.autotune = self._autotune_control()
         self.status = widgets.Label(value="ready")
         self.readout = widgets.HTML(value=_readout(None))
         self.chart = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
         self.messages = widgets.HTML()  # the engine's warnings
         for control in self._controls:
             control.observe(self._on_control, names="value")
-        self.autotune.on_click(self._on_autotune)
         self._sync_worker_options()
         super().__init__(children=[
             widgets.HBox([self.num_workers, self.pin_memory, self.prefetch_factor,
@@ -185,6 +194,13 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
             "autotune": self.autotune, "status": self.status, "readout": self.readout,
             "chart": self.chart, "warnings": self.messages,
             **{control.description: control for control in self._controls}})
+
+    def _autotune_control(self) -> widgets.DOMWidget:
+        button = widgets.Button(description="Auto-tune",
+                                tooltip="tune_loader: measure a few settings, keep the fastest "
+                                        "(off the main thread)")
+        button.on_click(self._on_autotune)
+        return button
 
     @property
     def _controls(self) -> list[widgets.ValueWidget]:
@@ -352,3 +368,8 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
         """Stop the measurement in flight (its workers shut down), then close the widgets."""
         self._runner.close(CLOSE_TIMEOUT_S)
         super().close()
+
+
+class LivePanel(LiveBinding, LoaderPanel):
+    """``LoaderPanel(live)`` for a live loader: the controls switch it at the next batch of the
+    running loop, the readout shows that loop's numbers (``_live_panel.LiveBinding``)."""

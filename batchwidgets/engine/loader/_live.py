@@ -92,6 +92,7 @@ class LiveLoader(DataLoader):
                          else None)
         self._context = context
         self._check_types(self.settings, self.settings)
+        self._requested = self.settings  # the latest settings asked for (``requested``)
         self._iterable = isinstance(self.dataset, IterableDataset)
         # As the wrapped loader: with persistent workers, one base seed for all epochs.
         self._draw_every_epoch = not (self.num_workers and self.persistent_workers)
@@ -138,6 +139,14 @@ class LiveLoader(DataLoader):
         """The worker settings in force: ``set`` keywords."""
         return {name: self._settings[name] for name in SWITCHABLE}
 
+    @property
+    def requested(self) -> dict[str, Any]:
+        """The settings from the next batch on: the latest asked for (by ``set``, a panel or
+        autotune), in force or about to be; a panel's controls show these. Unlike the pending
+        request, it never reads the old settings while a switch is under way."""
+        with self._lock:
+            return dict(self._requested)
+
     # -- switching -------------------------------------------------------------------------------
 
     def set(self, **settings: Any) -> None:
@@ -156,8 +165,8 @@ class LiveLoader(DataLoader):
             raise TypeError(f"settings should be among {list(SWITCHABLE)}, but got {unknown}; "
                             f"batch_size, the sampler and the dataset fix the epoch's batches: "
                             f"make a new live_loader to change them.")
-        with self._lock:
-            base = dict(self._pending[0] if self._pending is not None else self._settings)
+        with self._lock:  # over the latest asked for, also while a switch is under way
+            base = dict(self._requested)
         new = self._resolve(base, settings)
         self._check_workers(new)
         note = ""
@@ -168,6 +177,7 @@ class LiveLoader(DataLoader):
                 self._notes.append(note)
                 warnings.warn(note, BatchwidgetsWarning, stacklevel=3)
         with self._lock:
+            self._requested = new
             if self._epoch is None or self._epoch.finished:  # between epochs: in force now
                 if self._between is None and new != self.settings:
                     self._between = (self.settings, by)
