@@ -17,7 +17,10 @@ from batchwidgets.results import (
     BatchSizeReport,
     DataStallReport,
     LayerNoise,
+    LiveLoaderReport,
     LoaderReport,
+    LoaderSegment,
+    LoaderSwitch,
     LoaderTrial,
     MemoryModel,
     NoiseReport,
@@ -71,6 +74,22 @@ EXAMPLES = {  # one or more per report type; test_every_report_type_has_an_examp
             stall=DataStallReport(0.4, 0.05, 0.03, 0.02, 20, "cuda:0")),
     ],
     DataStallReport: [DataStallReport(0.25, 0.04, 0.03, 0.01, 20, "<cpu>")],
+    LiveLoaderReport: [
+        LiveLoaderReport(
+            segments=(LoaderSegment({"num_workers": 0, "pin_memory": False,
+                                     "prefetch_factor": None, "persistent_workers": False},
+                                    n_batches=6, n_samples=192, wall_s=0.6, wait_s=0.45,
+                                    epoch=0, batch=0),
+                      LoaderSegment({"num_workers": 2, "pin_memory": False,
+                                     "prefetch_factor": 2, "persistent_workers": False},
+                                    n_batches=10, n_samples=320, wall_s=0.3, wait_s=0.03,
+                                    epoch=0, batch=6)),
+            switches=(LoaderSwitch({"num_workers": 0}, {"num_workers": 2}, epoch=0, batch=6,
+                                   shutdown_s=0.0, cost_s=0.04, note="<note>"),),
+            settings={"num_workers": 2, "pin_memory": False, "prefetch_factor": 2,
+                      "persistent_workers": False}, epoch=1),
+        LiveLoaderReport(segments=(), switches=(), settings={"num_workers": 0}, epoch=0),
+    ],
 }
 ALL_EXAMPLES = [report for reports in EXAMPLES.values() for report in reports]
 

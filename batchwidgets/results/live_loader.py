@@ -130,7 +130,8 @@ class LiveLoaderReport:
     def summary(self) -> str:
         if not self.n_batches:
             return f"{_label(self.settings)}: no batch drawn yet"
-        switched = f", {len(self.switches)} switches" if self.switches else ""
+        n = len(self.switches)
+        switched = f", {n} switch{'es' if n > 1 else ''}" if n else ""
         return (f"{_label(self.settings)}: the loop ran {_html.format_number(self.samples_per_s)}"
                 f" samples/s, {self.stall_fraction:.0%} of its time waiting for data "
                 f"({self.n_batches} batches{switched})")
@@ -156,5 +157,4 @@ class LiveLoaderReport:
             caption="the loop's own numbers, per setting",
             header=("#", "setting", "from epoch", "batch", "batches", "samples/s",
                     "waiting for data", "step ms"))
-        return _html.report_html(self, "batchwidgets: live_loader", self.rows(), segments,
-                                 plot=False)
+        return _html.report_html(self, "batchwidgets: live_loader", self.rows(), segments)
