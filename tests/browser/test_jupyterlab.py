@@ -343,3 +343,50 @@ def test_choosing_num_workers_in_the_loader_panel_changes_the_readout(
     assert after != before, (before, after)
     assert panel.locator("img.batchwidgets-loader-chart").count() == 1
     screenshot(page, panel, screenshot_dir, "lab-live-loader-panel.png")
+
+
+RUNNING_LOOP = (
+    """import time
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import batchwidgets as bw
+
+data = TensorDataset(torch.arange(2400))
+live = bw.live_loader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+panel = bw.LoaderPanel(live, max_workers=2)
+panel""",
+    """seen, workers = [], []
+for i, (x,) in enumerate(live):  # 600 batches of about 25 ms: 15 s to click in
+    seen.append(x.tolist())
+    workers.append(live.num_workers)
+    time.sleep(0.025)
+plain = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+switches = [(s.epoch, s.batch, s.new["num_workers"]) for s in live.report().switches]
+print("order", seen == [x.tolist() for (x,) in plain], "switches", switches)""",
+)
+
+
+@pytest.mark.parametrize("front_end", ["lab/tree", "notebooks"])
+def test_a_click_while_the_training_cell_runs_switches_its_loader_mid_loop(
+        page: Any, lab_server: Any, front_end: str) -> None:
+    """JupyterLab and Notebook 7: choosing 2 workers in the panel while the loop's cell runs
+    ([*]) switches that loop at its next batch, not when the cell ends; the order is kept."""
+    notebook = write_notebook(lab_server, f"running_loop_{front_end.split('/')[0]}.ipynb",
+                              *RUNNING_LOOP)
+    open_notebook(page, lab_server, f"{front_end}/{notebook}", reset="")
+    menu(page, "Run", "runmenu:run-all")
+    loop_prompt = page.locator(".jp-Notebook .jp-CodeCell").nth(1).locator(".jp-InputPrompt")
+    wait_until(lambda: loop_prompt.inner_text().strip() == "[*]:", LOAD_TIMEOUT_S,
+               "the training loop to start", lambda: prompts(page))
+    panel = page.locator(".jp-Notebook .batchwidgets-loader")
+    panel.locator(".batchwidgets-loader-num-workers select").select_option(label="2")
+    assert loop_prompt.inner_text().strip() == "[*]:", "the loop ended before the click"
+    wait_for_cells(page, lab_server, notebook)
+    output = page.locator(".jp-Notebook .jp-CodeCell").nth(1).locator(".jp-OutputArea-output")
+    text = output.inner_text()
+    assert "order True" in text, text
+    switches = re.findall(r"\((\d+), (\d+), (\d+)\)", text)
+    assert len(switches) == 1, text
+    epoch, batch, workers = map(int, switches[0])
+    assert (epoch, workers) == (0, 2), text
+    assert 0 < batch < 600, text  # mid-loop
