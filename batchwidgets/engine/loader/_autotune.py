@@ -1,0 +1,245 @@
+"""``live_loader(autotune=True)``'s policy, apart from any DataLoader: from the training loop's
+own numbers per setting, which setting to try next, and when to settle.
+
+Usage:
+    >>> tuner = Autotune({"num_workers": 0, "pin_memory": False, "prefetch_factor": None,
+    ...                   "persistent_workers": False}, max_workers=2, pin_memory=False)
+    >>> tuner.status
+    'measuring no workers (the start)'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...results import LoaderSegment
+from ._search import worker_ladder
+
+Settings = dict[str, Any]  # num_workers, pin_memory, prefetch_factor, persistent_workers
+
+# NOTE [ Judging a setting from the running loop ]
+# The loop's numbers after a switch start with the switch itself: the old workers stopping, the
+# new ones starting (tens of ms with fork, over a second with spawn or forkserver), then a burst:
+# n fresh workers each deliver their first batch at about the same time, so the n - 1 batches
+# after the first come without waiting. Counting those batches would charge a setting its
+# start-up and credit it a head start it cannot keep. So a trial skips the first max(1, n)
+# batches of its segment (from successive snapshots of the segment, one batch at a time), then
+# judges whole periods of max(1, n) batches: in steady state each period holds one burst, so
+# its wall time over its samples is the setting's cost per sample whatever the phase. A period
+# costing over OUTLIER times the median (an epoch's restart of non-persistent workers, a pause
+# of the machine) is left out. The trial ends once it has MIN_BATCHES batches, 3 periods and
+# MIN_S seconds of the loop's wall time judged. Its samples/s is the loop's (steps and waits):
+# a setting that slows the step (workers taking the CPU the step needs) is charged for it.
+
+# NOTE [ Which setting next ]
+# A hill-climb from where the user started, as tf.data's AUTOTUNE retunes a running pipeline:
+# - it stops as soon as the best setting's loop waits less than STALL_TARGET of its time: there
+#   is little left to gain, and every trial costs a switch;
+# - otherwise it tries the best setting's untried neighbours, one option at a time: num_workers
+#   one rung up the ladder 0, 1, 2, 4, ..., max_workers (never above max_workers: the CPUs this
+#   process may use), then one rung down (fewer workers win when they take the CPU the main
+#   process needs), then prefetch_factor doubled (up to MAX_PREFETCH: a deeper queue absorbs
+#   slow batches), then pin_memory flipped (with CUDA only);
+# - a setting replaces the best only when its loop ran MIN_GAIN faster: a tie keeps the setting
+#   measured first, with no more switching for noise; but a number of workers that ties the
+#   best is followed one more rung the same way: a first worker gains little when the step is
+#   short next to loading (it only overlaps the two) while two gain twice, and fewer workers
+#   that tie show workers were not the limit (the main process's share of each batch from a
+#   worker was: then no workers may win);
+# - at most MAX_TRIALS settings are measured, the start included, each once: it never
+#   oscillates. Then it settles on the best measured (switching back to it if needed) and gives
+#   no more advice. persistent_workers stays the user's (it matters only between epochs). The
+#   only setting with more than max_workers it may go back to is the user's own start.
+STALL_TARGET = 0.05
+MIN_GAIN = 0.05
+MIN_BATCHES = 8
+MIN_S = 0.3
+OUTLIER = 3.0
+MAX_PREFETCH = 8
+MAX_TRIALS = 6
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One setting as the loop ran it, after its warm-up (NOTE [ Judging a setting ... ])."""
+
+    settings: Settings
+    samples_per_s: float
+    stall_fraction: float
+    n_batches: int  # the batches judged
+    wall_s: float
+
+
+def describe(settings: Settings) -> str:
+    """``'2 workers, prefetch 4'``, ``'no workers, pinned'``."""
+    workers = settings["num_workers"]
+    parts = ["no workers" if not workers else f"{workers} worker{'s' if workers > 1 else ''}"]
+    if workers:
+        parts.append(f"prefetch {settings['prefetch_factor']}")
+    if settings["pin_memory"]:
+        parts.append("pinned")
+    return ", ".join(parts)
+
+
+class Autotune:
+    """Advice for a live loader after each batch: the settings to switch to, or None.
+
+    Parameters
+    ----------
+    settings : dict
+        The settings the loop starts with (the user's): the first trial.
+    max_workers : int
+        Never more workers than this (the usable CPUs).
+    pin_memory : bool
+        Whether pin_memory may be tried (True with CUDA); otherwise it stays as it is.
+    """
+
+    def __init__(self, settings: Settings, *, max_workers: int, pin_memory: bool,
+                 stall_target: float = STALL_TARGET, min_gain: float = MIN_GAIN,
+                 min_batches: int = MIN_BATCHES, min_s: float = MIN_S,
+                 max_trials: int = MAX_TRIALS) -> None:
+        self.start = self._valid(settings, settings["persistent_workers"])
+        self.max_workers = max(0, max_workers)
+        self.pin_memory = pin_memory
+        self.stall_target, self.min_gain = stall_target, min_gain
+        self.min_batches, self.min_s, self.max_trials = min_batches, min_s, max_trials
+        self._persistent = bool(settings["persistent_workers"])
+        self.trials: list[Trial] = []
+        self.best: Trial | None = None
+        self.done = False
+        self._target = self.start  # the setting measured now, or asked for and not yet in force
+        self._segment: tuple[int, int] | None = None  # (epoch, batch) where the segment began
+        self._last = (0, 0, 0.0, 0.0)  # the segment's n_batches, n_samples, wall_s, wait_s
+        self._batches: list[tuple[float, float, int]] = []  # judged: wall_s, wait_s, samples
+        self._judged_s = 0.0  # their wall time
+        self.status = f"measuring {describe(self.start)} (the start)"
+
+    # -- the loop's numbers -----------------------------------------------------------------------
+
+    def advise(self, segment: LoaderSegment) -> Settings | None:
+        """Called after every batch with the segment in force; the settings to switch to at
+        the next batch, or None to carry on."""
+        if self.done or self._key(segment.settings) != self._key(self._target):
+            return None  # settled, or a switch asked for has not landed yet
+        if not self._take(segment):
+            return None
+        trial = self._judge()
+        if trial is None:
+            return None
+        self.trials.append(trial)
+        if self.best is None or trial.samples_per_s >= self.best.samples_per_s * (
+                1 + self.min_gain):
+            self.best = trial
+        return self._switch(*self._next())
+
+    def _take(self, segment: LoaderSegment) -> bool:
+        """Book the segment's latest batch; False while it is a warm-up batch (or not new)."""
+        key = (segment.epoch, segment.batch)
+        last = self._last if key == self._segment else (0, 0, 0.0, 0.0)
+        if key != self._segment:
+            self._segment, self._batches, self._judged_s = key, [], 0.0
+        now = (segment.n_batches, segment.n_samples, segment.wall_s, segment.wait_s)
+        self._last = now
+        if now[0] != last[0] + 1:  # first seen mid-segment (autotune turned on): a baseline
+            return False
+        if segment.n_batches <= self._period(segment.settings):  # NOTE [ Judging a setting ... ]
+            return False
+        self._batches.append((now[2] - last[2], now[3] - last[3], now[1] - last[1]))
+        self._judged_s += now[2] - last[2]
+        return True
+
+    @staticmethod
+    def _period(settings: Settings) -> int:
+        return max(1, settings["num_workers"])
+
+    def _judge(self) -> Trial | None:
+        """The trial's numbers once it has enough batches and time; None until then."""
+        period = self._period(self._target)
+        batches = self._batches
+        if len(batches) % period or len(batches) < max(self.min_batches, 3 * period) \
+                or self._judged_s < self.min_s:
+            return None
+        periods = [batches[i:i + period] for i in range(0, len(batches), period)]
+        sums = [(sum(b[0] for b in p), sum(b[1] for b in p), sum(b[2] for b in p))
+                for p in periods]
+        costs = sorted(wall / samples for wall, _, samples in sums if samples)
+        if not costs:
+            return None
+        median = costs[len(costs) // 2]
+        kept = [s for s in sums if s[2] and s[0] / s[2] <= OUTLIER * median]
+        wall, wait, samples = (sum(s[i] for s in kept) for i in range(3))
+        return Trial(dict(self._target), samples / wall if wall > 0 else 0.0,
+                     min(1.0, wait / wall) if wall > 0 else 0.0, len(batches), wall)
+
+    # -- the policy -------------------------------------------------------------------------------
+
+    def _next(self) -> tuple[Settings | None, str]:
+        """The next setting to try (NOTE [ Which setting next ]), or None and why none."""
+        best = self.best
+        if best.stall_fraction < self.stall_target:
+            return None, f"stall under {self.stall_target:.0%}"
+        if len(self.trials) >= self.max_trials:
+            return None, f"{self.max_trials} settings tried"
+        tried = {self._key(t.settings) for t in self.trials}
+        candidates = self._neighbours(best.settings)
+        for trial in self.trials:  # a tie with other workers: one more rung that way
+            workers, was = trial.settings["num_workers"], best.settings["num_workers"]
+            if workers != was and trial.samples_per_s * (1 + self.min_gain) > \
+                    best.samples_per_s:
+                up, down = self._rungs(workers)
+                candidates += [self._valid({**trial.settings, "num_workers": n},
+                                           self._persistent)
+                               for n in (up[:1] if workers > was else down[-1:])]
+        for candidate in candidates:
+            if self._key(candidate) not in tried:
+                return candidate, ""
+        return None, "no untried neighbour of the best"
+
+    def _rungs(self, workers: int) -> tuple[list[int], list[int]]:
+        """The ladder's rungs above and below ``workers``."""
+        ladder = worker_ladder(self.max_workers)
+        return [n for n in ladder if n > workers], [n for n in ladder if n < workers]
+
+    def _neighbours(self, settings: Settings) -> list[Settings]:
+        workers, prefetch = settings["num_workers"], settings["prefetch_factor"]
+        up, down = self._rungs(workers)
+        moves: list[Settings] = [{"num_workers": n} for n in (up[:1] + down[-1:])]
+        if workers and prefetch * 2 <= MAX_PREFETCH:
+            moves.append({"prefetch_factor": prefetch * 2})
+        if self.pin_memory:
+            moves.append({"pin_memory": not settings["pin_memory"]})
+        candidates = [self._valid({**settings, **move}, self._persistent) for move in moves]
+        return [c for c in candidates if c["num_workers"] <= self.max_workers]
+
+    @staticmethod
+    def _valid(settings: Settings, persistent: bool) -> Settings:
+        """The four settings as the live loader keeps them (none of the workers' options
+        without workers; prefetch_factor 2 by default with them)."""
+        workers = settings["num_workers"]
+        return {"num_workers": workers, "pin_memory": bool(settings["pin_memory"]),
+                "prefetch_factor": (settings["prefetch_factor"] or 2) if workers else None,
+                "persistent_workers": persistent if workers else False}
+
+    @staticmethod
+    def _key(settings: Settings) -> tuple:
+        return (settings["num_workers"], settings["pin_memory"], settings["prefetch_factor"],
+                settings["persistent_workers"])
+
+    def _switch(self, candidate: Settings | None, why: str) -> Settings | None:
+        """Ask for ``candidate``; with none left, settle on the best (switching back to it)."""
+        current = self._target
+        if candidate is None:
+            self.done = True
+            self._target = self.best.settings
+            best = self.best
+            self.status = (f"settled on {describe(best.settings)}: "
+                           f"{best.samples_per_s:.4g} samples/s, stall "
+                           f"{best.stall_fraction:.0%} ({why}; {len(self.trials)} "
+                           f"setting{'s' if len(self.trials) > 1 else ''} tried)")
+            return None if self._key(current) == self._key(best.settings) \
+                else dict(best.settings)
+        self._target = candidate
+        self.status = (f"exploring {describe(candidate)} (trial {len(self.trials) + 1} of at "
+                       f"most {self.max_trials})")
+        return dict(candidate)
