@@ -208,3 +208,22 @@ def test_a_real_live_loader_leaves_no_workers_with_the_same_batches_and_nothing_
     live.set(num_workers=0)  # by hand: autotune is off
     assert not live.autotune
     assert live.autotune_status == ""
+
+
+def test_workers_that_could_not_unpickle_the_dataset_stop_autotune_not_the_loop():
+    class LocalItems(CpuItems):  # like a class defined in a notebook: spawn cannot send it
+        pass
+
+    live = bw.live_loader(LocalItems(), batch_size=8, autotune=True,
+                          multiprocessing_context="spawn")
+    want = [list(range(i, min(i + 8, 400))) for i in range(0, 400, 8)]
+    with pytest.warns(bw.BatchwidgetsWarning, match="autotune stopped: dataset should be "
+                                                    "picklable"):
+        for _ in range(40):  # the first trial takes ~0.3 s, then its advice is refused
+            assert [batch[:, 0].tolist() for batch in live] == want
+            if not live.autotune:
+                break
+    assert not live.autotune
+    assert live.num_workers == 0
+    assert live.report().switches == ()
+    assert any("autotune stopped" in text for text in live.report().warnings)
