@@ -10,6 +10,7 @@ Usage:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,21 +37,24 @@ Settings = dict[str, Any]  # num_workers, pin_memory, prefetch_factor, persisten
 # A hill-climb from where the user started, as tf.data's AUTOTUNE retunes a running pipeline:
 # - it stops as soon as the best setting's loop waits less than STALL_TARGET of its time: there
 #   is little left to gain, and every trial costs a switch;
-# - otherwise it tries the best setting's untried neighbours, one option at a time: num_workers
-#   one rung up the ladder 0, 1, 2, 4, ..., max_workers (never above max_workers: the CPUs this
-#   process may use), then one rung down (fewer workers win when they take the CPU the main
-#   process needs), then prefetch_factor doubled (up to MAX_PREFETCH: a deeper queue absorbs
-#   slow batches), then pin_memory flipped (with CUDA only);
+# - otherwise it tries the best setting's untried neighbours, one option at a time: more
+#   num_workers (never above max_workers: the CPUs this process may use) while no setting with
+#   more was measured, fewer while none with fewer was (fewer win when workers take the CPU the
+#   main process needs), then prefetch_factor doubled (up to MAX_PREFETCH: a deeper queue
+#   absorbs slow batches), then pin_memory flipped (with CUDA only). More workers is the next
+#   rung of the ladder 0, 1, 2, 4, ..., max_workers; from no workers it is the rung that should
+#   keep up: without workers the loop's wait per batch is the loading itself (L) and the rest
+#   its step (S), and n workers keep up when L / n <= S, so n = ceil(L / S): one trial, not a
+#   climb through the rungs below, each a switch and a trial at a slow setting;
 # - a setting replaces the best only when its loop ran MIN_GAIN faster: a tie keeps the setting
 #   measured first, with no more switching for noise; but a number of workers that ties the
-#   best is followed one more rung the same way: a first worker gains little when the step is
-#   short next to loading (it only overlaps the two) while two gain twice, and fewer workers
-#   that tie show workers were not the limit (the main process's share of each batch from a
-#   worker was: then no workers may win);
+#   best is followed one more rung the same way (a first worker gains little when the step is
+#   short next to loading, since it only overlaps the two, while two gain twice; fewer workers
+#   that tie show workers were not the limit, so none may win);
 # - at most MAX_TRIALS settings are measured, the start included, each once: it never
-#   oscillates. Then it settles on the best measured (switching back to it if needed) and gives
-#   no more advice. persistent_workers stays the user's (it matters only between epochs). The
-#   only setting with more than max_workers it may go back to is the user's own start.
+#   oscillates. Then it settles: on the setting in force if it ties the best, else back on the
+#   best, and gives no more advice. persistent_workers stays the user's (it matters only
+#   between epochs). The only setting above max_workers it may go back to is the user's start.
 STALL_TARGET = 0.05
 MIN_GAIN = 0.05
 MIN_BATCHES = 8
@@ -68,7 +72,8 @@ class Trial:
     samples_per_s: float
     stall_fraction: float
     n_batches: int  # the batches judged
-    wall_s: float
+    step_s: float  # per batch, outside next(): the loop's own step
+    wait_s: float  # per batch, inside next()
 
 
 def describe(settings: Settings) -> str:
@@ -169,8 +174,10 @@ class Autotune:
         median = costs[len(costs) // 2]
         kept = [s for s in sums if s[2] and s[0] / s[2] <= OUTLIER * median]
         wall, wait, samples = (sum(s[i] for s in kept) for i in range(3))
+        n = len(kept) * period
         return Trial(dict(self._target), samples / wall if wall > 0 else 0.0,
-                     min(1.0, wait / wall) if wall > 0 else 0.0, len(batches), wall)
+                     min(1.0, wait / wall) if wall > 0 else 0.0, len(batches),
+                     (wall - wait) / n, wait / n)
 
     # -- the policy -------------------------------------------------------------------------------
 
@@ -182,35 +189,49 @@ class Autotune:
         if len(self.trials) >= self.max_trials:
             return None, f"{self.max_trials} settings tried"
         tried = {self._key(t.settings) for t in self.trials}
-        candidates = self._neighbours(best.settings)
-        for trial in self.trials:  # a tie with other workers: one more rung that way
-            workers, was = trial.settings["num_workers"], best.settings["num_workers"]
-            if workers != was and trial.samples_per_s * (1 + self.min_gain) > \
-                    best.samples_per_s:
-                up, down = self._rungs(workers)
-                candidates += [self._valid({**trial.settings, "num_workers": n},
-                                           self._persistent)
-                               for n in (up[:1] if workers > was else down[-1:])]
-        for candidate in candidates:
-            if self._key(candidate) not in tried:
+        for candidate in self._candidates(best):
+            if self._key(candidate) not in tried and \
+                    candidate["num_workers"] <= self.max_workers:
                 return candidate, ""
         return None, "no untried neighbour of the best"
+
+    def _candidates(self, best: Trial) -> list[Settings]:
+        """The best's neighbours, then one rung on past a number of workers that tied it."""
+        settings, workers = best.settings, best.settings["num_workers"]
+        measured = [t.settings["num_workers"] for t in self.trials]
+        up, down = self._rungs(workers)
+        moves: list[Settings] = []
+        if up and max(measured) <= workers:  # nothing above measured yet
+            moves.append({"num_workers": self._keeps_up(best) if workers == 0 else up[0]})
+        if down and min(measured) >= workers:
+            moves.append({"num_workers": down[-1]})
+        if workers and settings["prefetch_factor"] * 2 <= MAX_PREFETCH:
+            moves.append({"prefetch_factor": settings["prefetch_factor"] * 2})
+        if self.pin_memory:
+            moves.append({"pin_memory": not settings["pin_memory"]})
+        for trial in self.trials:
+            more = trial.settings["num_workers"]
+            if more != workers and self._ties(trial):
+                up, down = self._rungs(more)
+                moves += [{**trial.settings, "num_workers": n}
+                          for n in (up[:1] if more > workers else down[-1:])]
+        return [self._valid({**settings, **move}, self._persistent) for move in moves]
+
+    def _keeps_up(self, base: Trial) -> int:
+        """From no workers: the rung of workers that should keep up with the step (NOTE [
+        Which setting next ]); the top rung when the step takes no time."""
+        ladder = worker_ladder(self.max_workers)
+        needed = math.ceil(base.wait_s / base.step_s) if base.step_s > 0 else ladder[-1]
+        return next((n for n in ladder if n >= max(1, needed)), ladder[-1])
+
+    def _ties(self, trial: Trial) -> bool:
+        """Within ``min_gain`` of the best: the same speed, as far as the loop can tell."""
+        return trial.samples_per_s * (1 + self.min_gain) > self.best.samples_per_s
 
     def _rungs(self, workers: int) -> tuple[list[int], list[int]]:
         """The ladder's rungs above and below ``workers``."""
         ladder = worker_ladder(self.max_workers)
         return [n for n in ladder if n > workers], [n for n in ladder if n < workers]
-
-    def _neighbours(self, settings: Settings) -> list[Settings]:
-        workers, prefetch = settings["num_workers"], settings["prefetch_factor"]
-        up, down = self._rungs(workers)
-        moves: list[Settings] = [{"num_workers": n} for n in (up[:1] + down[-1:])]
-        if workers and prefetch * 2 <= MAX_PREFETCH:
-            moves.append({"prefetch_factor": prefetch * 2})
-        if self.pin_memory:
-            moves.append({"pin_memory": not settings["pin_memory"]})
-        candidates = [self._valid({**settings, **move}, self._persistent) for move in moves]
-        return [c for c in candidates if c["num_workers"] <= self.max_workers]
 
     @staticmethod
     def _valid(settings: Settings, persistent: bool) -> Settings:
@@ -227,18 +248,18 @@ class Autotune:
                 settings["persistent_workers"])
 
     def _switch(self, candidate: Settings | None, why: str) -> Settings | None:
-        """Ask for ``candidate``; with none left, settle on the best (switching back to it)."""
-        current = self._target
+        """Ask for ``candidate``; with none left, settle: on the setting in force when it ties
+        the best (no switch for nothing), else back on the best."""
+        current = self.trials[-1]
         if candidate is None:
             self.done = True
-            self._target = self.best.settings
-            best = self.best
-            self.status = (f"settled on {describe(best.settings)}: "
-                           f"{best.samples_per_s:.4g} samples/s, stall "
-                           f"{best.stall_fraction:.0%} ({why}; {len(self.trials)} "
+            keep = current if self._ties(current) else self.best
+            self._target = keep.settings
+            self.status = (f"settled on {describe(keep.settings)}: "
+                           f"{keep.samples_per_s:.4g} samples/s, stall "
+                           f"{keep.stall_fraction:.0%} ({why}; {len(self.trials)} "
                            f"setting{'s' if len(self.trials) > 1 else ''} tried)")
-            return None if self._key(current) == self._key(best.settings) \
-                else dict(best.settings)
+            return None if keep is current else dict(keep.settings)
         self._target = candidate
         self.status = (f"exploring {describe(candidate)} (trial {len(self.trials) + 1} of at "
                        f"most {self.max_trials})")
