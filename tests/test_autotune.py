@@ -33,7 +33,7 @@ class SimLoop:
     batch of every n waits for all n, the other n - 1 come free. ``noise`` scales each wait by a
     random factor in [1 - noise, 1 + noise] (seeded)."""
 
-    def __init__(self, cost, step_s=0.01, startup_s=0.5, noise=0.0, seed=0):
+    def __init__(self, cost, step_s=0.01, startup_s=0.2, noise=0.0, seed=0):
         self.cost, self.step_s, self.startup_s = cost, step_s, startup_s
         self.noise, self.random = noise, random.Random(seed)
 
@@ -95,6 +95,14 @@ def test_from_workers_it_climbs_the_ladder_to_the_fastest_and_settles_there():
     assert tuner.best.settings == start(4, 2)
     assert tuner.best.samples_per_s == pytest.approx(BATCH / 0.02)
     assert "settled on 4 workers, prefetch 4" in tuner.status
+
+
+def test_where_a_switch_takes_over_a_second_only_num_workers_is_tried():
+    tuner = Autotune(start(1, 2), max_workers=4, pin_memory=True)
+    advice = SimLoop(cpu_bound(), startup_s=1.5).run(tuner, start(1, 2))  # as with spawn
+    assert advice == [start(2, 2), start(4, 2)]  # no prefetch_factor, no pin_memory trial
+    assert tuner.done
+    assert tuner.switch_s >= 1.5
 
 
 def test_a_slower_setting_tried_last_is_left_for_the_best():
