@@ -25,11 +25,11 @@ Settings = dict[str, Any]  # num_workers, pin_memory, prefetch_factor, persisten
 # n fresh workers each deliver their first batch at about the same time, so the n - 1 batches
 # after the first come without waiting. Counting those batches would charge a setting its
 # start-up and credit it a head start it cannot keep. So a trial skips the first max(1, n)
-# batches of its segment (from successive snapshots of the segment, one batch at a time), then
-# judges whole periods of max(1, n) batches: in steady state each period holds one burst, so
-# its wall time over its samples is the setting's cost per sample whatever the phase. A period
-# costing over OUTLIER times the median (an epoch's restart of non-persistent workers, a pause
-# of the machine) is left out. The trial ends once it has MIN_BATCHES batches, 3 periods and
+# batches of its segment (from successive snapshots of the segment, one batch at a time), and
+# again after each epoch's first batch (the workers' queue starts empty; non-persistent workers
+# start afresh), then judges whole periods of max(1, n) batches: in steady state each period
+# holds one burst, so the periods' wall time over their samples is the setting's cost per
+# sample whatever the phase. The trial ends once it has MIN_BATCHES batches, 3 periods and
 # MIN_S seconds of the loop's wall time judged. Its samples/s is the loop's (steps and waits):
 # a setting that slows the step (workers taking the CPU the step needs) is charged for it.
 
@@ -40,8 +40,10 @@ Settings = dict[str, Any]  # num_workers, pin_memory, prefetch_factor, persisten
 # - otherwise it tries the best setting's untried neighbours, one option at a time: more
 #   num_workers (never above max_workers: the CPUs this process may use) while no setting with
 #   more was measured, fewer while none with fewer was (fewer win when workers take the CPU the
-#   main process needs), then prefetch_factor doubled (up to MAX_PREFETCH: a deeper queue
-#   absorbs slow batches), then pin_memory flipped (with CUDA only); those two only while a
+#   main process needs), then prefetch_factor doubled (up to MAX_PREFETCH) where the loop
+#   waited now and then (in under BURSTY of its periods: a deeper queue absorbs slow batches;
+#   where it waits in every period, the workers are too slow on average and a deeper queue
+#   only holds more memory), then pin_memory flipped (with CUDA only); those two only while a
 #   switch costs under SLOW_SWITCH_S (workers started by spawn or forkserver take over a second
 #   each time, for what is rarely more than a few percent). More workers is the next
 #   rung of the ladder 0, 1, 2, 4, ..., max_workers; from no workers it is the rung that should
@@ -61,9 +63,9 @@ STALL_TARGET = 0.05
 MIN_GAIN = 0.05
 MIN_BATCHES = 8
 MIN_S = 0.3
-OUTLIER = 3.0
 MAX_PREFETCH = 8
 MAX_TRIALS = 6
+BURSTY = 0.5  # prefetch_factor is tried when fewer than this share of periods waited
 SLOW_SWITCH_S = 0.5  # a switch this slow (spawn, forkserver): only num_workers is worth one
 
 
@@ -77,6 +79,7 @@ class Trial:
     n_batches: int  # the batches judged
     step_s: float  # per batch, outside next(): the loop's own step
     wait_s: float  # per batch, inside next()
+    waited: float  # share of its periods that waited (over STALL_TARGET of their time)
 
 
 def describe(settings: Settings) -> str:
@@ -130,18 +133,18 @@ class Autotune:
         self._segment: tuple[int, int] | None = None  # (epoch, batch) where the segment began
         self._last = (0, 0, 0.0, 0.0)  # the segment's n_batches, n_samples, wall_s, wait_s
         self._batches: list[tuple[float, float, int]] = []  # judged: wall_s, wait_s, samples
-        self._judged_s = 0.0  # their wall time
+        self._warm = 0  # batches since the workers (re)started: a switch, an epoch
         self.switch_s = 0.0  # the slowest switch seen: the loop's wait for its first batch
         self.status = f"measuring {describe(self.start)} (the start)"
 
     # -- the loop's numbers -----------------------------------------------------------------------
 
-    def advise(self, segment: LoaderSegment) -> Settings | None:
-        """Called after every batch with the segment in force; the settings to switch to at
-        the next batch, or None to carry on."""
+    def advise(self, segment: LoaderSegment, batch: int | None = None) -> Settings | None:
+        """Called after every batch with the segment in force (and the batch's index in its
+        epoch, when known); the settings to switch to at the next batch, or None."""
         if self.done or self._key(segment.settings) != self._key(self._target):
             return None  # settled, or a switch asked for has not landed yet
-        if not self._take(segment):
+        if not self._take(segment, batch):
             return None
         trial = self._judge()
         if trial is None:
@@ -152,22 +155,27 @@ class Autotune:
             self.best = trial
         return self._switch(*self._next())
 
-    def _take(self, segment: LoaderSegment) -> bool:
-        """Book the segment's latest batch; False while it is a warm-up batch (or not new)."""
+    def _take(self, segment: LoaderSegment, batch: int | None) -> bool:
+        """Book the segment's latest batch; False while it warms up (NOTE [ Judging a setting
+        from the running loop ]) or when there is no batch before it to tell it from."""
         key = (segment.epoch, segment.batch)
         last = self._last if key == self._segment else (0, 0, 0.0, 0.0)
         if key != self._segment:
-            self._segment, self._batches, self._judged_s = key, [], 0.0
+            self._segment, self._batches, self._warm = key, [], 0
         now = (segment.n_batches, segment.n_samples, segment.wall_s, segment.wait_s)
         self._last = now
         if now[0] != last[0] + 1:  # first seen mid-segment (autotune turned on): a baseline
             return False
         if now[0] == 1 and self.trials:  # the first batch after a switch autotune asked for
             self.switch_s = max(self.switch_s, now[3])
-        if segment.n_batches <= self._period(segment.settings):  # NOTE [ Judging a setting ... ]
+        period = self._period(segment.settings)
+        if batch == 0 and now[0] > 1:  # a new epoch: the workers' pipeline starts afresh
+            del self._batches[len(self._batches) - len(self._batches) % period:]
+            self._warm = 0
+        self._warm += 1
+        if self._warm <= period:
             return False
         self._batches.append((now[2] - last[2], now[3] - last[3], now[1] - last[1]))
-        self._judged_s += now[2] - last[2]
         return True
 
     @staticmethod
@@ -178,22 +186,18 @@ class Autotune:
         """The trial's numbers once it has enough batches and time; None until then."""
         period = self._period(self._target)
         batches = self._batches
-        if len(batches) % period or len(batches) < max(self.min_batches, 3 * period) \
-                or self._judged_s < self.min_s:
+        if len(batches) % period or len(batches) < max(self.min_batches, 3 * period):
+            return None
+        wall, wait, samples = (sum(b[i] for b in batches) for i in range(3))
+        if wall < self.min_s or not samples:
             return None
         periods = [batches[i:i + period] for i in range(0, len(batches), period)]
-        sums = [(sum(b[0] for b in p), sum(b[1] for b in p), sum(b[2] for b in p))
-                for p in periods]
-        costs = sorted(wall / samples for wall, _, samples in sums if samples)
-        if not costs:
-            return None
-        median = costs[len(costs) // 2]
-        kept = [s for s in sums if s[2] and s[0] / s[2] <= OUTLIER * median]
-        wall, wait, samples = (sum(s[i] for s in kept) for i in range(3))
-        n = len(kept) * period
+        waited = sum(sum(b[1] for b in p) > self.stall_target * sum(b[0] for b in p)
+                     for p in periods) / len(periods)
+        n = len(batches)
         return Trial(dict(self._target), samples / wall if wall > 0 else 0.0,
-                     min(1.0, wait / wall) if wall > 0 else 0.0, len(batches),
-                     (wall - wait) / n, wait / n)
+                     min(1.0, wait / wall) if wall > 0 else 0.0, n, (wall - wait) / n,
+                     wait / n, waited)
 
     # -- the policy -------------------------------------------------------------------------------
 
@@ -222,7 +226,8 @@ class Autotune:
         if down and min(measured) >= workers:
             moves.append({"num_workers": down[-1]})
         cheap = self.switch_s < SLOW_SWITCH_S
-        if cheap and workers and settings["prefetch_factor"] * 2 <= MAX_PREFETCH:
+        if cheap and workers and best.waited < BURSTY \
+                and settings["prefetch_factor"] * 2 <= MAX_PREFETCH:
             moves.append({"prefetch_factor": settings["prefetch_factor"] * 2})
         if cheap and self.pin_memory:
             moves.append({"pin_memory": not settings["pin_memory"]})

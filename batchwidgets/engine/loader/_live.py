@@ -321,7 +321,7 @@ class LiveLoader(DataLoader):
             segment["wall_s"] += wall_s
             segment["wait_s"] += wait_s
         if self._tuner is not None:
-            advice = self._tuner.advise(LoaderSegment(**segment))
+            advice = self._tuner.advise(LoaderSegment(**segment), batch=batch)
             if advice:
                 self._autotune_to(advice)
 
