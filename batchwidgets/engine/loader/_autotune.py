@@ -232,11 +232,11 @@ class Autotune:
         if cheap and self.pin_memory:
             moves.append({"pin_memory": not settings["pin_memory"]})
         for trial in self.trials:
-            more = trial.settings["num_workers"]
-            if more != workers and self._ties(trial):
-                up, down = self._rungs(more)
+            other = trial.settings["num_workers"]
+            if other != workers and self._ties(trial):
+                up, down = self._rungs(other)
                 moves += [{**trial.settings, "num_workers": n}
-                          for n in (up[:1] if more > workers else down[-1:])]
+                          for n in (up[:1] if other > workers else down[-1:])]
         return [self._valid({**settings, **move}, self._persistent) for move in moves]
 
     def _keeps_up(self, base: Trial) -> int:
