@@ -49,9 +49,9 @@ class SimLoop:
         wait = (self.cost(settings) - self.step_s) * period * (self.every if lump else 0)
         return wait * (1 + self.random.uniform(-self.noise, self.noise))
 
-    def run(self, tuner: Autotune, settings: dict, batches: int = 2000):
-        """Feed ``tuner`` a snapshot of the segment in force after every batch, switching as it
-        advises; the advice given, in order."""
+    def run(self, tuner: Autotune, settings: dict, batches: int = 2000, first: int = 0):
+        """Feed ``tuner`` a snapshot of the segment in force after every batch from batch
+        ``first`` on, switching as it advises; the advice given, in order."""
         advice_given, since = [], 0
         segment = {"settings": dict(settings), "n_batches": 0, "n_samples": 0, "wall_s": 0.0,
                    "wait_s": 0.0, "epoch": 0, "batch": 0}
@@ -66,6 +66,8 @@ class SimLoop:
                            n_samples=segment["n_samples"] + BATCH,
                            wall_s=segment["wall_s"] + wait + self.step_s,
                            wait_s=segment["wait_s"] + wait)
+            if i < first:
+                continue
             advice = tuner.advise(LoaderSegment(**dict(segment, settings=dict(
                 segment["settings"]))), batch=position if self.epoch else None)
             if advice:
@@ -124,6 +126,13 @@ def test_where_the_loop_waits_now_and_then_a_deeper_prefetch_is_tried_and_kept_i
     # lumps and all (a trial of ~9 periods holds a part of a lump's cycle: within 15%)
     assert tuner.best.samples_per_s == pytest.approx(BATCH / 0.016, rel=0.15)
     assert tuner.done
+
+
+def test_turned_on_in_the_middle_of_a_segment_it_judges_from_the_next_batch():
+    tuner = Autotune(start(), max_workers=4, pin_memory=False)
+    loop = SimLoop(cpu_bound(load_s=0.03, step_s=0.015), step_s=0.015)
+    assert loop.run(tuner, start(), first=50) == [start(2, 2)]
+    assert tuner.trials[0].samples_per_s == pytest.approx(BATCH / 0.045)
 
 
 def test_each_epochs_restart_of_the_workers_is_left_out_as_a_switchs_is():

@@ -243,7 +243,8 @@ class Autotune:
         """From no workers: the rung of workers that should keep up with the step (NOTE [
         Which setting next ]); the top rung when the step takes no time."""
         ladder = worker_ladder(self.max_workers)
-        needed = math.ceil(base.wait_s / base.step_s) if base.step_s > 0 else ladder[-1]
+        needed = math.ceil(base.wait_s / base.step_s - 1e-6) if base.step_s > 0 \
+            else ladder[-1]  # (1e-6: sums of floats that divide exactly stay exact)
         return next((n for n in ladder if n >= max(1, needed)), ladder[-1])
 
     def _ties(self, trial: Trial) -> bool:
