@@ -164,15 +164,15 @@ def medians(rounds) -> dict:
 
 def write(args, machine, rounds, costs) -> str:
     last = rounds[-1]
-    fixed = [k for k in last["runs"] if k != "autotune"]
+    fixed = sorted(k for k in last["runs"] if k != "autotune")  # w=0, w=1 pf=1, ...
     over_best = statistics.median(r["autotune_over_best"] for r in rounds)
     speedup = statistics.median(r["speedup_over_w0"] for r in rounds)
     med = medians(rounds)
     lines = [
         "# live_loader(autotune=True): a whole first epoch against every fixed setting", "",
-        f"{datetime.date.today()}, commit {commit()}, {machine['cpu']}, torch "
+        f"{datetime.date.today()}, commit {machine['commit']}, {machine['cpu']}, torch "
         f"{torch.__version__}, start method {machine['start_method']}, "
-        f"{torch.get_num_threads()} torch thread(s) in the main process. Dataset: "
+        f"{args.threads} torch thread(s) in the main process. Dataset: "
         f"{args.items} items of {machine['item_ms']:.2f} ms of CPU each (numpy FFT blur of a "
         f"3x96x96 image), batch size {args.batch_size}, shuffled; the step sleeps "
         f"{args.step_ms:g} ms. {len(rounds)} round(s), the order of the runs rotated; load "
@@ -232,7 +232,7 @@ def main() -> None:
     warnings.simplefilter("ignore", bw.BatchwidgetsWarning)
     max_workers = args.max_workers or usable_cpus()
     data = Blurred(args.items)
-    machine = {"cpu": f"{usable_cpus()}-core CPU", "item_ms": item_ms(data),
+    machine = {"commit": commit(), "cpu": f"{usable_cpus()}-core CPU", "item_ms": item_ms(data),
                "start_method": multiprocessing.get_start_method(),
                "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     rounds = []
