@@ -28,6 +28,7 @@ from ..._kernel_poll import WidgetPoll
 from ..._warnings import BatchwidgetsWarning
 from ...results import LiveLoaderReport, LoaderSegment, LoaderSwitch
 from .._util import check_int
+from ._autotune import Autotune
 from ._checks import check_workers_can_unpickle, usable_cpus
 from ._epoch import Epoch
 from ._tune import DEFAULT_BATCH_SIZE, SETTINGS, _check_source, _source_kwargs
@@ -122,11 +123,17 @@ class LiveLoader(DataLoader):
         if not isinstance(on, bool):
             raise ValueError(f"autotune should be True or False, but got autotune={on!r}.")
         if on and self._tuner is None:
-            from ._autotune import Autotune
             self._tuner = Autotune(self.settings, max_workers=usable_cpus(),
                                    pin_memory=torch.cuda.is_available())
         elif not on:
             self._tuner = None
+
+    @property
+    def autotune_status(self) -> str:
+        """What autotune is doing, in a line ("exploring 2 workers, prefetch 2 (trial 2 of at
+        most 6)", "settled on 2 workers, prefetch 2: ..."); "" when it is off."""
+        tuner = self._tuner
+        return tuner.status if tuner is not None else ""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in SWITCHABLE and self.__dict__.get("_ready"):
@@ -322,9 +329,20 @@ class LiveLoader(DataLoader):
             segment["wall_s"] += wall_s
             segment["wait_s"] += wait_s
         if self._tuner is not None:
-            advice = self._tuner.advise(LoaderSegment(**segment))
+            advice = self._tuner.advise(LoaderSegment(**segment), batch=batch)
             if advice:
-                self._request(advice, by="autotune")
+                self._autotune_to(advice)
+
+    def _autotune_to(self, advice: dict[str, Any]) -> None:
+        """Switch at the next batch as autotune advises; a setting refused (workers that could
+        not unpickle the dataset) stops autotune with a warning instead of failing the loop."""
+        try:
+            self._request(advice, by="autotune")
+        except (TypeError, ValueError) as error:
+            self._tuner = None
+            note = f"autotune stopped: {error}"
+            self._notes.append(note)
+            warnings.warn(note, BatchwidgetsWarning, stacklevel=4)
 
     def _add_switch(self, **switch: Any) -> None:
         with self._lock:
