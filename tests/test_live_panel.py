@@ -6,7 +6,6 @@ leaves no thread. PyTorch's DataLoader is the oracle of the order."""
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import threading
 
@@ -22,7 +21,6 @@ from batchwidgets.widgets import WIDGET_VIEW
 
 WAIT_S = 60
 REFRESHER = "batchwidgets-live-panel"
-HAS_AUTOTUNE = importlib.util.find_spec("batchwidgets.engine.loader._autotune") is not None
 
 
 def data(n: int = 48) -> TensorDataset:
@@ -235,17 +233,6 @@ def test_the_controls_follow_settings_asked_for_by_code(panels):
     assert panel.prefetch_factor.disabled
 
 
-@pytest.mark.skipif(HAS_AUTOTUNE, reason="the autotune module is there")
-def test_without_autotune_the_checkbox_shows_why_and_goes_back(panels):
-    live = bw.live_loader(shuffled())
-    panel = panels(live)
-    panel.autotune.value = True
-    assert isinstance(panel.error, ImportError)
-    assert panel.autotune.value is False
-    assert live.autotune is False
-
-
-@pytest.mark.skipif(not HAS_AUTOTUNE, reason="the autotune module is not there yet")
 def test_the_autotune_checkbox_turns_it_on_and_a_control_by_hand_turns_it_off(panels):
     live = bw.live_loader(shuffled())
     panel = panels(live)

@@ -88,6 +88,7 @@ class LiveLoaderReport:
     settings: dict[str, object]  # in force now
     epoch: int  # epochs begun (the running one included)
     autotune: bool = False
+    autotune_status: str = ""  # what autotune is doing, in one line ("" when it is off)
     warnings: tuple[str, ...] = ()
 
     @property
@@ -143,7 +144,7 @@ class LiveLoaderReport:
             ("samples/s (the loop's)", _html.format_number(self.samples_per_s)),
             ("waiting for data", f"{self.stall_fraction:.1%} of the loop's wall time"),
             ("batches", f"{self.n_batches} in {self.epoch} epoch(s)"),
-            ("autotune", "on" if self.autotune else "off"),
+            ("autotune", self.autotune_status or ("on" if self.autotune else "off")),
         ]
         rows += [("switch", switch.summary()) for switch in self.switches]
         rows += [("warning", text) for text in self.warnings]

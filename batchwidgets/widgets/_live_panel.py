@@ -74,6 +74,8 @@ def _live_readout(report: LiveLoaderReport, requested: dict[str, Any]) -> str:
         lines.append(f"from the next batch: {_part('requested', asked)}")
     if report.switches:
         lines.append(f"last switch: {_part('last-switch', report.switches[-1].summary())}")
+    if report.autotune_status:
+        lines.append(f"autotune: {_part('autotune-status', report.autotune_status)}")
     return "<br>".join(lines)
 
 
@@ -223,7 +225,7 @@ class LiveBinding:
             report, requested = self._live.report(), self._live.requested
             self._follow()
             seen = (report.n_batches, len(report.switches), tuple(requested.items()),
-                    report.autotune, report.warnings)
+                    report.autotune, report.autotune_status, report.warnings)
             if seen != self._seen:
                 self._seen = seen
                 self.readout.value = _live_readout(report, requested)

@@ -6,6 +6,7 @@ training step waits on data.
 - ``_timing.py``  timing one DataLoader; workers always shut down
 - ``_checks.py``  argument checks, unpicklable datasets, warnings with numbers
 - ``_live.py``    live_loader: the running loop's loader, switched at its next batch, measured
+- ``_live_settings.py`` the settings a live loader starts with and switches to, checked
 - ``_epoch.py``   one live epoch: the same order across a switch, the loop's time around next()
 - ``_autotune.py`` live_loader(autotune=True)'s policy: which setting to try next, from the stall
 
@@ -14,7 +15,8 @@ It imports the shared modules only.
 
 from .._types import TrainStep
 from ._checks import usable_cpus
-from ._live import SWITCHABLE, LiveLoader, live_loader
+from ._live import LiveLoader, live_loader
+from ._live_settings import SWITCHABLE
 from ._timing import one_line
 from ._tune import (
     DEFAULT_BATCH_SIZE,

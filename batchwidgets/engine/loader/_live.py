@@ -27,64 +27,24 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..._kernel_poll import WidgetPoll
 from ..._warnings import BatchwidgetsWarning
 from ...results import LiveLoaderReport, LoaderSegment, LoaderSwitch
-from .._util import check_int
 from ._autotune import Autotune
 from ._checks import check_workers_can_unpickle, usable_cpus
 from ._epoch import Epoch
-from ._tune import DEFAULT_BATCH_SIZE, SETTINGS, _check_source, _source_kwargs
-
-SWITCHABLE = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
-
-
-def _setting(name: str) -> property:
-    """A DataLoader attribute that reads the setting in force (assigning it calls ``set``)."""
-    def read(self: LiveLoader) -> Any:
-        return self._settings[name]
-
-    def write(self: LiveLoader, value: Any) -> None:  # DataLoader.__init__ only; then set()
-        self._settings[name] = value
-
-    return property(read, write, doc=f"The ``{name}`` in force (``set`` changes it).")
-
-
-def _starting_loader(source: Any, settings: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """DataLoader arguments of the loader to wrap (``source`` with ``settings`` over its own),
-    and its multiprocessing context kept apart (DataLoader refuses one without workers)."""
-    _check_source(source)
-    if isinstance(source, DataLoader):
-        unknown = sorted(set(settings) - set(SETTINGS))
-        if unknown:
-            raise TypeError(f"settings should be among {list(SETTINGS)} for a DataLoader, but "
-                            f"got {unknown}; set other options on the DataLoader you pass in.")
-        kwargs = _source_kwargs(source)
-        if settings.get("batch_size") is not None:
-            if "batch_sampler" in kwargs:
-                raise ValueError(f"batch_size should be None for a DataLoader with its own "
-                                 f"batch_sampler, but got batch_size={settings['batch_size']!r};"
-                                 f" change the batch_sampler instead.")
-            kwargs["batch_size"] = settings["batch_size"]
-        kwargs.update({k: v for k, v in settings.items() if k != "batch_size"})
-    else:  # a Dataset: any DataLoader argument, batch_size 32 by default (as make_loader)
-        _source_kwargs(source)  # the one-line error for what is no Dataset
-        kwargs = {"dataset": source, "batch_size": DEFAULT_BATCH_SIZE, **settings}
-    context = kwargs.pop("multiprocessing_context", None)
-    if isinstance(context, str):
-        context = torch.multiprocessing.get_context(context)
-    return kwargs, context
+from ._live_settings import SWITCHABLE, check_types, resolve, setting, starting_loader
 
 
 class LiveLoader(DataLoader):
     """A DataLoader whose ``num_workers``, ``pin_memory``, ``prefetch_factor`` and
     ``persistent_workers`` change at the next batch of the running epoch; see ``live_loader``."""
 
-    num_workers = _setting("num_workers")
-    pin_memory = _setting("pin_memory")
-    prefetch_factor = _setting("prefetch_factor")
-    persistent_workers = _setting("persistent_workers")
+    num_workers = setting("num_workers")
+    pin_memory = setting("pin_memory")
+    prefetch_factor = setting("prefetch_factor")
+    persistent_workers = setting("persistent_workers")
 
     def __init__(self, loader_or_dataset: DataLoader | Any, *, autotune: bool = False,
                  **settings: Any) -> None:
-        kwargs, context = _starting_loader(loader_or_dataset, settings)
+        kwargs, context = starting_loader(loader_or_dataset, settings)
         self._settings: dict[str, Any] = {}
         self._lock = threading.RLock()
         if not kwargs.get("num_workers"):  # DataLoader rejects these without workers
@@ -92,7 +52,7 @@ class LiveLoader(DataLoader):
         super().__init__(**kwargs, multiprocessing_context=context if kwargs.get("num_workers")
                          else None)
         self._context = context
-        self._check_types(self.settings, self.settings)
+        check_types(self.settings, self.settings)
         self._requested = self.settings  # the latest settings asked for (``requested``)
         self._iterable = isinstance(self.dataset, IterableDataset)
         # As the wrapped loader: with persistent workers, one base seed for all epochs.
@@ -174,7 +134,7 @@ class LiveLoader(DataLoader):
                             f"make a new live_loader to change them.")
         with self._lock:  # over the latest asked for, also while a switch is under way
             base = dict(self._requested)
-        new = self._resolve(base, settings)
+        new = resolve(base, settings)
         self._check_workers(new)
         note = ""
         if self._iterable and self._epoch is not None and not self._epoch.finished:
@@ -198,33 +158,6 @@ class LiveLoader(DataLoader):
         with self._lock:
             between, self._between = self._between, None
         return between if between is not None and between[0] != self.settings else None
-
-    def _resolve(self, base: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
-        """``base`` with ``settings`` over it, checked and completed as DataLoader would."""
-        new = {name: base[name] for name in SWITCHABLE}
-        new.update(settings)
-        self._check_types(new, settings)
-        if new["num_workers"] == 0:
-            for name, dropped in (("prefetch_factor", None), ("persistent_workers", False)):
-                if settings.get(name) not in (None, False):
-                    raise ValueError(
-                        f"{name} should be {dropped} with num_workers=0 (DataLoader takes it "
-                        f"only with workers), but got {name}={settings[name]!r}; set workers "
-                        f"too, e.g. set(num_workers=2, {name}={settings[name]!r}).")
-            new.update(prefetch_factor=None, persistent_workers=False)
-        elif new["prefetch_factor"] is None:
-            new["prefetch_factor"] = 2  # DataLoader's default with workers
-        return new
-
-    @staticmethod
-    def _check_types(new: dict[str, Any], given: dict[str, Any]) -> None:
-        check_int("num_workers", new["num_workers"], 0, hint="; 0 loads in the main process")
-        check_int("prefetch_factor", new["prefetch_factor"], 1, optional=True,
-                  hint="; DataLoader's default is 2")
-        for name in ("pin_memory", "persistent_workers"):
-            if not isinstance(new[name], bool):
-                raise ValueError(f"{name} should be True or False, but got "
-                                 f"{name}={given.get(name, new[name])!r}.")
 
     def _check_workers(self, new: dict[str, Any]) -> None:
         """Workers started by spawn or forkserver must unpickle the dataset: a one-line error
@@ -356,7 +289,8 @@ class LiveLoader(DataLoader):
                 segments=tuple(LoaderSegment(**dict(s, settings=dict(s["settings"])))
                                for s in self._segments),
                 switches=tuple(self._switches), settings=self.settings, epoch=self._epochs,
-                autotune=self.autotune, warnings=tuple(self._notes))
+                autotune=self.autotune,
+                autotune_status=self.autotune_status, warnings=tuple(self._notes))
 
     @property
     def stats(self) -> LiveLoaderReport:
