@@ -20,6 +20,7 @@ from batchwidgets._warnings import BatchwidgetsWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 IPYKERNEL6 = ROOT / ".ipykernel6"  # pip install --target .ipykernel6 --no-deps "ipykernel==6.29.*"
+IPYWIDGETS7 = ROOT / ".ipywidgets7"  # with ipykernel 6: Colab's lines ("6+widgets7")
 
 SETUP = """
 import time
@@ -53,14 +54,19 @@ time.sleep(0.3)  # no more polls: the client's last request waits in the kernel'
 
 
 def start_kernel(line: str):
-    """A kernel of this environment's Python on ipykernel ``line``; this checkout first on the
+    """A kernel of this environment's Python on ipykernel ``line`` ("7", "6"; "6+widgets7" adds
+    ipywidgets 7.7, as Colab ships them); this checkout first on the
     path (the kernel imports this batchwidgets, not an installed one)."""
     from jupyter_client.manager import KernelManager
 
-    if line == "6" and not (IPYKERNEL6 / "ipykernel").is_dir():
+    if line.startswith("6") and not (IPYKERNEL6 / "ipykernel").is_dir():
         pytest.skip(f"no ipykernel 6 in {IPYKERNEL6}: pip install --target .ipykernel6 "
                     "--no-deps 'ipykernel==6.29.*' nest-asyncio")
-    paths = ([str(IPYKERNEL6)] if line == "6" else []) + [str(ROOT)]
+    if line == "6+widgets7" and not (IPYWIDGETS7 / "ipywidgets").is_dir():
+        pytest.skip(f"no ipywidgets 7 in {IPYWIDGETS7}: pip install --target .ipywidgets7 "
+                    "--no-deps 'ipywidgets==7.7.*' ipython_genutils")
+    paths = ([str(IPYKERNEL6)] if line.startswith("6") else []) + (
+        [str(IPYWIDGETS7)] if line == "6+widgets7" else []) + [str(ROOT)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [*paths, *filter(None, [os.environ.get("PYTHONPATH")])])}
     manager = KernelManager(kernel_name="python3")

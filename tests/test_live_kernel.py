@@ -1,6 +1,7 @@
 """The live loader in a real kernel (issue 24): a LoaderPanel's num_workers dropdown changed by a
 widget message sent while the training cell runs (as a click in the browser is) switches the loop
-at its next batch, mid-epoch, with the plain DataLoader's order kept; on both ipykernel lines."""
+at its next batch, mid-epoch, with the plain DataLoader's order kept; on both ipykernel lines,
+and with ipywidgets 7.7 beside ipykernel 6 as on Colab."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import batchwidgets as bw
 data = TensorDataset(torch.arange(600))
 live = bw.live_loader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
 panel = bw.LoaderPanel(live, max_workers=2)
-print(panel.num_workers.model_id, panel.num_workers.options)
+import ipykernel, ipywidgets
+print(panel.num_workers.model_id, ipykernel.__version__[0], ipywidgets.__version__[0],
+      panel.num_workers.options)
 """
 TRAINING = """
 seen, workers = [], []
@@ -39,12 +42,14 @@ live.close()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("line", ["7", "6"])
+@pytest.mark.parametrize("line", ["7", "6", "6+widgets7"])
 def test_a_click_while_the_training_cell_runs_switches_the_loop_at_its_next_batch(line):
     pytest.importorskip("jupyter_client")
     manager, client = start_kernel(line)
     try:
-        model_id, options = outputs(client, SETUP).strip().split(" ", 1)
+        model_id, kernel, widgets, options = outputs(client, SETUP).strip().split(" ", 3)
+        assert (kernel, widgets) == {"7": ("7", "8"), "6": ("6", "8"),
+                                     "6+widgets7": ("6", "7")}[line]
         assert options == "(0, 1, 2)"
         training = client.execute(TRAINING)
         iopub: list[dict] = []
