@@ -166,3 +166,32 @@ def test_a_cpu_model_probed_on_cuda_comes_back_to_the_cpu_unchanged():
         for name, value in saved.items():
             assert after["state"][key][name].device.type == "cpu"
             assert torch.equal(after["state"][key][name], value)
+
+
+def test_a_live_loader_switches_pin_memory_on_cuda_and_leaves_no_pinning_thread():
+    """Pinned batches after the switch, the same order as the plain DataLoader, copies made
+    non_blocking; the pinning thread of each inner loader stops with its workers."""
+    import threading
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(256, 1024), torch.arange(256))
+    threads = threading.active_count()
+    live = bw.live_loader(data, batch_size=16, shuffle=True,
+                          generator=torch.Generator().manual_seed(0), num_workers=1)
+    seen, pinned = [], []
+    for i, (x, ids) in enumerate(live):
+        seen.append(ids.tolist())
+        pinned.append(x.is_pinned())
+        x.cuda(non_blocking=True)
+        if i == 3:
+            live.set(pin_memory=True)
+        if i == 9:
+            live.set(pin_memory=False, num_workers=0)
+    plain = DataLoader(data, batch_size=16, shuffle=True,
+                       generator=torch.Generator().manual_seed(0))
+    assert seen == [ids.tolist() for _, ids in plain]
+    assert pinned == [False] * 4 + [True] * 6 + [False] * 6
+    live.close()
+    torch.cuda.synchronize()
+    assert threading.active_count() == threads
