@@ -86,18 +86,21 @@ WORKER = textwrap.dedent("""
         model = sharded(mlp())
         probe(name, model, trained(model), make_batch, budgets[rank])
 
-    # the per-rank peak at the answer against PyTorch's own FSDP2 tracker, same two steps
-    model = sharded(mlp())
-    optimizer = trained(model)
-    size = results["fsdp_mixed"]["max_batch_size"]
-    tracker = FSDPMemTracker(model, optimizer)
-    with tracker:
-        for _ in range(2):
-            x, y = make_batch(size)
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    results["oracle_peak"] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    # the per-rank peak at the answer against PyTorch's own FSDP2 tracker, the same two steps;
+    # its least of three runs (a collective's buffers, freed on gloo's thread, may count late)
+    peaks = []
+    for _ in range(3):
+        model = sharded(mlp())
+        optimizer = trained(model)
+        tracker = FSDPMemTracker(model, optimizer)
+        with tracker:
+            for _ in range(2):
+                x, y = make_batch(results["fsdp_mixed"]["max_batch_size"])
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    results["oracle_peaks"] = peaks
 
     # uneven data: rank 1's sequences are four times longer (variable-length text)
     class Bag(nn.Module):
@@ -135,6 +138,20 @@ WORKER = textwrap.dedent("""
                           ("ddp_low", (1024 * KIB, 1024 * KIB))):
         model = nn.parallel.DistributedDataParallel(mlp())
         probe(name, model, trained(model), make_batch, budgets[rank])
+
+    # accumulate and the NoiseTracker under FSDP2: the full gradient's quantities
+    torch.manual_seed(100 + rank)
+    data = [make_batch(4) for _ in range(8)]
+    model = sharded(mlp())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = bw.NoiseTracker(warmup_updates=1)
+    with bw.accumulate(optimizer, steps=2, model=model, noise=tracker):
+        for x, y in data:
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    results["noise"] = [dataclasses.asdict(point) for point in tracker.report.history]
+    results["noise_weights"] = [p.full_tensor().tolist() for p in model.parameters()]
 
     dist.destroy_process_group()
     with open(out, "w") as f:
@@ -192,8 +209,8 @@ def test_fsdp2_peak_per_rank_matches_pytorchs_fsdp_memory_tracker(job):
     report = job[0]["fsdp_mixed"]
     at_answer = next(a for a in report["attempts"]
                      if a["batch_size"] == report["max_batch_size"] and a["fits"])
-    assert abs(at_answer["peak_memory_bytes"] - job[0]["oracle_peak"]) <= 0.03 * job[0][
-        "oracle_peak"]
+    oracle = min(job[0]["oracle_peaks"])
+    assert abs(at_answer["peak_memory_bytes"] - oracle) <= 0.03 * oracle, job[0]["oracle_peaks"]
 
 
 @pytest.mark.slow
@@ -222,3 +239,37 @@ def test_ddp_ranks_agree_on_the_lower_budgets_answer_and_restore_their_state(job
     assert mixed[0][0] > 2  # a search, not the smallest size
     assert _search(job[0]["ddp_mixed"]) == _search(job[1]["ddp_mixed"])
     assert all(rank[name]["restored"] for rank in job for name in ("ddp_mixed", "ddp_low"))
+
+
+@pytest.mark.slow
+def test_noise_tracker_under_fsdp2_equals_one_process_on_both_ranks_micro_batches(job):
+    # Oracle: one process, no sharding, each micro-batch the two ranks' micro-batches together
+    # (FSDP2's .grad after a micro-step is their average), the same hook-free estimate.
+    import torch
+    from torch import nn
+
+    import batchwidgets as bw
+
+    per_rank = []
+    for rank in range(2):
+        torch.manual_seed(100 + rank)
+        per_rank.append([(torch.randn(4, 32), torch.randint(0, 8, (4,))) for _ in range(8)])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                          nn.Linear(128, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = bw.NoiseTracker(warmup_updates=1, every_micro_batch=False, overhead_target=None)
+    with bw.accumulate(optimizer, steps=2, model=model, noise=tracker):
+        for (x0, y0), (x1, y1) in zip(*per_rank):
+            nn.functional.cross_entropy(model(torch.cat([x0, x1])), torch.cat([y0, y1])).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    expected = tracker.report.history
+    assert len(expected) == 4
+    for rank in job:
+        assert [point["update"] for point in rank["noise"]] == [p.update for p in expected]
+        for point, oracle in zip(rank["noise"], expected):
+            assert point["grad_norm_sq"] == pytest.approx(oracle.grad_norm_sq, rel=1e-4)
+            assert point["trace_cov"] == pytest.approx(oracle.trace_cov, rel=1e-4)
+        for weights, param in zip(rank["noise_weights"], model.parameters()):
+            assert torch.allclose(torch.tensor(weights), param.detach(), atol=1e-6)
