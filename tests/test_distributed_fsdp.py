@@ -159,12 +159,76 @@ WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory) -> list[dict]:
-    """Both ranks' results of one 2-process gloo job that runs every check."""
-    tmp = tmp_path_factory.mktemp("fsdp_job")
+# Wrong uses, then an error inside the step on one rank while the other waits in an FSDP2
+# all-gather: the group's timeout is 3 s, and the group is broken afterwards (so the workers
+# leave with os._exit, as a gloo group that timed out may abort its process at teardown).
+BROKEN_WORKER = textwrap.dedent("""
+    import datetime, json, os, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import batchwidgets as bw
+
+    rank, init_file, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    timeout = datetime.timedelta(seconds=3)
+    dist.init_process_group("gloo", init_method="file://" + init_file + "a", rank=rank,
+                            world_size=2, timeout=timeout)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    results = {}
+
+    def raised(name, call):
+        try:
+            call()
+            results[name] = None
+        except Exception as error:
+            results[name] = {"raised": type(error).__name__, "message": str(error)}
+
+    class Picky(nn.Module):  # rank 1's data breaks it past 4 samples, inside the forward
+        def forward(self, x):
+            if rank == 1 and len(x) > 4:
+                raise IndexError(f"rank 1 cannot take {len(x)} samples")
+            return x
+
+    def model():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), Picky(), nn.Linear(16, 4))
+        mesh = init_device_mesh("cpu", (2,))
+        for module in (net[0], net[2], net):
+            fully_shard(module, mesh=mesh)
+        return net
+
+    def make_batch(n):
+        return torch.randn(n, 8), torch.randint(0, 4, (n,))
+
+    net = model()
+    data = torch.utils.data.TensorDataset(*make_batch(16))
+    loss_fn = nn.functional.cross_entropy
+    raised("measure_noise", lambda: bw.measure_noise(net, data, loss_fn=loss_fn))
+    raised("tracker_measure", lambda: bw.NoiseTracker().measure(net, loss_fn, make_batch(8)))
+    dist.destroy_process_group()
+    raised("no_group", lambda: bw.find_batch(net, make_batch, loss_fn=loss_fn))
+
+    dist.init_process_group("gloo", init_method="file://" + init_file + "b", rank=rank,
+                            world_size=2, timeout=timeout)
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    before = [p.to_local().clone() for p in net.parameters()]
+    raised("in_step", lambda: bw.find_batch(net, make_batch, loss_fn=loss_fn,
+                                            optimizer=optimizer, budget="1MiB"))
+    results["restored"] = all(torch.equal(a, p.to_local()) for a, p in zip(
+        before, net.parameters())) and not optimizer.state
+    with open(out, "w") as f:
+        json.dump(results, f)
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def _run_job(tmp, worker: str) -> list[dict]:
+    """Both ranks' results of a 2-process gloo job running ``worker``."""
     script = tmp / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(worker)
     outputs = [tmp / f"rank{rank}.json" for rank in range(2)]
     root = str(Path(batchwidgets.__file__).parents[1])  # this checkout, not another install
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -179,6 +243,18 @@ def job(tmp_path_factory) -> list[dict]:
             worker.kill()
     assert [worker.returncode for worker in workers] == [0, 0], logs
     return [json.loads(path.read_text()) for path in outputs]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> list[dict]:
+    """The job that runs the checks of a working group."""
+    return _run_job(tmp_path_factory.mktemp("fsdp_job"), WORKER)
+
+
+@pytest.fixture(scope="module")
+def broken_job(tmp_path_factory) -> list[dict]:
+    """The job of wrong uses and of an error inside the step, which breaks its group."""
+    return _run_job(tmp_path_factory.mktemp("fsdp_broken_job"), BROKEN_WORKER)
 
 
 def _answers(job: list[dict], name: str) -> list[tuple]:
@@ -273,3 +349,28 @@ def test_noise_tracker_under_fsdp2_equals_one_process_on_both_ranks_micro_batche
             assert point["trace_cov"] == pytest.approx(oracle.trace_cov, rel=1e-4)
         for weights, param in zip(rank["noise_weights"], model.parameters()):
             assert torch.allclose(torch.tensor(weights), param.detach(), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_an_error_inside_one_ranks_step_raises_on_every_rank_within_the_groups_timeout(
+        broken_job):
+    # rank 1 left its forward while rank 0 waited in the next unit's all-gather: rank 0's
+    # collective fails at the group's timeout (3 s here), and it names rank 1's error
+    assert broken_job[1]["in_step"]["raised"] == "IndexError"
+    message = broken_job[1]["in_step"]["message"]
+    assert message.startswith("rank 1 cannot take ")
+    assert broken_job[0]["in_step"]["raised"] == "RankFailed"
+    assert f"rank 1 of 2 raised IndexError: {message} (" in broken_job[0]["in_step"]["message"]
+    assert [rank["restored"] for rank in broken_job] == [True, True]
+
+
+@pytest.mark.slow
+def test_wrong_uses_with_a_sharded_model_are_one_line_errors(broken_job):
+    for rank in broken_job:
+        for name, fix in (("measure_noise", "accumulate(optimizer, steps=k, noise="),
+                          ("tracker_measure", "accumulate(optimizer, steps=k, noise="),
+                          ("no_group", "init_process_group()")):
+            assert rank[name]["raised"] == "ValueError"
+            assert rank[name]["message"].startswith("model should ")
+            assert fix in rank[name]["message"]
+            assert "\n" not in rank[name]["message"]

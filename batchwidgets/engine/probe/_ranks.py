@@ -204,5 +204,13 @@ def agree_limit(limit_bytes: int | None) -> int | None:
     _VERDICTS[0] = 0
     value = torch.tensor([float("inf") if limit_bytes is None else float(limit_bytes)],
                          dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    try:
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    except Exception as error:
+        if not _broken_collective(error):
+            raise
+        raise RuntimeError(
+            "find_batch should be called on every rank of the job (the ranks agree on each "
+            "size by collectives), but the other ranks did not join within the process "
+            "group's timeout; call find_batch on every rank, with the same arguments.") from error
     return None if value.item() == float("inf") else int(value.item())
