@@ -124,6 +124,27 @@ WORKER = textwrap.dedent("""
         optimizer = torch.optim.AdamW(model.parameters())
         probe(name, model, optimizer, texts(lengths), 1024 * KIB)
 
+    # a Hugging Face GPT-2 from a config, each block a unit, rank 1's texts twice as long
+    import transformers
+    transformers.logging.set_verbosity_error()
+    for name, lengths in (("gpt2_uneven", (32, 64)), ("gpt2_long", (64, 64))):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+
+        def tokens(n, length=lengths[rank]):
+            ids = torch.randint(0, 256, (n, length))
+            return {"input_ids": ids, "labels": ids}
+
+        before = snapshot(model, optimizer)
+        report = bw.find_batch(model, tokens, optimizer=optimizer, budget="12MiB")
+        results[name] = {**dataclasses.asdict(report),
+                         "restored": same(before, snapshot(model, optimizer))}
+
     # an error on one rank (its data fails past 4 samples) stops both, naming rank 1
     def failing(n):
         if rank == 1 and n > 4:
@@ -374,3 +395,12 @@ def test_wrong_uses_with_a_sharded_model_are_one_line_errors(broken_job):
             assert rank[name]["message"].startswith("model should ")
             assert fix in rank[name]["message"]
             assert "\n" not in rank[name]["message"]
+
+
+@pytest.mark.slow
+def test_fsdp2_gpt2_with_uneven_lengths_one_answer_the_longer_ranks(job):
+    uneven, long = _answers(job, "gpt2_uneven"), _answers(job, "gpt2_long")
+    assert uneven[0] == uneven[1] == long[0]
+    assert uneven[0][0] >= 2
+    assert [rank[name]["restored"] for rank in job for name in ("gpt2_uneven", "gpt2_long")] == [
+        True] * 4
