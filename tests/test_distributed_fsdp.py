@@ -124,6 +124,14 @@ WORKER = textwrap.dedent("""
         optimizer = torch.optim.AdamW(model.parameters())
         probe(name, model, optimizer, texts(lengths), 1024 * KIB)
 
+    # a stop asked on one rank only (its panel's Stop button) stops both after the same size
+    model = sharded(mlp())
+    seen = []
+    report = bw.find_batch(model, make_batch, loss_fn=nn.functional.cross_entropy,
+                           optimizer=trained(model), budget=1024 * KIB, on_progress=seen.append,
+                           should_stop=lambda: rank == 1 and len(seen) >= 2)
+    results["stopped"] = dataclasses.asdict(report)
+
     # a Hugging Face GPT-2 from a config, each block a unit, rank 1's texts twice as long
     import transformers
     transformers.logging.set_verbosity_error()
@@ -404,3 +412,9 @@ def test_fsdp2_gpt2_with_uneven_lengths_one_answer_the_longer_ranks(job):
     assert uneven[0][0] >= 2
     assert [rank[name]["restored"] for rank in job for name in ("gpt2_uneven", "gpt2_long")] == [
         True] * 4
+
+
+@pytest.mark.slow
+def test_a_stop_on_one_rank_stops_every_rank_after_the_same_size(job):
+    assert [rank["stopped"]["stop_reason"] for rank in job] == ["stopped", "stopped"]
+    assert [len(rank["stopped"]["attempts"]) for rank in job] == [2, 2]

@@ -232,7 +232,8 @@ def _search_guarded(plan: ProbePlan, rule: StateRule | None = None) -> Search:
             trainer = (_fake_trainer(plan, meter, rule) if fake
                        else _trainer(plan, meter, home_state))
             limit_bytes = agree_limit(meter.limit_bytes)
-            meter.defer_budget = in_job()  # see NOTE [ Over the budget inside a job ]
+            # real steps in a job run to their end: NOTE [ Over the budget inside a job ]
+            meter.defer_budget = in_job() and not fake
             meter.warm_up()
             search = Search(trainer, meter, start=plan.start, multiple_of=plan.multiple_of,
                             ceiling=plan.ceiling, limit_bytes=limit_bytes,

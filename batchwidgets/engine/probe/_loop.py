@@ -18,7 +18,7 @@ from ..memory import OpTrace, PeakModel, Reading
 from . import _search
 from ._fake import FakeTraceError
 from ._plan import SEARCH_CEILING
-from ._ranks import agree, agree_size, share_error
+from ._ranks import agree, agree_size, in_job, share_error
 from ._trials import OnStep, Trainer
 
 # NOTE [ The band of a plan, from the evidence ]
@@ -211,7 +211,8 @@ class Search:
 
     def run(self, on_step: OnStep | None, should_stop: Callable[[], bool] | None) -> list[Attempt]:
         while not self.stopped:
-            if should_stop is not None and should_stop():
+            stopping = should_stop is not None and bool(should_stop())
+            if stopping and not in_job():
                 self.stopped = True
                 break
             searched = self._searched()  # this phase's attempts: fake, or real
@@ -223,8 +224,8 @@ class Search:
                 ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
             if self.traced_only and self._event_pair() is not None:
                 size = None
-            size = agree_size(size)  # rank 0's, on every rank
-            if size is None:
+            size, self.stopped = agree_size(size, stopping)  # rank 0's size; any rank's stop
+            if size is None or self.stopped:
                 break
             if self._seeding and predicted is not None and size > predicted:
                 break  # the fake edge is known: the real steps verify it

@@ -146,10 +146,11 @@ def _broken_collective(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("gloo" in text or "NCCL" in text)
 
 
-def made_on_every_rank(make: Callable[[], Any]) -> Any:
-    """``make()`` (a trial's batch), then a verdict of every rank's: an error making one rank's
-    batch raises on every rank before any of them enters the step's collectives."""
-    if not in_job():
+def made_on_every_rank(make: Callable[[], Any], in_a_job: bool) -> Any:
+    """``make()`` (a trial's batch); ``in_a_job`` (a real step in a job), then a verdict of
+    every rank's: an error making one rank's batch raises on every rank before any of them
+    enters the step's collectives."""
+    if not in_a_job:
         return make()
     try:
         made = make()
@@ -182,17 +183,20 @@ def share_error(error: BaseException) -> None:
         error.add_note(f"find_batch: raised on rank {rank} of {world}; every rank stopped.")
 
 
-def agree_size(size: int | None) -> int | None:
-    """Rank 0's next size (None: stop) on every rank. The verdicts are shared, but each rank
-    fits the per-op model on its own trace, and a trace's frees may land a few ops apart (a
-    collective's buffers are released when its work completes, on the backend's thread), so
-    two ranks' predictions can differ by a sample: all follow rank 0's, and none waits alone."""
+def agree_size(size: int | None, stopping: bool) -> tuple[int | None, bool]:
+    """Rank 0's next size (None: the search ends) and whether any rank's ``should_stop`` said
+    stop, on every rank. The verdicts are shared, but each rank fits the per-op model on its own
+    trace, and a trace's frees may land a few ops apart (a collective's buffers are released when
+    its work completes, on the backend's thread), so two ranks' predictions can differ by a
+    sample: all follow rank 0's, and none waits alone."""
     device = _collective_device()
     if device is None:
-        return size
-    value = torch.tensor([-1 if size is None else size], dtype=torch.int64, device=device)
-    torch.distributed.broadcast(value, src=0)
-    return None if value.item() < 0 else int(value.item())
+        return size, stopping
+    mine = -1 if size is None or torch.distributed.get_rank() != 0 else size
+    value = torch.tensor([mine, int(stopping)], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    agreed, stop = value.tolist()
+    return (None if agreed < 0 else int(agreed)), bool(stop)
 
 
 def agree_limit(limit_bytes: int | None) -> int | None:

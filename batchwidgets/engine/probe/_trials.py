@@ -166,7 +166,8 @@ def model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Call
     def step(batch_size: int) -> None:
         model.train()  # each trial starts from the user's modes, restored after the last one
         with meter.making_batch():  # see TracingTracker.collapsed
-            batch = made_on_every_rank(lambda: to_device(make(batch_size), device))
+            batch = made_on_every_rank(lambda: to_device(make(batch_size), device),
+                                       meter.defer_budget)  # real steps in a job
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = forward_and_loss(model, batch, loss_fn, call=call)
         (scaler.scale(loss) if scaler is not None else loss).backward()
