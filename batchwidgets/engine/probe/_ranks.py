@@ -20,7 +20,8 @@ from .._util import first_line
 # memory (world_size for none). So every rank leaves a size with the same outcome and takes the
 # same next step. A rank that meets such an error first writes it, in one line, to the process
 # group's store (under a key of this probe and this size), then joins the verdict and re-raises
-# its own error unchanged; every other rank raises RankFailed naming that rank and its error.
+# its own error unchanged (on Python >= 3.11 with a note naming its rank); every other rank
+# raises RankFailed naming that rank and its error.
 # Making the batch (where uneven data fails first) has a verdict of its own, before the step's
 # collectives, so an error there stops every rank at once.
 # Where the erring rank left its step while the others still wait in one of the step's
