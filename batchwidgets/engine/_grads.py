@@ -28,10 +28,20 @@ def group_by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torc
     return list(groups.values())
 
 
+# NOTE [ Norms of sharded gradients ]
+# Under FSDP2 (``fully_shard``) each gradient is a DTensor whose local shard holds a slice of the
+# full gradient. A norm of it is a DTensor too, partial on every rank (the local shard's norm);
+# the noise estimates need the full gradient's, the quantity DDP and one process give. So a
+# group's norms are stacked and made full at once (one all-reduce of the squares per group, the
+# same call on every rank, as the training step's own collectives), and plain tensors leave
+# here: the norms never mix with the losses as DTensors.
+
+
 def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     """The 2-norm of each parameter's ``.grad`` (skipping None), one fused ``_foreach_norm`` per
     group of ``group_by_device_and_dtype``; all on one device and of one dtype (float32 for
-    half types and for mixed dtypes), ready to stack. No host sync."""
+    half types and for mixed dtypes), ready to stack. No host sync. Sharded (FSDP2) gradients
+    give the full gradient's norms (NOTE [ Norms of sharded gradients ])."""
     norms: list[torch.Tensor] = []
     device = None
     for group in groups:
@@ -43,6 +53,8 @@ def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
             part = list(torch._foreach_norm(grads, 2, dtype=wide))
         else:  # an old torch: one reduction per tensor
             part = [torch.linalg.vector_norm(g, dtype=wide) for g in grads]
+        if hasattr(part[0], "full_tensor"):  # see NOTE [ Norms of sharded gradients ]
+            part = list(torch.stack(part).full_tensor().unbind())
         if device is None:
             device = part[0].device
         elif part[0].device != device:  # a model split across devices
@@ -51,6 +63,12 @@ def grad_norms(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     if len(norms) > 1 and len({part[0].dtype for part in norms}) > 1:
         norms = [[n.float() for n in part] for part in norms]
     return [n for part in norms for n in part]
+
+
+def is_sharded(params: Sequence[torch.Tensor]) -> bool:
+    """Whether the parameters are sharded DTensors (FSDP2's ``fully_shard``): their gradients
+    arrive reduce-scattered, averaged over the ranks, and per-parameter hooks never see them."""
+    return any(hasattr(p, "full_tensor") for p in params)
 
 
 def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor | None:

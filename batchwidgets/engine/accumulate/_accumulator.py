@@ -12,7 +12,7 @@ import torch
 
 from ..._warnings import BatchwidgetsWarning
 from ...results import AccumulationReport
-from .._grads import group_by_device_and_dtype, loss_scale
+from .._grads import group_by_device_and_dtype, is_sharded, loss_scale
 from .._util import world_size
 from ..noise import AccumulatorFeed, AutoSteps, NoiseTracker
 from ._calls import InterceptedCalls
@@ -67,10 +67,14 @@ class Accumulator(InterceptedCalls):
         self.scaler, self.scheduler, self.remainder = scaler, scheduler, remainder
         self.noise = noise
         # the tracker's side: NOTE [ What the noise tracker costs accumulate ] (noise/_feed.py)
+        sharded = is_sharded([p for group in optimizer.param_groups for p in group["params"]])
         self._feed = (AccumulatorFeed(noise, track_grad_norms=track_grad_norms,
-                                      ddp=self._is_ddp()) if noise is not None else None)
+                                      ddp=self._is_ddp(), sharded=sharded)
+                      if noise is not None else None)
         # per-micro-batch norms from hooks: for the report, or for a tracker that wants them
-        self._hooked = track_grad_norms or (self._feed is not None and self._feed.wants_every_norm)
+        # (never under FSDP2: see NOTE [ The noise of sharded gradients ] in noise/_feed.py)
+        self._hooked = not sharded and (
+            track_grad_norms or (self._feed is not None and self._feed.wants_every_norm))
         self._auto = AutoSteps(noise, steps, SCHEDULE_EVERY) if auto else None
         self._thread: int | None = None  # the thread that entered the block
         self._clip: tuple[Any, ...] | None = None  # a clip called on a micro-step, for a remainder

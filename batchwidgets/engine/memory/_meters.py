@@ -209,6 +209,12 @@ class _TracedSteps:
 
     _tracker: TracingTracker | None = None
     _where: _Where | None = None
+    defer_budget = False  # inside a job (NOTE [ Over the budget inside a job ] in _tracker.py)
+
+    def end_trial(self) -> None:
+        """Raise the out-of-memory error a job's steps held back until they ended."""
+        if self._tracker is not None:
+            self._tracker.raise_if_over_budget()
 
     def start_step(self) -> None:
         if self._where is not None:
@@ -277,6 +283,7 @@ class TensorMeter(_TracedSteps):
         self._where = _Where()
         tracker = self._tracker = TracingTracker(self.device, self.limit_bytes, tracked(),
                                                  self._where)
+        tracker.defer_budget = self.defer_budget
         if self.baseline_bytes is None:
             self.baseline_bytes = tracker.baseline_bytes
         try:
@@ -287,6 +294,10 @@ class TensorMeter(_TracedSteps):
             reading.live_bytes = tracker.live_bytes
             tracker.finish(reading)
             self._tracker = None
+
+
+# See NOTE [ A real CUDA OOM inside a job ] in _tracker.py (not run on a GPU yet).
+JOB_TENSOR_FRACTION = 0.85
 
 
 class CudaMeter(_TracedSteps):
@@ -359,8 +370,12 @@ class CudaMeter(_TracedSteps):
         torch.cuda.reset_peak_memory_stats(self.device)
         if self.baseline_bytes is None:
             self.baseline_bytes = torch.cuda.memory_allocated(self.device)
+        trace = trace or self.defer_budget  # see JOB_TENSOR_FRACTION
         self._where = _Where() if trace else None
-        tracker = TracingTracker(self.device, None, tracked(), self._where) if trace else None
+        budget = int(JOB_TENSOR_FRACTION * self.limit_bytes) if self.defer_budget else None
+        tracker = TracingTracker(self.device, budget, tracked(), self._where) if trace else None
+        if tracker is not None:
+            tracker.defer_budget = self.defer_budget
         self._tracker = tracker
         try:
             with tracing(tracker, self._where) if tracker is not None else nullcontext():

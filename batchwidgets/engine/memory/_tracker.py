@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
@@ -74,7 +74,29 @@ def _collect(value: object, found: list) -> None:
                     _add(item, found)
 
 
+# NOTE [ A DTensor's bytes are its local shard's ]
+# FSDP2 (``fully_shard``) keeps each parameter, gradient and optimizer state as a DTensor: a
+# wrapper whose own storage has the global size but holds nothing, around the local shard this
+# rank owns (a 1/world_size slice). Counting the wrapper would charge every rank the whole
+# model. So a traceable wrapper subclass (DTensor, and any other that flattens to inner tensors)
+# stands for its inner tensors, and they are counted. What FSDP2 all-gathers for forward and
+# backward (the unsharded parameters of a unit) and the unsharded gradients it reduce-scatters
+# are plain tensors made by ops the tracker sees, so they count as they are made and freed.
+_WRAPPERS: dict[type, bool] = {}  # tensor type -> is a traceable wrapper subclass
+
+
 def _add(tensor: torch.Tensor, found: list) -> None:
+    kind = type(tensor)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        wrapper = _WRAPPERS.get(kind)
+        if wrapper is None:
+            wrapper = _WRAPPERS[kind] = is_traceable_wrapper_subclass(tensor)
+        if wrapper:  # see NOTE [ A DTensor's bytes are its local shard's ]
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    _add(inner, found)
+            return
     layout = tensor.layout
     if layout == torch.strided:
         found.append(tensor)
@@ -98,6 +120,9 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.budget_bytes = budget_bytes
         self.live_bytes = 0
         self.peak_bytes = 0
+        # set True inside a distributed job: see NOTE [ Over the budget inside a job ]
+        self.defer_budget = False
+        self.over_budget: str | None = None  # the first crossing's message, while deferred
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
         for tensor in unique_tensors(baseline):
             self._count(tensor)
@@ -150,10 +175,42 @@ class TensorMemoryTracker(TorchDispatchMode):
             if key in self._storages or key not in inputs:
                 self._count(tensor)
         if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
-            raise BudgetExceededError(
+            message = (
                 f"{self.device.type.upper()} out of memory (batchwidgets budget): the step held "
                 f"{self.live_bytes} bytes of tensors after {func}, over the budget of "
                 f"{self.budget_bytes} bytes (tried to allocate {self.live_bytes - before} bytes).")
+            if not self.defer_budget:
+                raise BudgetExceededError(message)
+            self.over_budget = self.over_budget or message
+
+    def raise_if_over_budget(self) -> None:
+        """Raise the budget's out-of-memory error that ``defer_budget`` held back, if any."""
+        if self.over_budget is not None:
+            raise BudgetExceededError(self.over_budget)
+
+
+# NOTE [ Over the budget inside a job ]
+# Under torch.distributed every rank's step runs collectives (DDP's gradient all-reduce, FSDP2's
+# all-gathers and reduce-scatters). A rank that stopped at the op that crossed its budget would
+# leave the others waiting in the step's next collective until the group's timeout. So inside a
+# job the budget is checked, not enforced, op by op: the step runs to its end (its real memory is
+# the host's, well above an emulated budget: the overshoot is one step's worth, less than the
+# search's doubling), and the trial then counts as out of memory; a collective after it shares
+# every rank's verdict (probe/_ranks.py) before anyone goes on.
+
+
+# NOTE [ A real CUDA OOM inside a job ]
+# A real CUDA out-of-memory error in the middle of a step cannot be recovered inside a job: the
+# rank that raised leaves its step, while the others wait in the step's next NCCL collective,
+# and only aborting the process group frees them. So inside a job the CUDA probe never lets a
+# real step run out: every step runs under the tensor tracker too, with a budget of
+# JOB_TENSOR_FRACTION (memory/_meters.py) of the memory the rank can reach (the rest for the
+# caching allocator's rounding and fragmentation, kernel workspaces, NCCL's own buffers),
+# checked as on the CPU (NOTE [ Over the budget inside a job ]): a step that crosses it runs to
+# its end on real memory still free, and counts as out of memory. If a real OOM happens anyway,
+# the rank posts it where every rank can read it (probe/_ranks.py) and the others' collectives
+# fail within the group's timeout, each naming that rank: an error on every rank, never a
+# silent hang. Not run on a GPU yet: the logic is the CPU budget path's, tested over gloo.
 
 
 class _Where:

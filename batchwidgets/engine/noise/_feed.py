@@ -28,18 +28,31 @@ from ._tracker import NoiseTracker
 # with steps=1, none at all), the hooks take every micro-batch's norm, one reduction per
 # parameter per micro-step, and the tracker uses all k of them.
 
+# NOTE [ The noise of sharded gradients ]
+# Under FSDP2 (``fully_shard``) a micro-step's gradients are reduce-scattered as it ends: .grad is
+# each rank's shard of the gradient averaged over the ranks, and hooks on the sharded parameters
+# never see a rank's own micro-batch gradient. So the tracker takes the hook-free estimate: after
+# the first micro-step .grad holds the gradient of the first micro-batch of every rank (world
+# size x b examples), after the last that of all k (k x world x b), and their norms are the full
+# gradient's (NOTE [ Norms of sharded gradients ] in engine/_grads.py): the same two-size
+# estimate as one process gets from micro-batches of world x b, which is its oracle in
+# tests/test_distributed_fsdp.py. Every update is measured (no sampling): making the norms full
+# is a collective, which every rank must call alike.
+
 
 class AccumulatorFeed:
     """The accumulator's side of a tracker: it calls ``loss``, ``micro_norm``,
     ``first_micro_step``, ``before_clip``, ``update`` and ``drop`` at those points of an update,
     and asks ``hooks`` whether per-parameter gradient hooks should run now."""
 
-    def __init__(self, tracker: NoiseTracker, *, track_grad_norms: bool, ddp: bool) -> None:
-        self.tracker, self.ddp = tracker, ddp
+    def __init__(self, tracker: NoiseTracker, *, track_grad_norms: bool, ddp: bool,
+                 sharded: bool = False) -> None:
+        self.tracker, self.ddp, self.sharded = tracker, ddp, sharded
         # NOTE [ Sampling updates to keep the tracker cheap ] (_schedule.py)
-        sampled = not (track_grad_norms or ddp or tracker.overhead_target is None)
+        sampled = not (track_grad_norms or ddp or sharded or tracker.overhead_target is None)
         self.sampler = tracker.sampler if sampled else None
-        self.wants_every_norm = tracker.every_micro_batch or ddp
+        # see NOTE [ The noise of sharded gradients ]
+        self.wants_every_norm = (tracker.every_micro_batch or ddp) and not sharded
         self.measuring = True  # whether this update feeds the tracker
         self._groups: list[list[torch.Tensor]] = []  # the parameters by device and dtype
         self._losses: list[torch.Tensor] = []
@@ -95,6 +108,8 @@ class AccumulatorFeed:
                else grad_sq_norm(params, scaler, optimizer, self._groups))
         losses, norms, first = self._losses, self._norms, self._first
         self._losses, self._norms, self._first, self._big_sq = [], [], [], None
+        if self.sharded and micro_batch_size:  # see NOTE [ The noise of sharded gradients ]
+            micro_batch_size *= world_size()
         if hooked:
             norms = self._gathered(norms)
             small, kind, n_micro = norms, "norms", len(norms)

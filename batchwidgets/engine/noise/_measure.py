@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from ..._warnings import BatchwidgetsWarning
 from ...results import NoiseReport
 from .._batches import as_keywords, batch_length, forward_and_loss, slice_batch
+from .._grads import is_sharded
 from .._state import TrainingState
 from .._types import NOISE_METHODS, NoiseMethod
 from .._util import check_int, to_device
@@ -45,6 +46,11 @@ def _check_arguments(model: Any, data: Any, loss_fn: Any, batch_sizes: Any, max_
                      chunk_size: Any, method: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
+    if is_sharded(list(model.parameters())):
+        raise ValueError("model should hold its full weights for measure_noise (per-example "
+                         "gradients), but got a model sharded by fully_shard (FSDP2); call "
+                         "measure_noise before fully_shard or on an unsharded copy, or track the "
+                         "noise in training: accumulate(optimizer, steps=k, noise=NoiseTracker()).")
     if isinstance(data, Iterator):
         raise TypeError(f"data should be a torch Dataset or DataLoader, but got an iterator "
                         f"({type(data).__name__}); pass the DataLoader itself, not iter(loader).")

@@ -12,6 +12,7 @@ import torch
 from ..._warnings import BatchwidgetsWarning
 from .._types import AMP_NAMES, TRACES
 from .._util import check_int
+from ._ranks import in_job
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
               "float16": torch.float16}
@@ -71,6 +72,23 @@ def check_arguments(model: Any, make_batch: Any = None, *, step: Any = None, seq
 
 
 _RESTORED = ("state_dict", "load_state_dict")  # how the probe puts a scaler or scheduler back
+
+
+def check_sharded(owner: torch.nn.Module | None, device: torch.device) -> None:
+    """A model sharded by fully_shard (FSDP2) is probed inside its job, on its shards' device."""
+    shards = [p for p in owner.parameters() if hasattr(p, "full_tensor")] if owner else []
+    if not shards:
+        return
+    if not in_job():
+        raise ValueError("model should be probed inside the job that sharded it, but got a "
+                         "model sharded by fully_shard (FSDP2) and no initialised process "
+                         "group; call find_batch on every rank after "
+                         "torch.distributed.init_process_group() and before "
+                         "destroy_process_group().")
+    if device.type != shards[0].device.type:
+        raise ValueError(f"device should be the device the model's shards live on "
+                         f"({shards[0].device.type}) for a model sharded by fully_shard "
+                         f"(FSDP2), but got device={str(device)!r}; leave device out.")
 
 
 def has_meta_tensors(model: Any) -> bool:

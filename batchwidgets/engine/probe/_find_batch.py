@@ -32,7 +32,7 @@ from ._loop import Search, planned
 from ._nothing_fits import NoBatchSizeFits
 from ._optimizer_shapes import OptimizerStateError, StateRule, state_rule
 from ._plan import ProbePlan, resolve
-from ._ranks import agree_limit
+from ._ranks import agree_limit, in_job
 from ._trials import Marks, OnStep, Trainer, model_step, moved, state_tensors
 
 Step = ProbeStep  # the earlier name (NOTE [ One vocabulary ] in engine/_types.py)
@@ -232,6 +232,8 @@ def _search_guarded(plan: ProbePlan, rule: StateRule | None = None) -> Search:
             trainer = (_fake_trainer(plan, meter, rule) if fake
                        else _trainer(plan, meter, home_state))
             limit_bytes = agree_limit(meter.limit_bytes)
+            # real steps in a job run to their end: NOTE [ Over the budget inside a job ]
+            meter.defer_budget = in_job() and not fake
             meter.warm_up()
             search = Search(trainer, meter, start=plan.start, multiple_of=plan.multiple_of,
                             ceiling=plan.ceiling, limit_bytes=limit_bytes,

@@ -18,7 +18,7 @@ from ..memory import OpTrace, PeakModel, Reading
 from . import _search
 from ._fake import FakeTraceError
 from ._plan import SEARCH_CEILING
-from ._ranks import agree
+from ._ranks import agree, agree_size, in_job, share_error
 from ._trials import OnStep, Trainer
 
 # NOTE [ The band of a plan, from the evidence ]
@@ -211,7 +211,8 @@ class Search:
 
     def run(self, on_step: OnStep | None, should_stop: Callable[[], bool] | None) -> list[Attempt]:
         while not self.stopped:
-            if should_stop is not None and should_stop():
+            stopping = should_stop is not None and bool(should_stop())
+            if stopping and not in_job():
                 self.stopped = True
                 break
             searched = self._searched()  # this phase's attempts: fake, or real
@@ -221,7 +222,10 @@ class Search:
             size = _search.next_batch_size(
                 searched, start=self.start, multiple_of=self.multiple_of,
                 ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
-            if size is None or (self.traced_only and self._event_pair() is not None):
+            if self.traced_only and self._event_pair() is not None:
+                size = None
+            size, self.stopped = agree_size(size, stopping)  # rank 0's size; any rank's stop
+            if size is None or self.stopped:
                 break
             if self._seeding and predicted is not None and size > predicted:
                 break  # the fake edge is known: the real steps verify it
@@ -229,7 +233,12 @@ class Search:
                                   or (predicted is None and len(self.traces) >= 2)):
                 self._gave_up = True  # no model to predict from: the real steps search alone
                 break
-            attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
+            # an error raises on every rank: NOTE [ One verdict per size, errors included ]
+            try:
+                attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
+            except Exception as error:
+                share_error(error)
+                raise
             if predicted is not None:
                 attempt = dataclasses.replace(attempt, predicted_peak_bytes=self._predicted_peak(
                     size) if self.model is not None else None, predicted_fits=size <= predicted)

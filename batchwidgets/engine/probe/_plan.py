@@ -15,7 +15,7 @@ from .._batches import as_batch_maker
 from .._state import RngState
 from .._types import OnProgress, ProbeStep, ShouldStop
 from .._util import default_device, usable_device
-from ._checks import check_amp, check_arguments, notes_on
+from ._checks import check_amp, check_arguments, check_sharded, notes_on
 
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
 
@@ -126,6 +126,8 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     budget_bytes = memory.parse_bytes(budget, "budget")
     resolved = _device(owner, device)
     planned = memory.parse_target(target) if target is not None else None
+    if planned is None:
+        check_sharded(owner, resolved)
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
         resolved, budget_bytes = torch.device("cpu"), None
     check_amp(amp, resolved)

@@ -18,6 +18,7 @@ from .._state import TrainingState
 from .._util import first_line, to_device
 from ..memory import Reading
 from ._checks import AMP_DTYPES
+from ._ranks import made_on_every_rank
 
 OnStep = Callable[[Attempt], None]
 
@@ -96,6 +97,7 @@ class Trainer:
 
     def attempt(self, batch_size: int, trace: bool = True) -> tuple[Attempt, Reading]:
         seconds, oom = None, False
+        in_job = getattr(self.meter, "defer_budget", False)
         try:
             with self.around(), self.meter.measure(self.tracked, trace=trace) as reading, \
                     self.marks.trial(self.meter), own_steps():  # not a user's micro-step
@@ -108,8 +110,10 @@ class Trainer:
                     self.meter.synchronize()
                     seconds = time.perf_counter() - started
                     self.marks.after_step(self.meter)
-                    if self.meter.live_bytes() == before:
+                    if self.meter.live_bytes() == before and not in_job:
                         break  # see NOTE [ A second step only when the first left state behind ]
+                if in_job:  # every rank ran as many steps (NOTE [ Over the budget inside a job ])
+                    self.meter.end_trial()
         except BaseException as error:  # OOM is data; everything else goes to the user as is
             if not (memory.is_oom(error, self.meter.device)
                     or (batch_size == 1 and memory.cannot_train_alone(error))):
@@ -162,7 +166,8 @@ def model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Call
     def step(batch_size: int) -> None:
         model.train()  # each trial starts from the user's modes, restored after the last one
         with meter.making_batch():  # see TracingTracker.collapsed
-            batch = to_device(make(batch_size), device)
+            batch = made_on_every_rank(lambda: to_device(make(batch_size), device),
+                                       meter.defer_budget)  # real steps in a job
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = forward_and_loss(model, batch, loss_fn, call=call)
         (scaler.scale(loss) if scaler is not None else loss).backward()
