@@ -321,16 +321,21 @@ def test_no_worker_process_or_shared_memory_is_left_after_many_switches():
     live = bw.live_loader(TensorDataset(torch.randn(64, 16)), batch_size=2)
     options = [{"num_workers": 1}, {"num_workers": 2, "persistent_workers": True},
                {"num_workers": 0}, {"num_workers": 2, "prefetch_factor": 1}]
+    pids = {os.getpid()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _epoch in range(2):
             for i, _ in enumerate(live):
                 live.set(**options[i % len(options)])
+                pids |= {child.pid for child in multiprocessing.active_children()}
     live.close()
     assert multiprocessing.active_children() == []
     time.sleep(0.1)
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    assert after - before == set()
+    # torch names a segment after the process that made it (torch_<pid>_...); other processes
+    # on the machine (a CI run beside this one) come and go in /dev/shm too
+    assert len(pids) > 2
+    assert {name for name in after - before if any(f"_{pid}_" in name for pid in pids)} == set()
 
 
 def test_workers_started_by_spawn_switch_with_the_order_kept_and_the_cost_said():

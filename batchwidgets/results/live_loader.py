@@ -22,6 +22,14 @@ def _label(settings: dict[str, object]) -> str:
     return ", ".join(parts)
 
 
+def _rate(n_samples: int, wall_s: float) -> float:
+    return n_samples / wall_s if wall_s > 0 else 0.0
+
+
+def _stall(wait_s: float, wall_s: float) -> float:
+    return min(1.0, wait_s / wall_s) if wall_s > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class LoaderSegment:
     """The training loop's own numbers while one setting was in force: from the batch after a
@@ -37,12 +45,12 @@ class LoaderSegment:
 
     @property
     def samples_per_s(self) -> float:
-        return self.n_samples / self.wall_s if self.wall_s > 0 else 0.0
+        return _rate(self.n_samples, self.wall_s)
 
     @property
     def stall_fraction(self) -> float:
         """Share of the loop's wall time spent waiting for data, in [0, 1]."""
-        return min(1.0, self.wait_s / self.wall_s) if self.wall_s > 0 else 0.0
+        return _stall(self.wait_s, self.wall_s)
 
     @property
     def step_s(self) -> float:
@@ -110,12 +118,12 @@ class LiveLoaderReport:
     @property
     def samples_per_s(self) -> float:
         """Over every batch the loop drew: its samples over its wall time (steps and waits)."""
-        return self.n_samples / self.wall_s if self.wall_s > 0 else 0.0
+        return _rate(self.n_samples, self.wall_s)
 
     @property
     def stall_fraction(self) -> float:
         """Time the loop waited in next() over its wall time, over every batch, in [0, 1]."""
-        return min(1.0, self.wait_s / self.wall_s) if self.wall_s > 0 else 0.0
+        return _stall(self.wait_s, self.wall_s)
 
     @property
     def current(self) -> LoaderSegment | None:

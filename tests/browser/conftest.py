@@ -227,9 +227,15 @@ def lab_server(browser_available: None,
                f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
                f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root_dir}",
                "--LabApp.extension_manager=readonly"]  # no look-ups on PyPI
+    yield from serve(command, env, root_dir, port, token)
+
+
+def serve(command: list[str], env: dict[str, str], root_dir: Path, port: int,
+          token: str) -> Iterator[LabServer]:
+    """Run a Jupyter server ``command`` (its log beside ``root_dir``) until the fixture ends."""
     if os.name == "posix" and os.geteuid() == 0:  # CI containers run as root
-        command.append("--allow-root")
-    log = base / "server.log"
+        command = [*command, "--allow-root"]
+    log = root_dir.parent / "server.log"
     with log.open("wb") as out:
         process = subprocess.Popen(command, env=env, cwd=root_dir, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import nbformat
 import pytest
-from conftest import ROOT, LabServer, _free_port, _jupyter_dirs
+from conftest import ROOT, LabServer, _free_port, _jupyter_dirs, serve
 from test_jupyterlab import RUNNING_LOOP, wait_until
 
 pytestmark = pytest.mark.browser
@@ -49,19 +48,9 @@ def classic_server(request: pytest.FixtureRequest, browser_available: None,
     command = [str(jupyter), "--no-browser", "--NotebookApp.ip=127.0.0.1",
                f"--NotebookApp.port={port}", "--NotebookApp.port_retries=0",
                f"--NotebookApp.token={token}", f"--NotebookApp.notebook_dir={root_dir}"]
-    if os.name == "posix" and os.geteuid() == 0:  # CI containers run as root
-        command.append("--allow-root")
-    log = base / "server.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, env=env, cwd=root_dir, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    server = LabServer(process, port, token, root_dir, log)
-    server.widgets = request.param
-    try:
-        server.wait_ready()
+    for server in serve(command, env, root_dir, port, token):
+        server.widgets = request.param
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_click_in_classic_notebook_while_the_cell_runs_switches_its_loader(
