@@ -42,8 +42,8 @@ TUTORIALS = {
     # the live NoisePanel and %%accumulate --noise's; the measure_noise report and the
     # %%accumulate cell's report
     "03_batch_noise.ipynb": {"noise": 2, "static_reports": 2},
-    # the LoaderPanel and LoaderPanel(live); tune_loader's report (live.report() has no plot)
-    "04_dataloader.ipynb": {"loader": 2, "static_reports": 1},
+    # the LoaderPanel and LoaderPanel(live); tune_loader's report and live.report()
+    "04_dataloader.ipynb": {"loader": 2, "static_reports": 2},
 }
 
 
