@@ -1,7 +1,7 @@
 """Plans for N GPUs (issue 25): a Llama-3-8B-shaped model on the meta device, trained in full
 with fp32 AdamW at 2048 tokens, planned for 8xA100-80GB under every strategy from one fake trace.
 
-    python benchmarks/cluster_plans.py     # -> prints the table recorded in results/cluster_plans_cpu.md
+    python benchmarks/cluster_plans.py   # the table in results/cluster_plans_cpu.md
 """
 
 from __future__ import annotations
