@@ -80,11 +80,14 @@ class MemorySplit:
     temporaries_bytes: int
     by_module: dict[str, int]
     where: str = ""  # the op at the peak
+    # a plan for N GPUs (parallel=): the buffers a rank's strategy adds (DDP's gradient buckets,
+    # ZeRO's and FSDP's gathered weights and reduce buckets); the other parts are one rank's share
+    communication_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
-                + self.activations_bytes + self.temporaries_bytes)
+                + self.activations_bytes + self.temporaries_bytes + self.communication_bytes)
 
     def rows(self) -> list[tuple[str, str]]:
         total = self.total_bytes or 1
@@ -92,6 +95,8 @@ class MemorySplit:
                  ("optimizer state", self.optimizer_bytes),
                  ("activations (saved for backward)", self.activations_bytes),
                  ("temporaries", self.temporaries_bytes)]
+        if self.communication_bytes:
+            parts.append(("communication buffers", self.communication_bytes))
         return [(name, f"{_html.format_bytes(value)} ({value / total:.0%})")
                 for name, value in parts]
 
@@ -117,6 +122,29 @@ class WhatIf:
     def row(self) -> tuple[object, ...]:
         return (self.name, self.max_batch_size, "measured" if self.measured else "predicted",
                 _html.format_number(self.samples_per_s, 4), self.cost)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """One strategy's plan for N GPUs (``report.parallel_plans``): the largest batch on each rank
+    and what a rank holds, predicted for the same target."""
+
+    parallel: str  # "ddp", "zero1", "zero2", "zero3", "fsdp"
+    world_size: int
+    max_batch_size: int  # per rank; 0 when not even one sample fits
+    parameters_bytes: int  # a rank's weights (its shard, where they are sharded)
+    gradients_bytes: int  # at the trace's peak
+    optimizer_bytes: int
+    communication_bytes: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.max_batch_size * self.world_size
+
+    def row(self) -> tuple[object, ...]:
+        return (self.parallel, self.max_batch_size, self.global_batch_size,
+                *(_html.format_bytes(n) for n in (self.parameters_bytes, self.gradients_bytes,
+                                                  self.optimizer_bytes, self.communication_bytes)))
 
 
 def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
@@ -182,6 +210,16 @@ class BatchSizeReport:
     # a target plan's predicted peak (reserved bytes on the target) at sizes up to twice the
     # answer, (batch_size, bytes): what predict_peak_bytes interpolates for a target report
     target_peaks: tuple[tuple[int, int], ...] = ()
+    # a plan for N GPUs (target="8xA100-80GB", parallel=): max_batch_size is per rank, on each of
+    # world_size ranks under the strategy ``parallel``; ``parallel_plans`` has every strategy's
+    world_size: int = 1
+    parallel: str | None = None
+    parallel_plans: tuple[ParallelPlan, ...] = ()
+
+    @property
+    def global_batch_size(self) -> int:
+        """The batch of one optimizer step over every rank: per rank x ranks."""
+        return self.max_batch_size * self.world_size
 
     @property
     def frontier_tokens(self) -> dict[int, int] | None:
@@ -273,6 +311,11 @@ class BatchSizeReport:
 
     def summary(self) -> str:
         # one short line: the panel shows it beside its progress bar
+        if self.target is not None and self.parallel is not None:
+            return (f"max_batch_size={self.max_batch_size} per rank on {self.world_size}x"
+                    f"{self.target} under {self.parallel}, global_batch_size="
+                    f"{self.global_batch_size} (predicted, not run), recommended_batch_size="
+                    f"{self.recommended_batch_size} per rank")
         if self.target is not None:
             traced = "a fake trace" if self.trace == "fake" else self.device
             return (f"max_batch_size={self.max_batch_size} on {self.target} (predicted, not run; "
@@ -291,6 +334,9 @@ class BatchSizeReport:
         return [
             *([("target (predicted, not run)", f"{self.target}: band {self.target_band[0]}-"
                                                f"{self.target_band[1]}")] if self.target else []),
+            *([("ranks", f"{self.world_size} under {self.parallel}: global_batch_size "
+                         f"{self.global_batch_size} (max_batch_size is per rank)")]
+              if self.parallel else []),
             ("device", self.device),
             ("budget", _html.format_bytes(self.budget_bytes) if self.budget_bytes
              else "whole device"),
@@ -330,6 +376,12 @@ def details_html(report: BatchSizeReport) -> str:
     if report.what_if:
         parts.append(_html.table([row.row() for row in report.what_if], caption="what if",
                                  header=("change", "max batch size", "how", "samples/s", "cost")))
+    if report.parallel_plans:
+        parts.append(_html.table(
+            [plan.row() for plan in report.parallel_plans],
+            caption=f"strategies on {report.world_size}x{report.target} (predicted, per rank)",
+            header=("parallel", "batch per rank", "global batch", "weights", "gradients",
+                    "optimizer state", "communication")))
     if report.memory_split is not None:
         parts.append(report.memory_split._repr_html_())
     return "".join(parts)

@@ -7,7 +7,8 @@
 - ``_allocator.py``  a model of PyTorch's CUDA caching allocator; replaying a trace through it
 - ``_simulated.py``  a simulated CUDA device over CPU tensors, with a target's workspaces
 - ``_workspaces.py`` cuBLAS's, cuBLASLt's and cuDNN's workspaces, and a target's
-- ``_targets.py``    the GPUs a plan may target, and their memory less the CUDA context
+- ``_targets.py``    the GPUs a plan may target (one, or a count: "8xA100-80GB"), and their
+                     memory less the CUDA context
 - ``_kernels.py``    what a CUDA target's kernels keep where the CPU's keep more: dropout,
                      attention, the foreach optimizer step
 - ``_meters.py``     the probe's meters: CUDA's allocator, or the tracker on the CPU and MPS
@@ -20,13 +21,13 @@ from ._budget import available_memory_bytes, parse_bytes
 from ._meters import Reading
 from ._oom import cannot_train_alone, drop_own_frames, forget, free_memory, is_oom
 from ._simulated import probe_meter, simulated_cuda
-from ._targets import GPU_TARGETS, parse_target
+from ._targets import GPU_TARGETS, parse_gpus, parse_target
 from ._trace import OpTrace, PeakModel
 from ._tracker import BudgetExceededError, TensorMemoryTracker, track_tensor_memory
 
 __all__ = [
     "GPU_TARGETS", "BudgetExceededError", "OpTrace", "PeakModel", "Reading", "TensorMemoryTracker",
     "available_memory_bytes", "cannot_train_alone", "drop_own_frames", "forget", "free_memory",
-    "is_oom", "largest_batch_size", "parse_bytes", "parse_target", "probe_meter", "replay",
-    "scale_events", "simulated_cuda", "track_tensor_memory",
+    "is_oom", "largest_batch_size", "parse_bytes", "parse_gpus", "parse_target", "probe_meter",
+    "replay", "scale_events", "simulated_cuda", "track_tensor_memory",
 ]

@@ -5,6 +5,8 @@ Usage:
     >>> from batchwidgets.engine.memory import parse_target
     >>> parse_target("t4")
     ('T4', 15291383808)
+    >>> parse_gpus("8xA100-80GB")
+    (8, 'A100-80GB')
 """
 
 from __future__ import annotations
@@ -73,3 +75,16 @@ def parse_target(value: int | str) -> tuple[str, int]:
         size = value.strip() + "iB"  # "512M" is 512 MiB, as nvidia-smi and Slurm write it
     nbytes = parse_bytes(size, "target")
     return (value.strip() if isinstance(value, str) else f"{nbytes} bytes"), nbytes
+
+
+def parse_gpus(value: int | str) -> tuple[int, int | str]:
+    """``(count, gpu)`` of a target that names several GPUs (``"8xA100-80GB"``, ``"4 x H100"``,
+    ``"2x24GiB"``); a target without a count is one GPU. The GPU is for ``parse_target``."""
+    found = re.match(r"^\s*(\d+)\s*[x\u00d7*]\s*(\S.*)$", value) if isinstance(value, str) else None
+    if found is None:
+        return 1, value
+    count = int(found.group(1))
+    if count < 1:
+        raise ValueError(f"target should count at least one GPU, such as '8xA100-80GB', but got "
+                         f"target={value!r}.")
+    return count, found.group(2)

@@ -9,6 +9,7 @@
 - ``_loop.py``        the search loop: run, fit the per-op model, ask the policy; target plans
 - ``_optimizer_shapes.py``  optimizer state by shape: a tiny copy's real step, when fakes cannot
 - ``_search.py``      the pure search policy: which batch size next
+- ``_parallel.py``    plans for N GPUs: each rank's share and buffers under DDP, ZeRO, FSDP2
 - ``_ranks.py``       one outcome for every rank under torch.distributed, errors included
 - ``_what_if.py``     the largest batch under a change, predicted from the trace or measured;
   a target plan's rows, each planned again (on a meta model too)

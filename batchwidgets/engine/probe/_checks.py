@@ -12,6 +12,7 @@ import torch
 from ..._warnings import BatchwidgetsWarning
 from .._types import AMP_NAMES, TRACES
 from .._util import check_int
+from ._parallel import PARALLEL
 from ._ranks import in_job
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -216,3 +217,29 @@ def _check_values(model: Any, make_batch: Any, amp: str | None, max_batch_size: 
     if start is not None and max_batch_size is not None and start > max_batch_size:
         raise ValueError(f"max_batch_size should be >= start ({start}), but got "
                          f"max_batch_size={max_batch_size!r}; raise max_batch_size or lower start.")
+
+
+def check_parallel(parallel: str | None, target: Any, count: int,
+                   is_module: bool) -> tuple[str | None, int]:
+    """``parallel=`` and the GPUs it plans for: ``(strategy, world_size)``. A target that counts
+    several GPUs without ``parallel`` is planned under DDP, what torchrun with
+    DistributedDataParallel gives; inside a job a one-GPU target takes the job's world size."""
+    if parallel is not None and parallel not in PARALLEL:
+        raise ValueError(f"parallel should be one of {list(PARALLEL)} or None, but got "
+                         f"parallel={parallel!r}; 'fsdp' is FSDP2 fully_shard, 'zero1'-'zero3' "
+                         f"DeepSpeed's stages, 'compare' plans each.")
+    if parallel is None:
+        return ("ddp", count) if count > 1 else (None, 1)
+    if target is None:
+        raise ValueError(f"parallel={parallel!r} plans GPUs that are not here: pass a target "
+                         f"with a count, e.g. target='8xA100-80GB', parallel={parallel!r}; inside "
+                         f"a job, find_batch probes the real ranks without parallel=.")
+    if count == 1 and not in_job():
+        raise ValueError(f"parallel={parallel!r} should come with more than one GPU, but got "
+                         f"target={target!r} and no initialised process group; count the GPUs in "
+                         f"the target, e.g. target='8x{target}', or leave parallel out.")
+    if not is_module:
+        raise ValueError(f"parallel={parallel!r} needs the model form, find_batch(model, "
+                         f"make_batch, ...): the plan reads the model's parameters to shard them; "
+                         f"pass the model, or leave parallel out.")
+    return parallel, count if count > 1 else torch.distributed.get_world_size()

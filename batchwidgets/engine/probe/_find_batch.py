@@ -11,6 +11,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -31,8 +32,9 @@ from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step
 from ._loop import Search, planned
 from ._nothing_fits import NoBatchSizeFits
 from ._optimizer_shapes import OptimizerStateError, StateRule, state_rule
+from ._parallel import plan_ranks
 from ._plan import ProbePlan, resolve
-from ._ranks import agree_limit, in_job
+from ._ranks import agree_limit, alone, in_job
 from ._trials import Marks, OnStep, Trainer, model_step, moved, state_tensors
 
 Step = ProbeStep  # the earlier name (NOTE [ One vocabulary ] in engine/_types.py)
@@ -53,7 +55,7 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
                seq_len: Sequence[int] | None = None,
                what_if: bool = False, target: str | int | None = None,
                trace: Trace | None = None, step: ProbeStep | None = None,
-               on_step: OnStep | None = None) -> BatchSizeReport:
+               on_step: OnStep | None = None, parallel: str | None = None) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -114,7 +116,8 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         (workspaces included) under the target's memory less the CUDA context; the answer is
         *predicted, not run*, and says so (``stop_reason``, ``summary()``, ``target_band``).
         A model built on the meta device (``with torch.device("meta"): model = ...``) is
-        planned too: nothing of it is materialised.
+        planned too: nothing of it is materialised. A count plans that many GPUs
+        (``"8xA100-80GB"``, ``"4xH100"``, ``"2x24GiB"``) under ``parallel`` (default "ddp").
     trace : {"fake", "real"}, optional
         How a target's small sizes are traced: on fake tensors (``FakeTensorMode``: shapes, no
         compute, no memory; the default for a target plan of a model) or by real steps. A step
@@ -129,6 +132,15 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         trains ``model``, which is then protected (weights, buffers, gradients, modes restored)
         and counted in the budget, as in the model form. ``find_batch(my_step)`` alone cannot
         see the model: pass ``optimizer=`` at least, so its parameters are restored and counted.
+    parallel : {"ddp", "fsdp", "zero1", "zero2", "zero3", "compare"}, optional
+        With a target of several GPUs (or inside a job): how the ranks hold the model. "ddp"
+        (DistributedDataParallel: every rank holds everything, plus its gradient buckets),
+        "fsdp" (FSDP2 ``fully_shard`` per block), "zero1"-"zero3" (DeepSpeed's stages, by
+        their published rules); "compare" plans each and reports the one with the largest
+        batch. ``max_batch_size`` is then per rank, ``global_batch_size`` over the
+        ``world_size`` ranks, ``parallel_plans`` has every strategy, ``memory_split`` one rank's
+        (``communication_bytes``: the strategy's buffers). Predicted, not run; the model is
+        only read (see NOTE [ Per-rank memory by strategy ] in probe/_parallel.py).
     what_if : bool
         Also probe with each change the user could make (bf16, fp16, SGD, ``foreach=False``) and
         list the largest batch under each in ``report.what_if``, measured. Rows the per-op model
@@ -158,7 +170,7 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
                    scheduler=scheduler, steps_per_trial=steps_per_trial, start=start,
                    on_progress=progress(on_progress, on_step, "on_step"),
                    should_stop=should_stop, seq_len=seq_len, what_if=what_if, target=target,
-                   step=step, trace=trace)
+                   step=step, trace=trace, parallel=parallel)
     if plan.seq_len is not None:
         return _frontier(plan)
     return _probe(plan)
@@ -167,13 +179,20 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
 def _probe(plan: ProbePlan) -> BatchSizeReport:
     """The stages after the plan: the search under the meter and the state guard, the report,
     then what the report adds (a target's prediction, the what-ifs)."""
-    plan, search = _searched(plan)
+    with alone() if plan.target is not None else contextlib.nullcontext():
+        plan, search = _searched(plan)
     report = _report(plan, search)
     if plan.target is not None:
         report = planned(report, search, *plan.target)
+        if plan.parallel is not None:  # see NOTE [ Per-rank memory by strategy ]
+            name = plan.target[0]
+            report = plan_ranks(report, plan.model, plan.parallel, plan.world_size,
+                                plan.target[1], lambda usable: planned(report, search, name,
+                                                                       usable))
         if report.max_batch_size == 0 and report.stop_reason != "stopped":
             raise NoBatchSizeFits(report)
-        if plan.what_if and plan.model is not None:  # each row planned, never measured
+        # each row planned, never measured; a plan for N GPUs has its strategies' rows instead
+        if plan.what_if and plan.model is not None and plan.parallel is None:
             modules = {name: type(module).__name__ for name, module in
                        plan.model.named_modules() if name}
             report = dataclasses.replace(report, what_if=_what_if.for_target(

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ...results import BatchSizeReport
 from .. import memory
 
@@ -35,6 +37,8 @@ def _nothing_fits_on_target(report: BatchSizeReport) -> str:
     """A target plan where not even one sample fits: what does not, and what would help."""
     split, usable = report.memory_split, report.limit_bytes or 0
     gb = lambda nbytes: f"{nbytes / 1e9:.1f} GB"  # noqa: E731
+    if report.parallel is not None:
+        return _nothing_fits_on_ranks(report, gb)
     if split is None:
         held = "the step at batch size 1"
     else:
@@ -49,3 +53,21 @@ def _nothing_fits_on_target(report: BatchSizeReport) -> str:
             f"{gb(usable)} usable. Try training in bf16 (model.to(torch.bfloat16)), freezing "
             f"the base weights (requires_grad=False, as LoRA does), an optimizer with less "
             f"state (SGD), or more GPUs that shard the states (FSDP, ZeRO).")
+
+
+def _nothing_fits_on_ranks(report: BatchSizeReport, gb: Callable[[int], str]) -> str:
+    """A plan for N GPUs where not one sample fits on a rank: what a rank holds, and which
+    strategies would fit."""
+    split, usable = report.memory_split, report.limit_bytes or 0
+    parts = ", ".join(f"{name} {gb(value)}" for name, value in (
+        ("weights", split.parameters_bytes), ("gradients", split.gradients_bytes),
+        ("optimizer state", split.optimizer_bytes),
+        ("communication buffers", split.communication_bytes)) if value)
+    fitting = [f"parallel={row.parallel!r} (batch {row.max_batch_size} per rank)"
+               for row in report.parallel_plans if row.max_batch_size > 0]
+    would = (f"These fit: {', '.join(fitting)}." if fitting else
+             "No strategy fits on this many GPUs: plan more GPUs (a larger count in target=), "
+             "train in bf16, or freeze the base weights.")
+    return (f"No batch size fits on each of {report.world_size}x{report.target} under "
+            f"parallel={report.parallel!r} (predicted, not run): a rank holds {parts} of "
+            f"{gb(usable)} usable, and the step needs more with one sample. {would}")

@@ -15,7 +15,7 @@ from .._batches import as_batch_maker
 from .._state import RngState
 from .._types import OnProgress, ProbeStep, ShouldStop
 from .._util import default_device, usable_device
-from ._checks import check_amp, check_arguments, check_sharded, notes_on
+from ._checks import check_amp, check_arguments, check_parallel, check_sharded, notes_on
 
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
 
@@ -40,6 +40,8 @@ class ProbePlan:
     home: torch.device  # where the model lives now, and goes back to
     budget_bytes: int | None
     target: tuple[str, int] | None  # a GPU that is not here: (its name, the bytes usable on it)
+    parallel: str | None  # a plan for world_size GPUs: the strategy (probe/_parallel.py)
+    world_size: int
     trace: str  # "fake": the sizes run on fake tensors (see NOTE [ Fake trials ]); "real"
     fake_first: bool  # a local search traced on fake tensors first (NOTE [ A free first guess ])
     # the search
@@ -113,7 +115,8 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
             scheduler: Any, steps_per_trial: int, start: int | None,
             on_progress: OnProgress | None, should_stop: ShouldStop | None,
             seq_len: Sequence[int] | None, what_if: bool, target: str | int | None,
-            step: ProbeStep | None, trace: str | None) -> ProbePlan:
+            step: ProbeStep | None, trace: str | None,
+            parallel: str | None = None) -> ProbePlan:
     """find_batch's arguments as one plan: checked first (one-line errors, nothing run), then
     each resolved in one place. Reads a Dataset's samples (``make``) but trains nothing."""
     check_arguments(model, make_batch, step=step, seq_len=seq_len, amp=amp,
@@ -125,7 +128,9 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     is_module = bare is None
     budget_bytes = memory.parse_bytes(budget, "budget")
     resolved = _device(owner, device)
-    planned = memory.parse_target(target) if target is not None else None
+    count, gpu = memory.parse_gpus(target) if target is not None else (1, None)
+    parallel, world_size = check_parallel(parallel, target, count, is_module)
+    planned = memory.parse_target(gpu) if target is not None else None
     if planned is None:
         check_sharded(owner, resolved)
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
@@ -148,7 +153,8 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
         batch_description=getattr(make, "description", ""), loss_fn=loss_fn,
         optimizer=optimizer, scaler=scaler, scheduler=scheduler, amp=amp, device=resolved,
         home=_device(model, None) if is_module else resolved, budget_bytes=budget_bytes,
-        target=planned, trace=trace, fake_first=fake_first, start=start, ceiling=ceiling,
+        target=planned, parallel=parallel, world_size=world_size, trace=trace,
+        fake_first=fake_first, start=start, ceiling=ceiling,
         multiple_of=multiple_of, max_batch_size=max_batch_size, headroom=float(headroom),
         steps_per_trial=steps_per_trial,
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None, what_if=what_if,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,8 +42,24 @@ class RankFailed(RuntimeError):
 
 
 def in_job() -> bool:
-    """Whether a torch.distributed process group is initialised in this process."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    """Whether a torch.distributed process group is initialised in this process (and the probe
+    takes part in it: a plan for GPUs that are not here does not, see ``alone``)."""
+    return (not _ALONE[0] and torch.distributed.is_available()
+            and torch.distributed.is_initialized())
+
+
+_ALONE = [False]  # a plan runs in this process alone: no collectives, whatever the others do
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """A target plan inside a job: it traces fake tensors in this process only, so it joins no
+    collective (a plan called on one rank must not wait for the others)."""
+    _ALONE[0], was = True, _ALONE[0]
+    try:
+        yield
+    finally:
+        _ALONE[0] = was
 
 
 def _collective_device() -> torch.device | None:

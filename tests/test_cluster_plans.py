@@ -1,0 +1,106 @@
+"""Plans for N GPUs from one process (issue 25): find_batch(..., target="4x1GiB", parallel=...)
+gives the per-rank batch under each strategy from one fake trace, the global batch, one rank's
+memory split, and one-line errors for parallel= without GPUs to share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import batchwidgets as bw
+
+
+def wide_mlp(device: str = "meta") -> nn.Module:
+    with torch.device(device):
+        return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 134 MB of fp32
+
+
+X = torch.zeros(2048)
+
+
+def plan(target: str, parallel: str | None, model: nn.Module | None = None):
+    return bw.find_batch(model or wide_mlp(), X, target=target, parallel=parallel,
+                         max_batch_size=4096)
+
+
+def test_sharding_more_state_fits_a_larger_batch_per_rank():
+    report = plan("4x1GiB", "compare")
+    batch = {row.parallel: row.max_batch_size for row in report.parallel_plans}
+    assert 0 < batch["ddp"] < batch["zero1"] < batch["zero2"] < batch["fsdp"]
+    assert report.parallel == "fsdp"
+    assert report.max_batch_size == batch["fsdp"]
+    assert report.world_size == 4
+    assert report.global_batch_size == 4 * report.max_batch_size
+
+
+def test_each_rank_holds_its_strategys_share_of_the_states():
+    rows = {row.parallel: row for row in plan("4x1GiB", "ddp").parallel_plans}
+    weights = sum(p.numel() * 4 for p in wide_mlp().parameters())
+    ddp, zero1, zero3 = rows["ddp"], rows["zero1"], rows["zero3"]
+    assert ddp.parameters_bytes == weights
+    assert ddp.communication_bytes == weights
+    assert zero1.optimizer_bytes == pytest.approx(ddp.optimizer_bytes / 4, abs=4)
+    assert zero1.parameters_bytes == weights
+    assert zero3.parameters_bytes == pytest.approx(weights / 4, abs=4)
+    assert rows["fsdp"].communication_bytes < zero3.communication_bytes  # blocks, not buckets
+
+
+def test_report_is_per_rank_and_names_the_global_batch():
+    report = plan("4x1GiB", "zero2")
+    assert report.parallel == "zero2"
+    assert report.target == "1GiB"
+    assert report.memory_split.communication_bytes > 0
+    summary = report.summary()
+    assert "per rank" in summary
+    assert "4x1GiB" in summary
+    assert f"global_batch_size={report.global_batch_size}" in summary
+    assert "strategies on 4x1GiB" in report._repr_html_()
+
+
+def test_a_count_without_parallel_plans_ddp():
+    report = bw.find_batch(wide_mlp(), X, target="2x1GiB", max_batch_size=4096)
+    assert (report.parallel, report.world_size) == ("ddp", 2)
+
+
+def test_nothing_fits_under_ddp_names_the_strategies_that_would():
+    with pytest.raises(bw.NoBatchSizeFits) as caught:
+        plan("4x600MiB", "ddp")
+    message = str(caught.value)
+    assert "parallel='ddp'" in message
+    assert "4x600MiB" in message
+    assert "parallel='fsdp'" in message
+    assert "parallel='zero1'" not in message
+
+
+@pytest.mark.parametrize(("target", "parallel", "match"), [
+    ("A100-80GB", "fsdp", "target='8xA100-80GB'"),
+    (None, "ddp", "target='8xA100-80GB'"),
+    ("4xA100-80GB", "zero4", "'zero3'"),
+])
+def test_parallel_without_gpus_to_share_is_one_line(target, parallel, match):
+    with pytest.raises(ValueError, match=match) as caught:
+        bw.find_batch(wide_mlp("cpu"), X, target=target, parallel=parallel)
+    assert "\n" not in str(caught.value)
+    assert "parallel" in str(caught.value)
+
+
+def test_plan_leaves_a_real_model_as_it_was():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    report = bw.find_batch(model, torch.zeros(64), target="2x256MiB", parallel="fsdp",
+                           max_batch_size=1024)
+    assert report.world_size == 2
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_plan_inside_a_process_group_takes_its_world_size(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}",
+                                         rank=0, world_size=1)
+    try:
+        report = bw.find_batch(wide_mlp(), X, target="1GiB", parallel="zero3",
+                               max_batch_size=4096)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (report.world_size, report.parallel) == (1, "zero3")
