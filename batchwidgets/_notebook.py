@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
 from .engine._batches import SyntheticBatches
-from .engine.memory import parse_bytes, parse_target
+from .engine.memory import parse_bytes, parse_gpus, parse_target
 from .engine.noise import NoiseTracker
 from .engine.probe import check_arguments, find_batch
 from .results import BatchSizeReport
@@ -140,9 +140,10 @@ def lengths(text: str) -> list[int]:
 
 
 def gpu_target(text: str) -> str:
-    """``--target T4`` or ``--target 24GiB``: checked now, as find_batch will read it."""
+    """``--target T4``, ``--target 24GiB`` or ``--target 8xA100-80GB``: checked now, as
+    find_batch will read it."""
     try:
-        parse_target(text)
+        parse_target(parse_gpus(text)[1])
     except (TypeError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
@@ -270,7 +271,7 @@ def noise_tracker(shell: Any, text: str | None) -> NoiseTracker | None:
 # ---- %find_batch's line as a find_batch call ----------------------------------------------
 # find_batch options given as values (the rest name objects in the notebook; see _notebook.py)
 _VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "headroom",
-                  "steps_per_trial", "start", "seq_len", "target", "trace")
+                  "steps_per_trial", "start", "seq_len", "target", "trace", "parallel")
 _NAMED_OPTIONS = {"loss_fn": "--loss-fn", "optimizer": "--optimizer",
                   "scheduler": "--scheduler", "scaler": "--scaler", "step": "--step"}
 _CHECKED = ("step", "seq_len", "amp", "max_batch_size", "multiple_of", "headroom",

@@ -196,7 +196,11 @@ class BatchMagics(Magics):
                    "seq_len) and the report's frontier maps each length to its largest batch")
     @argument("--target", type=gpu_target, metavar="GPU",
               help="predict for a GPU that is not here: T4, L4, A10G, V100-16GB, A100-40GB, "
-                   "A100-80GB, H100-80GB, H200, or a size such as 24GiB (predicted, not run)")
+                   "A100-80GB, H100-80GB, H200, or a size such as 24GiB; 8xA100-80GB for "
+                   "8 of them with --parallel (predicted, not run)")
+    @argument("--parallel", choices=("ddp", "zero1", "zero2", "zero3", "fsdp", "compare"),
+              help="with --target NxGPU (e.g. 8xA100-80GB): plan each rank under DDP, ZeRO "
+                   "stage 1-3 or FSDP2, or compare them; the answer is per rank")
     @argument("--trace", choices=("fake", "real"),
               help="how a --target plan traces its small sizes: on fake tensors (nothing runs; "
                    "the default, and the only way for a model on the meta device) or by real "
@@ -225,6 +229,7 @@ class BatchMagics(Magics):
           %find_batch model make_tokens --seq-len 128,256,512 --budget 16GiB
           %find_batch model train_dataset --target T4 --what-if
           %find_batch meta_llama make_tokens --target A100-80GB    # built on the meta device
+          %find_batch meta_llama make_tokens --target 8xA100-80GB --parallel compare
           report = %find_batch model make_batch --headroom 0.8 -q
         """
         line, silenced = _without_semicolon(line)

@@ -507,3 +507,19 @@ def test_accumulate_batch_size_refuses_a_report_made_for_another_model(ip, data)
     assert report is not None
     for name in ("other", "other_data"):
         ip.user_ns.pop(name)
+
+
+def test_target_with_a_count_and_parallel_flags_equal_the_function(ip):
+    with torch.device("meta"):
+        ip.push({"meta_mlp": nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]),
+                 "one_example": torch.zeros(2048)})
+    by_magic = ip.run_line_magic(
+        "find_batch", "meta_mlp one_example --target 4x1GiB --parallel fsdp "
+                      "--max-batch-size 4096 -q")
+    by_function = bw.find_batch(ip.user_ns["meta_mlp"], torch.zeros(2048), target="4x1GiB",
+                                parallel="fsdp", max_batch_size=4096)
+    assert (by_magic.world_size, by_magic.parallel) == (4, "fsdp")
+    assert by_magic.max_batch_size == by_function.max_batch_size > 0
+    assert by_magic.global_batch_size == 4 * by_magic.max_batch_size
+    with pytest.raises(UsageError, match="--parallel"):
+        ip.run_line_magic("find_batch", "meta_mlp one_example --target 4x1GiB --parallel tp -q")
