@@ -44,6 +44,7 @@ _LAZY = {
     "LiveLoaderReport": "batchwidgets.results",
     "LoaderSegment": "batchwidgets.results",
     "LoaderSwitch": "batchwidgets.results",
+    "plot_live_loader": "batchwidgets.plots",
     "plot_loader": "batchwidgets.plots",
     "LoaderPanel": "batchwidgets.widgets",
     "BatchwidgetsWarning": "batchwidgets._warnings",

@@ -25,6 +25,7 @@ PUBLIC = {
     "tune_loader", "measure_loader", "make_loader", "data_stall", "LoaderReport", "LoaderTrial",
     "DataStallReport", "plot_loader", "LoaderPanel",
     "live_loader", "LiveLoader", "LiveLoaderReport", "LoaderSegment", "LoaderSwitch",
+    "plot_live_loader",
     "BatchwidgetsWarning",
 }
 # Importable from the top level as before, but internals: not in __all__.
