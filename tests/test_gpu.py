@@ -172,6 +172,7 @@ def test_a_live_loader_switches_pin_memory_on_cuda_and_leaves_no_pinning_thread(
     """Pinned batches after the switch, the same order as the plain DataLoader, copies made
     non_blocking; the pinning thread of each inner loader stops with its workers."""
     import threading
+    import time
 
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -194,4 +195,7 @@ def test_a_live_loader_switches_pin_memory_on_cuda_and_leaves_no_pinning_thread(
     assert pinned == [False] * 4 + [True] * 6 + [False] * 6
     live.close()
     torch.cuda.synchronize()
+    deadline = time.monotonic() + 10  # worker queues' feeder threads end a moment after close
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert threading.active_count() == threads

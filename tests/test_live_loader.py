@@ -349,4 +349,8 @@ def test_workers_started_by_spawn_switch_with_the_order_kept_and_the_cost_said()
     assert first.cost_s > first.shutdown_s >= 0  # a new interpreter per worker: seconds, said
     live.close()
     assert multiprocessing.active_children() == []
+    # a closed worker queue's feeder thread ends on its own, a moment after the close
+    deadline = time.monotonic() + 10
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert threading.active_count() == threads
