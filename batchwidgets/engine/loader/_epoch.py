@@ -166,7 +166,6 @@ class Epoch:
         rest = self.feed.rest()
         stopping = time.perf_counter()
         shutdown(self.iterator)
-        self.live._drop_kept()
         shutdown_s = time.perf_counter() - stopping
         self._begin_switch(new, by, note, started, shutdown_s)
         self.feed = _Feed(rest)

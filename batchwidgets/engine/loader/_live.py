@@ -31,6 +31,7 @@ from ._autotune import Autotune
 from ._checks import check_workers_can_unpickle, usable_cpus
 from ._epoch import Epoch
 from ._live_settings import SWITCHABLE, check_types, resolve, setting, starting_loader
+from ._timing import shutdown
 
 
 class LiveLoader(DataLoader):
@@ -208,22 +209,19 @@ class LiveLoader(DataLoader):
 
     def _take_kept(self, settings: dict[str, Any]) -> tuple[DataLoader, Any] | None:
         """The kept inner loader if its persistent workers run ``settings``; else stop them."""
-        kept, self._kept = self._kept, None
-        if kept is None:
-            return None
-        inner = kept[0]
-        if (inner.num_workers, inner.pin_memory, inner.prefetch_factor) == (
-                settings["num_workers"], settings["pin_memory"], settings["prefetch_factor"]) \
-                and settings["persistent_workers"]:
+        kept = self._kept
+        if kept is not None and settings["persistent_workers"] and settings == {
+                "num_workers": kept[0].num_workers, "pin_memory": kept[0].pin_memory,
+                "prefetch_factor": kept[0].prefetch_factor, "persistent_workers": True}:
+            self._kept = None
             return kept
-        self._kept = kept
         self._drop_kept()
         return None
 
     def _drop_kept(self) -> None:
         kept, self._kept = self._kept, None
-        if kept is not None and kept[0]._iterator is not None:
-            kept[0]._iterator._shutdown_workers()
+        if kept is not None:
+            shutdown(kept[0]._iterator)
             kept[0]._iterator = None
 
     # -- iterating -------------------------------------------------------------------------------
