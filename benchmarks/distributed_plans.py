@@ -353,6 +353,10 @@ def _kib(values: list) -> str:
     return "/".join(f"{v / KIB:.0f}" for v in values)
 
 
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"  # the JSON keeps it whole
+
+
 def table(rows: list[dict]) -> list[str]:
     lines = ["| model | strategy | ranks | budget/rank | find_batch in the job | all held bytes "
              "counted | plan | plan/held | probe (s) | again (s) | plan (s) | unseen/rank (KiB) "
@@ -361,7 +365,7 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         if r["real_error"] is not None:
             r = {**r, "probed": f"error: {r['real_error']}", "held": "-"}
-        plan = r["plan"] if r["plan_error"] is None else f"plan: {r['plan_error']}"
+        plan = r["plan"] if r["plan_error"] is None else f"plan: {_short(r['plan_error'])}"
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
         restored = "/".join("yes" if k["restored"] else "**no**" for k in r["ranks"])
         lines.append(
@@ -401,11 +405,13 @@ def notes(rows: list[dict]) -> list[str]:
     for r in rows:
         state = [k["optimizer_bytes"] for k in r["ranks"]]
         if r["strategy"] == "zero1":
+            most = [str(i) for i, nbytes in enumerate(state) if nbytes == max(state)]
             lines.append(
                 f"- zero1, {r['model']}, {r['world_size']} ranks: ZeroRedundancyOptimizer deals "
-                f"out whole parameters, so rank {state.index(max(state))} holds "
-                f"{max(state) / sum(state):.0%} of the optimizer state (1/{r['world_size']} "
-                f"would be {1 / r['world_size']:.0%}) and decides the boundary")
+                f"out whole parameters, so rank {' and '.join(most)} "
+                f"hold{'s' if len(most) == 1 else ' each'} {max(state) / sum(state):.0%} of the "
+                f"optimizer state (1/{r['world_size']} would be {1 / r['world_size']:.0%}) and "
+                f"decide{'s' if len(most) == 1 else ''} the boundary")
         if r["probed"] != r["held"] or not all(k["restored"] for k in r["ranks"]):
             lines.append(
                 f"- {r['strategy']}, {r['model']}, {r['world_size']} ranks: find_batch in the "
