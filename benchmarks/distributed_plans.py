@@ -420,7 +420,7 @@ def notes(rows: list[dict]) -> list[str]:
     return [*lines, ""]
 
 
-def _header(rows: list[dict], jobs: dict, total_s: float) -> list[str]:
+def _header(rows: list[dict], jobs: dict, total_s: float, loads: list[float]) -> list[str]:
     lines = [
         "# One-process plans for N ranks against real gloo jobs on this CPU (issue 25, item 2)",
         "",
@@ -444,7 +444,8 @@ def _header(rows: list[dict], jobs: dict, total_s: float) -> list[str]:
         "- budget/rank: the same at 2 and 4 ranks; r0/r1/...: each rank's own",
         f"- time: probe and again = find_batch on the slowest rank (again: 0 when not needed); "
         f"jobs (spawn to exit) {', '.join(f'{n} ranks {s:.0f} s' for n, s in jobs.items())}; "
-        f"whole run {total_s:.0f} s",
+        f"whole run {total_s:.0f} s; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
+        f"(before, after)",
         "- regenerate: `python benchmarks/distributed_plans.py`",
         "",
     ]
@@ -461,9 +462,9 @@ def main() -> None:
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    started = time.perf_counter()
+    started, load = time.perf_counter(), os.getloadavg()[0]
     rows, jobs = run_grid(args.models, args.world_sizes)
-    header = _header(rows, jobs, time.perf_counter() - started)
+    header = _header(rows, jobs, time.perf_counter() - started, [load, os.getloadavg()[0]])
     lines = [*header, *table(rows), "", *notes(rows)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "distributed_plans_cpu.md").write_text("\n".join(lines))
