@@ -408,8 +408,9 @@ def notes(rows: list[dict]) -> list[str]:
             most = [str(i) for i, nbytes in enumerate(state) if nbytes == max(state)]
             lines.append(
                 f"- zero1, {r['model']}, {r['world_size']} ranks: ZeroRedundancyOptimizer deals "
-                f"out whole parameters, so rank {' and '.join(most)} "
-                f"hold{'s' if len(most) == 1 else ' each'} {max(state) / sum(state):.0%} of the "
+                f"out whole parameters, so rank{'s' if len(most) > 1 else ''} "
+                f"{' and '.join(most)} {'holds' if len(most) == 1 else 'each hold'} "
+                f"{max(state) / sum(state):.0%} of the "
                 f"optimizer state (1/{r['world_size']} would be {1 / r['world_size']:.0%}) and "
                 f"decide{'s' if len(most) == 1 else ''} the boundary")
         if r["probed"] != r["held"] or not all(k["restored"] for k in r["ranks"]):
