@@ -1,0 +1,57 @@
+"""The README's torchrun example (find_batch inside every rank of a 2-process FSDP2 job) runs as
+written: the block between its markers, under ``python -m torch.distributed.run``, gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")  # the example builds a GPT-2 from a config
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BEGIN = "<!-- begin: tests/test_readme_torchrun.py"
+END = "<!-- end: tests/test_readme_torchrun.py -->"
+ANSWER = re.compile(r"^(\d+) (\d+)$", re.MULTILINE)  # print(dist.get_rank(), max_batch_size)
+
+
+def readme_example() -> str:
+    """The ```python block between the markers, exactly as the README shows it."""
+    text = README.read_text()
+    assert text.count(BEGIN) == 1, f"README.md should have one line starting {BEGIN!r}"
+    assert text.count(END) == 1, f"README.md should have one line {END!r}"
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    found = re.fullmatch(r"[^\n]*\n```python\n(.*)```\n", block, re.DOTALL)
+    assert found, "between the README's markers there should be one ```python block, no more"
+    return found.group(1)
+
+
+def test_readme_example_is_the_block_between_the_markers():
+    script = readme_example()
+    assert "bw.find_batch(" in script
+    assert "dist.init_process_group(" in script
+
+
+@pytest.mark.slow
+def test_readme_torchrun_example_gives_one_answer_on_both_ranks(tmp_path):
+    script = readme_example()
+    (tmp_path / "probe.py").write_text(script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         "probe.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    log = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, log
+    answers = {int(rank): int(size) for rank, size in ANSWER.findall(done.stdout)}
+    assert sorted(answers) == [0, 1], log
+    assert answers[0] == answers[1] > 0, log
+    # the README's comment says what it prints: "(5 here, per rank)"
+    claimed = re.search(r"\((\d+) here, per rank\)", script)
+    assert claimed, "the example's print line should say the answer it gives: '(N here, per rank)'"
+    assert answers[0] == int(claimed.group(1)), log
