@@ -70,7 +70,7 @@ def test_nothing_fits_under_ddp_names_the_strategies_that_would():
     assert "parallel='ddp'" in message
     assert "4x600MiB" in message
     assert "parallel='fsdp'" in message
-    assert "parallel='zero1'" not in message
+    assert "parallel='zero1'" in message  # 134 MB of weights, gradients, DDP's buckets: it fits
 
 
 @pytest.mark.parametrize(("target", "parallel", "match"), [
@@ -104,3 +104,80 @@ def test_plan_inside_a_process_group_takes_its_world_size(tmp_path):
     finally:
         torch.distributed.destroy_process_group()
     assert (report.world_size, report.parallel) == (1, "zero3")
+
+
+# -- one FSDP2 rank traced on a fake process group; each storage's share on a rank ------------
+def mlp(device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                             nn.Linear(512, 10))
+
+
+def cpu_plan(parallel: str, world_size: int = 2, model: nn.Module | None = None, **options):
+    model = model or mlp()
+    return bw.find_batch(model, (torch.zeros(256), torch.tensor(3)),
+                         loss_fn=nn.functional.cross_entropy,
+                         optimizer=torch.optim.AdamW(model.parameters()), budget="16MiB",
+                         target=f"{world_size}xCPU", parallel=parallel, **options)
+
+
+def test_fsdp_is_traced_on_one_rank_of_a_fake_process_group_and_leaves_none_behind():
+    model = mlp("meta")
+    report = cpu_plan("fsdp", model=model)
+    assert "One FSDP2 rank of 2 traced on a fake process group" in report.method
+    assert not torch.distributed.is_initialized()
+    assert all(type(p) is nn.Parameter and p.is_meta for p in model.parameters())
+    assert report.target == "CPU"
+    assert report.limit_bytes == 16 * 2**20
+    assert report.predict_peak_bytes(report.max_batch_size) <= 16 * 2**20
+    assert report.predict_peak_bytes(report.max_batch_size + 1) > 16 * 2**20
+
+
+def test_a_rank_holds_less_the_more_its_strategy_shards():
+    report = cpu_plan("compare", world_size=4)
+    batch = {row.parallel: row.max_batch_size for row in report.parallel_plans}
+    assert 0 < batch["ddp"] < batch["zero1"] < batch["zero2"]
+    assert batch["fsdp"] > batch["ddp"]
+    # a rank's optimizer share is the largest rank's when whole parameters are dealt out
+    rows = {row.parallel: row for row in report.parallel_plans}
+    largest = 512 * 512 + 512  # the 512x512 weight alone on a rank (of 4) is the most state
+    total = sum(p.numel() for p in mlp().parameters())
+    assert rows["zero1"].optimizer_bytes == pytest.approx(
+        rows["ddp"].optimizer_bytes * 512 * 512 / total, rel=0.01)
+    assert largest > total / 4
+
+
+def test_more_ranks_shard_more_of_the_state():
+    two, four = cpu_plan("zero2", 2), cpu_plan("zero2", 4)
+    assert four.max_batch_size > two.max_batch_size
+    assert (two.world_size, four.world_size) == (2, 4)
+    assert four.global_batch_size == 4 * four.max_batch_size
+
+
+def test_a_cpu_target_needs_the_budget_of_each_process():
+    with pytest.raises(ValueError, match="budget") as caught:
+        bw.find_batch(mlp(), torch.zeros(256), target="2xCPU", parallel="ddp")
+    assert "\n" not in str(caught.value)
+    assert "target='4xCPU'" in str(caught.value)
+
+
+def test_a_model_fully_shard_cannot_wrap_is_one_line_naming_the_fix():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+            self.scale = nn.Parameter(torch.tensor(2.0))  # FSDP2 shards no scalar
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) * self.scale
+
+    with pytest.raises(ValueError, match="fully_shard") as caught:
+        bw.find_batch(Scaled(), torch.zeros(8), target="2x1GiB", parallel="fsdp",
+                      max_batch_size=64)
+    assert "\n" not in str(caught.value)
+    assert "parallel='zero3'" in str(caught.value)
+    assert not torch.distributed.is_initialized()
+    report = bw.find_batch(Scaled(), torch.zeros(8), target="2x1GiB", parallel="compare",
+                           max_batch_size=64)  # compare plans FSDP2 by its rules then
+    assert "FSDP2 planned by its published rules: fully_shard cannot wrap" in report.method

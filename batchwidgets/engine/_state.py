@@ -242,6 +242,26 @@ class ModelState:
                 _write_back(buffer, data)
 
 
+# NOTE [ An optimizer inside an optimizer ]
+# Some optimizers step another one that holds the state: torch's ZeroRedundancyOptimizer keeps
+# this rank's shard in ``.optim`` (its own ``.state`` stays empty), accelerate's
+# AcceleratedOptimizer and Lightning's LightningOptimizer wrap the user's in ``.optimizer`` and
+# ``._optimizer``. What a step changes is the inner one's state, so it is snapshotted, restored
+# and counted with the outer one's.
+_INNER = ("optim", "optimizer", "_optimizer")
+
+
+def optimizers_within(optimizer: Any) -> list[Any]:
+    """``optimizer`` and the optimizers it steps (NOTE [ An optimizer inside an optimizer ])."""
+    found = [optimizer]
+    for obj in found:
+        for name in _INNER:
+            inner = getattr(obj, name, None)
+            if isinstance(inner, torch.optim.Optimizer) and all(inner is not o for o in found):
+                found.append(inner)
+    return found
+
+
 class OptimizerState:
     """Per-parameter state, param_groups (same dicts) and the step counters schedulers read.
 
@@ -372,7 +392,8 @@ class TrainingState:
         if model is None and optimizer is not None:  # a bare step: it trains these parameters
             model = [p for group in optimizer.param_groups for p in group["params"]]
         self.model = ModelState(model, weights) if model is not None else None
-        self.optimizer = OptimizerState(optimizer) if optimizer is not None else None
+        self.optimizers = ([OptimizerState(o) for o in optimizers_within(optimizer)]
+                           if optimizer is not None else [])
         # Schedulers and GradScalers both have state_dict/load_state_dict.
         self.extras = [(obj, _host_copy(obj.state_dict())) for obj in extras if obj is not None]
         # A GradScaler's state_dict leaves out how far it got within a step: an out-of-memory
@@ -389,8 +410,7 @@ class TrainingState:
         steps: list[Callable[[], Any]] = []
         if self.model is not None:
             steps.append(self.model.restore)
-        if self.optimizer is not None:
-            steps.append(self.optimizer.restore)
+        steps += [state.restore for state in self.optimizers]
         steps += [functools.partial(_load_state_dict, obj, saved) for obj, saved in self.extras]
         steps += [functools.partial(setattr, scaler, "_per_optimizer_states",
                                     copy.deepcopy(stages)) for scaler, stages in self.scaler_stages]

@@ -21,13 +21,14 @@ from ._budget import available_memory_bytes, parse_bytes
 from ._meters import Reading
 from ._oom import cannot_train_alone, drop_own_frames, forget, free_memory, is_oom
 from ._simulated import probe_meter, simulated_cuda
-from ._targets import GPU_TARGETS, parse_gpus, parse_target
+from ._targets import CPU_TARGET, GPU_TARGETS, is_cpu_target, parse_gpus, parse_target
 from ._trace import OpTrace, PeakModel
 from ._tracker import BudgetExceededError, TensorMemoryTracker, track_tensor_memory
 
 __all__ = [
-    "GPU_TARGETS", "BudgetExceededError", "OpTrace", "PeakModel", "Reading", "TensorMemoryTracker",
-    "available_memory_bytes", "cannot_train_alone", "drop_own_frames", "forget", "free_memory",
-    "is_oom", "largest_batch_size", "parse_bytes", "parse_gpus", "parse_target", "probe_meter",
-    "replay", "scale_events", "simulated_cuda", "track_tensor_memory",
+    "CPU_TARGET", "GPU_TARGETS", "BudgetExceededError", "OpTrace", "PeakModel", "Reading",
+    "TensorMemoryTracker", "available_memory_bytes", "cannot_train_alone", "drop_own_frames",
+    "forget", "free_memory", "is_cpu_target", "is_oom", "largest_batch_size", "parse_bytes",
+    "parse_gpus", "parse_target", "probe_meter", "replay", "scale_events", "simulated_cuda",
+    "track_tensor_memory",
 ]

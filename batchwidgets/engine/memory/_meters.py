@@ -17,6 +17,7 @@ from ._budget import available_memory_bytes
 from ._trace import OpTrace
 from ._tracker import TensorMemoryTracker, _Where, unique_tensors
 
+HELD_KEY = -(10**15) - 1  # the held bytes' place in a trace (no storage's key)
 CPU_DEFAULT_FRACTION = 0.5  # without a budget, the CPU probe may use half of the available RAM
 
 
@@ -49,9 +50,9 @@ class TracingTracker(TensorMemoryTracker):
     """The tensor tracker that also records the step's per-op trace (``self.trace``)."""
 
     def __init__(self, device: torch.device, budget_bytes: int | None, baseline: list,
-                 where: _Where) -> None:
+                 where: _Where, held_bytes: int = 0) -> None:
         self.trace: OpTrace | None = None
-        super().__init__(device, budget_bytes, baseline)
+        super().__init__(device, budget_bytes, baseline, held_bytes)
         self.trace, self._where = OpTrace(), where
         self._op_names: dict[Any, str] = {}  # str(func) once per op overload
         self._batch_peak: int | None = None  # while making the batch; see collapsed()
@@ -59,12 +60,21 @@ class TracingTracker(TensorMemoryTracker):
         self._serials: dict[int, int] = {}
         self.lifetimes: list[list] = []  # [first op, op it was freed at or None, bytes, module]
         self.categories: dict[int, str] = {}  # serial -> parameter, gradient, ...
+        self._births: list[tuple[int, int]] = []  # (storage key, serial), in birth order
+        # the events' keys -> storage keys, where another meter wrote the events (the
+        # simulated device's allocation keys); the tracker's own events use storage keys
+        self.storage_of: dict[int, int] = {}
         for key, (_, nbytes) in self._storages.items():
             self._born(key, nbytes, -1, "")
         self.trace.preallocated = [(key, nbytes) for key, (_, nbytes) in self._storages.items()]
+        if held_bytes:  # one storage of its own, alive through the step
+            self._born(HELD_KEY, held_bytes, -1, "")
+            self.categories[self._serials[HELD_KEY]] = "communication"
+            self.trace.preallocated.append((HELD_KEY, held_bytes))
 
     def _born(self, key: int, nbytes: int, op: int, module: str) -> None:
         self._serials[key] = len(self.lifetimes)
+        self._births.append((key, len(self.lifetimes)))
         self.lifetimes.append([op, None, nbytes, module])
 
     def mark(self, tensors: Any, category: str) -> None:
@@ -104,6 +114,35 @@ class TracingTracker(TensorMemoryTracker):
         if self.trace.complete and self.trace.live:
             reading.split = self.split_at_peak()
             self.record_parts()
+            self.record_kinds()
+
+    def record_kinds(self) -> None:
+        """Each storage's kind in the trace: by serial, by event and by preallocated storage
+        (OpTrace.storages); the events may be another meter's (the simulated device's), matched
+        to the tracker's births storage by storage in order."""
+        trace, where = self.trace, self.trace.where
+        kinds = []
+        for serial, (born, freed, nbytes, _) in enumerate(self.lifetimes):
+            kind = self.categories.get(serial, "temporary")
+            if kind == "temporary" and 0 <= born < len(where) and where[born] == "optimizer step":
+                kind = "step"
+            kinds.append(kind)
+            trace.storages.append((born, freed, nbytes, kind))
+        born_as: dict[int, list[int]] = {}
+        for key, serial in reversed(self._births):
+            born_as.setdefault(key, []).append(serial)
+        preallocated = {key: serial for key, serial in self._births
+                        if self.lifetimes[serial][0] < 0}
+        storage_of = self.storage_of
+        trace.preallocated_kinds = [kinds[preallocated[storage_of.get(key, key)]]
+                                    if storage_of.get(key, key) in preallocated else "temporary"
+                                    for key, _ in trace.preallocated]
+        for key in preallocated:  # their births are not the events'
+            born_as[key].pop()
+        for kind, key, _ in trace.events:
+            serials = born_as.get(storage_of.get(key, key)) if kind == "alloc" else None
+            trace.event_kinds.append(kinds[serials.pop()] if serials else
+                                     ("temporary" if kind == "alloc" else ""))
 
     def split_at_peak(self) -> tuple[dict[str, int], dict[str, int], int]:
         """Bytes by category and activation bytes by module alive after the peak op, and it."""
@@ -210,6 +249,7 @@ class _TracedSteps:
     _tracker: TracingTracker | None = None
     _where: _Where | None = None
     defer_budget = False  # inside a job (NOTE [ Over the budget inside a job ] in _tracker.py)
+    held_bytes = 0  # what the step holds outside every op (TensorMemoryTracker's held_bytes)
 
     def end_trial(self) -> None:
         """Raise the out-of-memory error a job's steps held back until they ended."""
@@ -282,7 +322,7 @@ class TensorMeter(_TracedSteps):
         reading = self._reading = Reading()
         self._where = _Where()
         tracker = self._tracker = TracingTracker(self.device, self.limit_bytes, tracked(),
-                                                 self._where)
+                                                 self._where, self.held_bytes)
         tracker.defer_budget = self.defer_budget
         if self.baseline_bytes is None:
             self.baseline_bytes = tracker.baseline_bytes
@@ -373,7 +413,8 @@ class CudaMeter(_TracedSteps):
         trace = trace or self.defer_budget  # see JOB_TENSOR_FRACTION
         self._where = _Where() if trace else None
         budget = int(JOB_TENSOR_FRACTION * self.limit_bytes) if self.defer_budget else None
-        tracker = TracingTracker(self.device, budget, tracked(), self._where) if trace else None
+        tracker = (TracingTracker(self.device, budget, tracked(), self._where, self.held_bytes)
+                   if trace else None)
         if tracker is not None:
             tracker.defer_budget = self.defer_budget
         self._tracker = tracker

@@ -35,6 +35,7 @@ from ._meters import (
     make_meter,
     tracing,
 )
+from ._targets import CPU_TARGET
 from ._tracker import _Where, unique_tensors
 from ._workspaces import (
     CONV_OPS,
@@ -62,6 +63,7 @@ class _SimulatedDevice(TorchDispatchMode):
         self.tracker: TracingTracker | None = None
         self._keys = iter(range(1, 2**62))
         self._storages: dict[int, tuple[weakref.ref, int, tuple[int, Any]]] = {}
+        self.storage_of: dict[int, int] = {}  # allocation key -> id() of its storage
         self._busy = False
         self._pending: list[tuple[int, Any]] = []  # frees that arrived inside a malloc (gc)
 
@@ -75,12 +77,14 @@ class _SimulatedDevice(TorchDispatchMode):
             if known[1] == nbytes:
                 return
             del self._storages[key]  # resized in place (out= ops): the new block comes first
-            self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes,
-                                   self._malloc(nbytes))
+            entry = self._malloc(nbytes)
+            self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, entry)
+            self.storage_of[entry[0]] = key
             self._free(known[2])
             return
         entry = self._malloc(nbytes)
         self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, entry)
+        self.storage_of[entry[0]] = key
 
     def _malloc(self, nbytes: int, workspace_fraction: float | None = None) -> tuple[int, Any]:
         self._busy = True
@@ -313,6 +317,7 @@ class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
                 reading.live_bytes = self.allocator.allocated_bytes
                 tracker.trace.events = self.events
                 tracker.trace.preallocated = list(self.preallocated)
+                tracker.storage_of = self._device.storage_of  # see TracingTracker.record_kinds
                 tracker.finish(reading)
                 self._tracker = None
 
@@ -342,6 +347,10 @@ def probe_meter(device: torch.device, budget_bytes: int | None,
     """The meter a probe reads: the simulated device with a target's workspaces for a plan
     (``target``, the GPU's name), the simulated device inside ``simulated_cuda()`` on the CPU
     (tests), else the device's own (``make_meter``)."""
+    if target == CPU_TARGET:  # CPU processes: their tensor bytes, traced with no limit
+        meter = make_meter(device, None)
+        meter.limit_bytes = None
+        return meter
     if target is not None:
         return ProbeMeter(device, None, workspaces=target_workspaces(target),
                           capability=target_capability(target))

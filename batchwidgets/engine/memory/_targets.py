@@ -54,6 +54,14 @@ def _normal(name: str) -> str:
     return re.sub(r"(\d)(gib|g)$", r"\1gb", name)
 
 
+CPU_TARGET = "CPU"  # target="4xCPU" with budget=: CPU processes, each under the budget
+
+
+def is_cpu_target(value: object) -> bool:
+    """``"CPU"`` (any case) as a target's device: CPU processes under ``budget=``."""
+    return isinstance(value, str) and value.strip().upper() == CPU_TARGET
+
+
 def parse_target(value: int | str) -> tuple[str, int]:
     """``(name, usable_bytes)`` for a GPU name of ``GPU_TARGETS`` or a size.
 

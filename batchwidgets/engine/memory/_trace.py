@@ -44,6 +44,14 @@ class OpTrace:
     # after the trial: per op, the live bytes of one part ("optimizer", "activation of head"),
     # what the what-ifs take away (see probe/_what_if.py)
     parts: dict[str, list[int]] = field(default_factory=dict)
+    # after a complete trial, each storage's kind, for a rank's share of it (probe/_parallel.py,
+    # NOTE [ One rank's share of a trace ]): (born at op, freed at op or None, nbytes, kind) per
+    # storage, kind one of parameter, gradient, optimizer, activation, temporary and step (a
+    # temporary of the optimizer step); the kind of each event's storage ("" for frees and
+    # workspaces) and of each preallocated storage
+    storages: list[tuple[int, int | None, int, str]] = field(default_factory=list)
+    event_kinds: list[str] = field(default_factory=list)
+    preallocated_kinds: list[str] = field(default_factory=list)
 
     def without(self, *parts: str) -> OpTrace:
         """The same trace with the bytes of ``parts`` taken away at every op."""

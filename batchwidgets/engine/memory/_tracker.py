@@ -114,7 +114,10 @@ class TensorMemoryTracker(TorchDispatchMode):
     """
 
     def __init__(self, device: torch.device | str = "cpu", budget_bytes: int | None = None,
-                 baseline: Iterable[object] = ()) -> None:
+                 baseline: Iterable[object] = (), held_bytes: int = 0) -> None:
+        """``held_bytes``: memory the step holds that no op shows (DDP's gradient buckets:
+        NOTE [ What a wrapper holds outside every op ] in probe/_trials.py), counted from the
+        start."""
         super().__init__()
         self.device = torch.device(device)
         self.budget_bytes = budget_bytes
@@ -126,6 +129,9 @@ class TensorMemoryTracker(TorchDispatchMode):
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
         for tensor in unique_tensors(baseline):
             self._count(tensor)
+        self.held_bytes = held_bytes
+        self.live_bytes += held_bytes
+        self.peak_bytes = self.live_bytes
         self.baseline_bytes = self.live_bytes
 
     def _count(self, tensor: torch.Tensor) -> None:

@@ -29,13 +29,23 @@ from .._util import first_line
 from . import _search, _what_if
 from ._checks import has_meta_tensors
 from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step
+from ._fake_group import FakeGroupUnavailable, fake_group
 from ._loop import Search, planned
 from ._nothing_fits import NoBatchSizeFits
 from ._optimizer_shapes import OptimizerStateError, StateRule, state_rule
 from ._parallel import plan_ranks
 from ._plan import ProbePlan, resolve
 from ._ranks import agree_limit, alone, in_job
-from ._trials import Marks, OnStep, Trainer, model_step, moved, state_tensors
+from ._sharded import ShardedWorld, ShardingError
+from ._trials import (
+    Marks,
+    OnStep,
+    Trainer,
+    held_outside_ops,
+    model_step,
+    moved,
+    state_tensors,
+)
 
 Step = ProbeStep  # the earlier name (NOTE [ One vocabulary ] in engine/_types.py)
 MakeBatch = Union[Callable[[int], Any], torch.utils.data.Dataset, torch.utils.data.DataLoader,
@@ -185,10 +195,7 @@ def _probe(plan: ProbePlan) -> BatchSizeReport:
     if plan.target is not None:
         report = planned(report, search, *plan.target)
         if plan.parallel is not None:  # see NOTE [ Per-rank memory by strategy ]
-            name = plan.target[0]
-            report = plan_ranks(report, plan.model, plan.parallel, plan.world_size,
-                                plan.target[1], lambda usable: planned(report, search, name,
-                                                                       usable))
+            report = _ranks_planned(plan, report, search)
         if report.max_batch_size == 0 and report.stop_reason != "stopped":
             raise NoBatchSizeFits(report)
         # each row planned, never measured; a plan for N GPUs has its strategies' rows instead
@@ -205,6 +212,47 @@ def _probe(plan: ProbePlan) -> BatchSizeReport:
         rows += _what_if.measured(lambda **change: _probe(plan.with_change(**change)),
                                   plan.optimizer, plan.amp)
     return dataclasses.replace(report, what_if=tuple(rows)) if rows else report
+
+
+def _ranks_planned(plan: ProbePlan, report: BatchSizeReport,
+                   search: Search) -> BatchSizeReport:
+    """Each strategy's per-rank plan: FSDP2 traced on one rank of a fake group where it can be
+    (NOTE [ One FSDP2 rank, traced ]), the rest by each storage's share on a rank."""
+    traced: dict[str, BatchSizeReport] = {}
+    if plan.parallel in ("fsdp", "compare"):
+        fsdp, why_not = _fsdp_traced(plan) if plan.trace == "fake" else (
+            None, "the step was traced by real steps")
+        if fsdp is not None:
+            traced["fsdp"] = fsdp
+        else:
+            report = dataclasses.replace(report, method=f"{report.method} FSDP2 planned by its "
+                                                        f"published rules: {why_not}.")
+    name, usable = plan.target
+    return plan_ranks(report, plan.model, plan.parallel, plan.world_size, search._event_pair(),
+                      lambda pair: planned(report, search, name, usable, pair), traced)
+
+
+def _fsdp_traced(plan: ProbePlan) -> tuple[BatchSizeReport | None, str]:
+    """One FSDP2 rank's plan, traced on a fake process group; or None and why it could not be."""
+    if state_rule(plan.optimizer) is not None:
+        return None, "its optimizer's state cannot be made on fake tensors"
+    try:
+        with fake_group(plan.world_size) as mesh:
+            sharded = dataclasses.replace(plan, mesh=mesh, what_if=False, on_progress=None)
+            search = _search_guarded(sharded)
+            report = planned(_report(sharded, search), search, *plan.target)
+    except FakeGroupUnavailable as error:
+        return None, str(error)
+    except ShardingError:
+        if plan.parallel == "fsdp":
+            raise
+        return None, "fully_shard cannot wrap this model"
+    except Exception as error:  # what the plain trace ran, one FSDP2 rank could not
+        memory.drop_own_frames(error)
+        return None, f"one FSDP2 rank could not be traced ({first_line(error)})"
+    method = (f"{report.method} One FSDP2 rank of {plan.world_size} traced on a fake process "
+              f"group: its shards, all-gathers and reduce-scatters as they run.")
+    return dataclasses.replace(report, method=method), ""
 
 
 def _searched(plan: ProbePlan) -> tuple[ProbePlan, Search]:
@@ -253,6 +301,7 @@ def _search_guarded(plan: ProbePlan, rule: StateRule | None = None) -> Search:
             limit_bytes = agree_limit(meter.limit_bytes)
             # real steps in a job run to their end: NOTE [ Over the budget inside a job ]
             meter.defer_budget = in_job() and not fake
+            meter.held_bytes = 0 if fake else held_outside_ops(plan.owner)
             meter.warm_up()
             search = Search(trainer, meter, start=plan.start, multiple_of=plan.multiple_of,
                             ceiling=plan.ceiling, limit_bytes=limit_bytes,
@@ -292,7 +341,8 @@ def _fake_trainer(plan: ProbePlan, meter: Any, rule: StateRule | None = None,
     caller holds the cycle collector paused over all the trials (one collection instead of one
     per trial, which costs more than a small fake trial in a large process: see Search.seed)."""
     mode = fake_mode()
-    world = FakeWorld(plan.model, plan.optimizer, mode, rule)
+    world = (ShardedWorld(plan.model, plan.optimizer, mode, plan.mesh) if plan.mesh is not None
+             else FakeWorld(plan.model, plan.optimizer, mode, rule))
     return Trainer(fake_step(world, plan.make, plan.loss_fn, plan.amp, meter), meter, world,
                    plan.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
                    around=(lambda: mode) if paused else world.active)

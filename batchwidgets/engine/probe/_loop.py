@@ -21,6 +21,8 @@ from ._plan import SEARCH_CEILING
 from ._ranks import agree, agree_size, in_job, share_error
 from ._trials import OnStep, Trainer
 
+Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]  # two traced sizes: (trace, batch size)
+
 # NOTE [ The band of a plan, from the evidence ]
 # What the plan cannot trace (the real allocator's layout, kernels not modelled, cuDNN's choice)
 # moves the real edge. The band's low end is the answer times the lowest ratio of true boundary
@@ -43,14 +45,18 @@ EVIDENCE_RATIO = 0.96
 # predicted. The band's high end is the same replay with the tensors alone (no convolution
 # workspaces), its low end the answer as far below as real GPUs were found (NOTE [ The band of a
 # plan, from the evidence ]).
-def planned(report: BatchSizeReport, search: Search, name: str,
-            usable_bytes: int) -> BatchSizeReport:
-    pair = search._event_pair()
+def planned(report: BatchSizeReport, search: Search, name: str, usable_bytes: int,
+            pair: Pair | None = None) -> BatchSizeReport:
+    """The answer on the target from the search's traces (or ``pair``: a rank's share of them,
+    NOTE [ One rank's share of a trace ] in _parallel.py)."""
+    pair = pair or search._event_pair()
     if pair is None:
         raise RuntimeError(f"find_batch could not trace two sizes of the same op sequence on the "
                            f"CPU to predict for {name} (sizes tried: "
                            f"{[a.batch_size for a in report.attempts]}); the step's shapes depend "
                            f"on its data. Probe on a GPU instead.")
+    if not search.replays:
+        return _planned_in_tensors(report, pair, name, usable_bytes)
     (small, b_small), (large, b_large) = pair
     predict = functools.partial(memory.largest_batch_size, multiple_of=report.multiple_of,
                                 ceiling=SEARCH_CEILING, preallocated=large.preallocated)
@@ -65,6 +71,38 @@ def planned(report: BatchSizeReport, search: Search, name: str,
         method=report.method.replace("then verified", "then replayed for the target"))
 
 
+def _planned_in_tensors(report: BatchSizeReport, pair: Pair, name: str,
+                        budget_bytes: int) -> BatchSizeReport:
+    """CPU processes under a budget (``target="4xCPU"``): what runs out there is the step's
+    tensor bytes, as the budget meter counts them in a real job, so the per-op model of the pair
+    decides, with no allocator."""
+    (small, b_small), (large, b_large) = pair
+    model = PeakModel.fit(small, b_small, large, b_large)
+    if model is None:
+        raise RuntimeError(f"find_batch could not fit the per-op model on sizes {b_small} and "
+                           f"{b_large} to predict for {name}; this is a bug in batchwidgets; "
+                           f"please report it with the report above")
+    found = model.largest_batch_size(budget_bytes, multiple_of=report.multiple_of,
+                                     ceiling=SEARCH_CEILING)
+    return dataclasses.replace(
+        report, max_batch_size=found, first_oom_batch_size=None, limit_bytes=budget_bytes,
+        budget_bytes=budget_bytes, stop_reason=f"predicted for {name}: not run", target=name,
+        target_band=(found, found), target_peaks=tuple(
+            (size, model.peak_bytes(size)) for size in _peak_sizes(found, report.multiple_of)),
+        method=report.method.replace("then verified", "then predicted under the budget"))
+
+
+def _peak_sizes(found: int, multiple_of: int) -> list[int]:
+    """Sizes a plan's peaks are given at: doubling from 1 to twice the answer, the answer and
+    the next size exactly."""
+    sizes = {found, found + multiple_of}
+    size = 1
+    while size < 2 * max(found, 1) and size <= SEARCH_CEILING:
+        sizes.add(size)
+        size *= 2
+    return sorted(s for s in sizes if 0 < s <= SEARCH_CEILING)
+
+
 def _evidence_low(found: int, multiple_of: int) -> int:
     return int(found * EVIDENCE_RATIO) // multiple_of * multiple_of
 
@@ -75,13 +113,8 @@ def _target_peaks(pair: tuple[tuple[OpTrace, int], tuple[OpTrace, int]], usable_
     the answer and the next size exactly), the same replay that decided the answer: at the
     answer it fits under ``usable_bytes``, at the next size it does not."""
     (small, b_small), (large, b_large) = pair
-    sizes = {found, found + multiple_of}
-    size = 1
-    while size < 2 * max(found, 1) and size <= SEARCH_CEILING:
-        sizes.add(size)
-        size *= 2
     peaks = []
-    for size in sorted(s for s in sizes if 0 < s <= SEARCH_CEILING):
+    for size in _peak_sizes(found, multiple_of):
         events = memory.scale_events(small.events, b_small, large.events, b_large, size)
         capped = memory.replay(events, usable_bytes, preallocated=large.preallocated)
         peak = (capped.peak_reserved_bytes if capped.fits else max(usable_bytes + 1, memory.replay(
@@ -97,7 +130,8 @@ def _memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
         batch_size=batch_size, parameters_bytes=parts.get("parameter", 0),
         gradients_bytes=parts.get("gradient", 0), optimizer_bytes=parts.get("optimizer", 0),
         activations_bytes=parts.get("activation", 0),
-        temporaries_bytes=parts.get("temporary", 0), by_module=by_module,
+        temporaries_bytes=parts.get("temporary", 0) + parts.get("step", 0),
+        communication_bytes=parts.get("communication", 0), by_module=by_module,
         where=f"{trace.where[peak]} ({trace.names[peak]})")
 
 

@@ -5,11 +5,14 @@ communication buffers its strategy adds, by the strategies' published rules."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections.abc import Callable
 
 import torch
 
 from ...results import BatchSizeReport, MemorySplit, ParallelPlan
+from ..memory import OpTrace
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # least communication first
 PARALLEL = (*STRATEGIES, "compare")
@@ -19,34 +22,42 @@ PREFETCH_BUCKET_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size
 MAX_LIVE_ELEMENTS = 1_000_000_000  # stage3_max_live_parameters
 
 # NOTE [ Per-rank memory by strategy ]
-# A plan for N GPUs traces one rank at its own batch (the one-GPU plan's fake trace), then takes
-# from the memory the trace holds at its peak what the strategy does not keep on a rank and adds
-# the buffers it does keep; the same trace is replayed under the target's memory shifted by that
-# difference. These are the published rules, not a fake process group: FSDP2 on a fake mesh
-# would trace one rank's collectives exactly, but the fake process group lives in
-# torch.testing._internal, and the rules below are what the documentation states.
+# A plan for N GPUs traces one rank. "fsdp" runs FSDP2 itself over a fake process group (NOTE
+# [ One FSDP2 rank, traced ] in _sharded.py): its shards, all-gather and reduce-scatter buffers,
+# prefetch and the optimizer step over a shard are in the trace. The other strategies, and
+# "fsdp" where a fake group cannot run (inside a job, a torch without one), take the one-GPU
+# trace and give each storage the rank's share of it by its kind (NOTE [ One rank's share of a
+# trace ]), with the buffers the strategy adds, by the strategies' published rules:
 # - "ddp": every rank holds the weights, gradients and optimizer state, plus DDP's gradient
 #   buckets: with gradient_as_bucket_view=False (the default) the buckets are a second copy of
 #   every gradient (bucket_cap_mb=25 only splits them into buckets; DDP's docs: "the saved memory
 #   size will be equal to the total gradients size" with gradient_as_bucket_view=True).
 # - "zero1"/"zero2"/"zero3": DeepSpeed's stages (the ZeRO paper; DeepSpeed's config docs).
-#   Stage 1 shards the optimizer state (1/N a rank), stage 2 the gradients too, stage 3 the
-#   weights too. Stages 1-2 reduce gradients through a bucket of reduce_bucket_size (5e8)
-#   elements; stage 3 also gathers each submodule's weights as it runs, plus a prefetch bucket
-#   of stage3_prefetch_bucket_size (5e7) elements, at most stage3_max_live_parameters (1e9).
-# - "fsdp": FSDP2 fully_shard on every block (the modules of each ModuleList, else the top-level
-#   children) and on the root: weights, gradients and optimizer state sharded 1/N; each block's
-#   weights are all-gathered as one flat buffer when it runs and resharded after forward, the
-#   next block's gathered ahead (prefetch: two blocks' weights), one block's gradients in the
-#   reduce-scatter's input; the root's own weights (embeddings, head) stay gathered from forward
-#   to backward (FSDP2 does not reshard the root after forward).
+#   Stage 1 shards the optimizer state, stage 2 the gradients too, stage 3 the weights too.
+#   The optimizer's share is the largest rank's when whole parameters are dealt out largest
+#   first to the emptiest rank (torch's ZeroRedundancyOptimizer, which runs stage 1 on
+#   torch.distributed; DeepSpeed's flat partition is the even 1/N, at most that). Stages 1-2
+#   reduce gradients through a bucket of reduce_bucket_size (5e8) elements (DDP's buckets under
+#   ZeroRedundancyOptimizer: the same bytes below 5e8 elements); stage 3 also gathers each
+#   submodule's weights as it runs, plus a prefetch bucket of stage3_prefetch_bucket_size (5e7)
+#   elements, at most stage3_max_live_parameters (1e9).
+# - "fsdp" by rule: FSDP2 fully_shard on every block and the root: weights, gradients and
+#   optimizer state 1/N; each block's weights all-gathered as one flat buffer when it runs,
+#   the next block's gathered ahead (two blocks' weights), one block's gradients in the
+#   reduce-scatter's input, the root's own weights gathered from forward to backward.
 # ZeRO-3 and FSDP2 differ in those buffers: ZeRO-3 gathers by submodule in fixed-size buckets
 # and reduces gradients in a fixed bucket, FSDP2 gathers and reduce-scatters whole blocks.
-# Weights and optimizer state are alive through the whole step, and the buffers too, so moving
-# them moves every op's memory alike; gradients are taken as the trace holds them at its peak.
-# The states at the optimizer step (weights, all gradients, optimizer state, buffers) must fit
-# too. What is not modelled: the optimizer's temporaries over a shard (taken as over the whole
-# model) and the allocator's rounding of the shards.
+# The buffers are held through the whole step (a rank's worst case, not their timing).
+
+# NOTE [ One rank's share of a trace ]
+# Each storage of a trace has a kind (OpTrace.storages: parameter, gradient, optimizer state,
+# activation, temporary, and "step", a temporary of the optimizer step). A rank's trace is the
+# same trace with each storage at the rank's share of its bytes: the weights 1/N under ZeRO-3
+# and FSDP, the gradients 1/N from ZeRO-2 on, the optimizer state and the optimizer step's
+# temporaries (foreach's lists over the parameters a rank steps) at the optimizer's share from
+# ZeRO-1 on; activations and the other temporaries whole. Both traces of the pair are shared
+# alike, so the per-op model and the allocator replay read them as any other pair, and the
+# optimizer step, where the largest models peak, is sharded with the states it works on.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +74,14 @@ class Shapes:
     root_bytes: int  # FSDP2's root unit: parameters outside every block
     largest_block_bytes: int
     largest_unit_gradient_bytes: int
+    trainable_sizes: tuple[int, ...]  # each trainable parameter's elements
 
 
 def _bytes(params: list[torch.nn.Parameter], trainable: bool = False) -> int:
     return sum(p.numel() * p.element_size() for p in params if p.requires_grad or not trainable)
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """FSDP2's units below the root: each ModuleList's modules, else the top-level children."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     return [b for lst in lists for b in lst] or list(model.children())
@@ -78,11 +90,10 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 def shapes(model: torch.nn.Module) -> Shapes:
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    blocks = _blocks(model)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    units = blocks(model)
+    in_blocks = {id(p) for b in units for p in b.parameters()}
     root = [p for p in params if id(p) not in in_blocks]
     leaves = [list(m.parameters(recurse=False)) for m in model.modules()]
-    units = [list(b.parameters()) for b in blocks] + [root]
     return Shapes(
         weights_bytes=_bytes(params), gradients_bytes=_bytes(params, trainable=True),
         gradient_itemsize=max((p.element_size() for p in trainable), default=4),
@@ -90,8 +101,20 @@ def shapes(model: torch.nn.Module) -> Shapes:
         weight_itemsize=max((p.element_size() for p in params), default=4),
         largest_leaf_bytes=max((_bytes(leaf) for leaf in leaves), default=0),
         root_bytes=_bytes(root),
-        largest_block_bytes=max((_bytes(list(b.parameters())) for b in blocks), default=0),
-        largest_unit_gradient_bytes=max((_bytes(u, trainable=True) for u in units), default=0))
+        largest_block_bytes=max((_bytes(list(b.parameters())) for b in units), default=0),
+        largest_unit_gradient_bytes=max(
+            (_bytes(u, trainable=True) for u in [*(list(b.parameters()) for b in units), root]),
+            default=0),
+        trainable_sizes=tuple(p.numel() for p in trainable))
+
+
+def optimizer_share(sizes: tuple[int, ...], world_size: int) -> float:
+    """The largest rank's share of the optimizer state when whole parameters are dealt out
+    largest first to the emptiest rank (ZeroRedundancyOptimizer's partition)."""
+    ranks = [0] * world_size
+    for size in sorted(sizes, reverse=True):
+        ranks[ranks.index(min(ranks))] += size
+    return max(ranks) / max(sum(ranks), 1)
 
 
 def _buffers(strategy: str, model: Shapes) -> int:
@@ -108,40 +131,84 @@ def _buffers(strategy: str, model: Shapes) -> int:
     return model.root_bytes + 2 * model.largest_block_bytes + model.largest_unit_gradient_bytes
 
 
+def shares(strategy: str, world_size: int, model: Shapes) -> dict[str, float]:
+    """Each kind's share on one rank (NOTE [ One rank's share of a trace ]); kinds not named
+    are held whole."""
+    level = 3 if strategy == "fsdp" else STRATEGIES.index(strategy)
+    found: dict[str, float] = {}
+    if level >= 1:
+        found["optimizer"] = found["step"] = optimizer_share(model.trainable_sizes, world_size)
+    if level >= 2:
+        found["gradient"] = 1 / world_size
+    if level >= 3:
+        found["parameter"] = found["optimizer"] = found["step"] = 1 / world_size
+    return found
+
+
+def _share(nbytes: int, kind: str, of: dict[str, float]) -> int:
+    share = of.get(kind)
+    return nbytes if share is None else math.ceil(nbytes * share)
+
+
+BUFFERS_KEY = -(10**15)  # the strategy's buffers in a rank's trace (no storage's key)
+
+
+def rank_trace(trace: OpTrace, of: dict[str, float], buffers_bytes: int) -> OpTrace:
+    """``trace`` on one rank: each storage at its kind's share ``of``, the strategy's buffers
+    alive from the start (NOTE [ One rank's share of a trace ])."""
+    n = len(trace.live)
+    delta = [0] * (n + 1)
+    for born, freed, nbytes, kind in trace.storages:
+        less = nbytes - _share(nbytes, kind, of)
+        if less:
+            delta[max(born, 0)] -= less
+            delta[n if freed is None else min(freed, n)] += less
+    live = [value + buffers_bytes + less
+            for value, less in zip(trace.live, itertools.accumulate(delta[:n]))]
+    events = [(kind, key, _share(nbytes, shared, of) if kind == "alloc" else nbytes)
+              for (kind, key, nbytes), shared in zip(trace.events, trace.event_kinds)]
+    preallocated = [(key, _share(nbytes, kind, of))
+                    for (key, nbytes), kind in zip(trace.preallocated, trace.preallocated_kinds)]
+    if buffers_bytes:
+        preallocated.append((BUFFERS_KEY, buffers_bytes))
+    return dataclasses.replace(trace, live=live, events=events, preallocated=preallocated,
+                               parts={})
+
+
 def per_rank(strategy: str, world_size: int, split: MemorySplit, model: Shapes) -> MemorySplit:
     """One rank's memory at the trace's peak under ``strategy`` (``communication_bytes`` added)."""
-    level = STRATEGIES.index(strategy) if strategy != "fsdp" else STRATEGIES.index("zero3")
-    share = lambda nbytes, sharded: -(-nbytes // world_size) if sharded else nbytes  # noqa: E731
+    of = shares(strategy, world_size, model)
     return dataclasses.replace(
-        split, parameters_bytes=share(split.parameters_bytes, level >= 3),
-        gradients_bytes=share(split.gradients_bytes, level >= 2),
-        optimizer_bytes=share(split.optimizer_bytes, level >= 1),
+        split, parameters_bytes=_share(split.parameters_bytes, "parameter", of),
+        gradients_bytes=_share(split.gradients_bytes, "gradient", of),
+        optimizer_bytes=_share(split.optimizer_bytes, "optimizer", of),
         communication_bytes=_buffers(strategy, model))
 
 
-def _states(split: MemorySplit) -> int:
-    return (split.parameters_bytes + split.gradients_bytes + split.optimizer_bytes
-            + split.communication_bytes)
+Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]
 
 
 def plan_ranks(report: BatchSizeReport, model: torch.nn.Module, strategy: str, world_size: int,
-               usable_bytes: int, plan: Callable[[int], BatchSizeReport]) -> BatchSizeReport:
+               pair: Pair, plan: Callable[[Pair], BatchSizeReport],
+               traced: dict[str, BatchSizeReport]) -> BatchSizeReport:
     """The per-rank report under ``strategy`` ("compare": the one with the largest per-rank
-    batch), with every strategy's row; ``plan(bytes)`` is the one-rank plan under that memory."""
+    batch), with every strategy's row. ``plan(pair)`` is the one-rank plan from a pair of
+    traces; ``traced`` has the strategies traced as they run (their reports per rank already)."""
     split = report.memory_split
     if split is None:
         raise RuntimeError("find_batch traced no memory split to plan ranks from; this is a bug "
                            "in batchwidgets; please report it with the report above")
     model_shapes = shapes(model)
-    at_step = dataclasses.replace(split, gradients_bytes=model_shapes.gradients_bytes)
     rows, reports = [], {}
     for name in STRATEGIES:
         rank = per_rank(name, world_size, split, model_shapes)
-        shift = _states(split) - _states(rank)
-        one = plan(usable_bytes + shift)
-        if _states(per_rank(name, world_size, at_step, model_shapes)) > usable_bytes:
-            one = dataclasses.replace(one, max_batch_size=0, target_band=(0, 0))  # at the step
-        reports[name] = _shifted(one, rank, shift, usable_bytes)
+        if name in traced:
+            one = traced[name]
+            rank = _traced_split(one.memory_split or split, rank.communication_bytes)
+        else:
+            of, buffers = shares(name, world_size, model_shapes), _buffers(name, model_shapes)
+            one = plan(tuple((rank_trace(trace, of, buffers), size) for trace, size in pair))
+        reports[name] = dataclasses.replace(one, memory_split=rank)
         rows.append(ParallelPlan(
             parallel=name, world_size=world_size, max_batch_size=one.max_batch_size,
             parameters_bytes=rank.parameters_bytes, gradients_bytes=rank.gradients_bytes,
@@ -152,10 +219,8 @@ def plan_ranks(report: BatchSizeReport, model: torch.nn.Module, strategy: str, w
                                parallel_plans=tuple(rows))
 
 
-def _shifted(report: BatchSizeReport, rank: MemorySplit, shift: int,
-             usable_bytes: int) -> BatchSizeReport:
-    """The one-rank report under shifted memory, put back on the rank's terms: its limit, its
-    peaks (the trace's less what the rank does not hold), its memory split."""
-    peaks = tuple((size, peak - shift) for size, peak in report.target_peaks)
-    return dataclasses.replace(report, limit_bytes=usable_bytes, target_peaks=peaks,
-                               memory_split=rank)
+def _traced_split(split: MemorySplit, buffers_bytes: int) -> MemorySplit:
+    """A traced rank's split: the buffers its strategy gathers are among its temporaries."""
+    moved = min(buffers_bytes, split.temporaries_bytes)
+    return dataclasses.replace(split, temporaries_bytes=split.temporaries_bytes - moved,
+                               communication_bytes=moved)

@@ -56,6 +56,7 @@ class ProbePlan:
     on_progress: OnProgress | None
     should_stop: ShouldStop | None
     notes: tuple[str, ...]  # what the report says about what was probed
+    mesh: Any = None  # a fake mesh: the trials run one FSDP2 rank (NOTE [ One FSDP2 rank, traced ])
 
     @property
     def extras(self) -> tuple[Any, Any]:
@@ -70,6 +71,17 @@ class ProbePlan:
     def with_change(self, **change: Any) -> ProbePlan:
         """The same probe with one change (``amp=`` or ``optimizer=``: a what-if, measured)."""
         return dataclasses.replace(self, on_progress=None, what_if=False, **change)
+
+
+def _target(gpu: Any, budget_bytes: int | None) -> tuple[str, int]:
+    """``(name, usable bytes)`` of a target: a GPU, a size, or CPU processes under ``budget``."""
+    if not memory.is_cpu_target(gpu):
+        return memory.parse_target(gpu)
+    if budget_bytes is None:
+        raise ValueError(f"budget should be the memory each CPU process may use when target "
+                         f"names CPU processes, but got budget=None with target={gpu!r}; pass "
+                         f"e.g. budget='64MiB', target='4xCPU'.")
+    return memory.CPU_TARGET, budget_bytes
 
 
 def _device(model: Any, device: torch.device | str | None) -> torch.device:
@@ -130,7 +142,7 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     resolved = _device(owner, device)
     count, gpu = memory.parse_gpus(target) if target is not None else (1, None)
     parallel, world_size = check_parallel(parallel, target, count, is_module)
-    planned = memory.parse_target(gpu) if target is not None else None
+    planned = _target(gpu, budget_bytes) if target is not None else None
     if planned is None:
         check_sharded(owner, resolved)
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py

@@ -14,7 +14,7 @@ from ...results import Attempt
 from .. import memory
 from .._batches import forward_and_loss
 from .._own_steps import own_steps
-from .._state import TrainingState
+from .._state import TrainingState, optimizers_within
 from .._util import first_line, to_device
 from ..memory import Reading
 from ._checks import AMP_DTYPES
@@ -37,10 +37,32 @@ def state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimize
 
 def state_values(optimizer: Any) -> list[dict]:
     """Each parameter's optimizer state as the tensor walker reads it: a custom object's
-    attributes as a dict (its tensors are the state's too)."""
+    attributes as a dict (its tensors are the state's too); an inner optimizer's too (NOTE
+    [ An optimizer inside an optimizer ] in engine/_state.py)."""
     return [{key: vars(value) if hasattr(value, "__dict__") and not isinstance(
                  value, torch.Tensor) else value for key, value in state.items()}
-            for state in optimizer.state.values()]
+            for inner in optimizers_within(optimizer) for state in inner.state.values()]
+
+
+# NOTE [ What a wrapper holds outside every op ]
+# DistributedDataParallel keeps its gradient buckets from its construction on: with
+# gradient_as_bucket_view=False (the default) a second copy of every gradient, which its C++
+# reducer fills by copies in place and all-reduces. No op of a step makes them, so the tracker,
+# which counts the storages ops make, would never see them, and a probe inside a DDP job would
+# find a larger batch than the rank can hold (and than the plan for "ddp" says: NOTE [ Per-rank
+# memory by strategy ] in _parallel.py). So a probe counts them from the start of every step, at
+# the sizes DDP itself records (its logging data's bucket_sizes). With gradient_as_bucket_view
+# the gradients are views of the buckets, counted with the gradients.
+def held_outside_ops(owner: torch.nn.Module | None) -> int:
+    """The bytes ``owner`` holds that no op of a step shows: DDP's gradient buckets."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if not isinstance(owner, ddp) or getattr(owner, "gradient_as_bucket_view", True):
+        return 0
+    try:
+        sizes = str(owner._get_ddp_logging_data().get("bucket_sizes", ""))
+    except Exception:  # a private accessor: torch may move it; the buckets go uncounted
+        return 0
+    return sum(int(size) for size in sizes.split(",") if size.strip().isdigit())
 
 
 # NOTE [ A second step only when the first left state behind ]
