@@ -41,7 +41,10 @@ def test_readme_example_is_the_block_between_the_markers():
 def test_readme_torchrun_example_gives_one_answer_on_both_ranks(tmp_path):
     script = readme_example()
     (tmp_path / "probe.py").write_text(script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # both ranks write to one pipe: left block-buffered, each flushes its line in one write at
+    # exit (unbuffered, print's pieces interleave: "01  55")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONUNBUFFERED", None)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
          "probe.py"],
