@@ -262,6 +262,9 @@ def optimizers_within(optimizer: Any) -> list[Any]:
     return found
 
 
+# NOTE [ The training state, a long module ]
+# Over 400 lines: everything a step changes (weights, optimizer state inner ones included,
+# RNGs, flags) is snapshotted and restored here together, uninterruptibly, in one place.
 class OptimizerState:
     """Per-parameter state, param_groups (same dicts) and the step counters schedulers read.
 

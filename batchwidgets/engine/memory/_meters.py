@@ -18,6 +18,9 @@ from ._trace import OpTrace
 from ._tracker import TensorMemoryTracker, _Where, unique_tensors
 
 HELD_KEY = -(10**15) - 1  # the held bytes' place in a trace (no storage's key)
+# NOTE [ The meters, a long module ]
+# Over 400 lines: the tracer's books (lifetimes, kinds, parts) and the two meters that read
+# them (CPU tensors, CUDA's allocator) are one interface; the simulated device has its own file.
 CPU_DEFAULT_FRACTION = 0.5  # without a budget, the CPU probe may use half of the available RAM
 
 

@@ -6,6 +6,8 @@
 - ``_checks.py``      the argument checks (one line each), what the report says was probed
 - ``_trials.py``      the step each size runs, and one size's steps measured
 - ``_fake.py``        fake trials: the step on fake tensors, for a plan (meta models too)
+- ``_fake_group.py``  the one adapter over PyTorch's fake process group, and fully_shard
+- ``_sharded.py``     one FSDP2 rank traced: a meta copy under fully_shard on a fake mesh
 - ``_loop.py``        the search loop: run, fit the per-op model, ask the policy; target plans
 - ``_optimizer_shapes.py``  optimizer state by shape: a tiny copy's real step, when fakes cannot
 - ``_search.py``      the pure search policy: which batch size next

@@ -47,6 +47,10 @@ from ._trials import (
     state_tensors,
 )
 
+# NOTE [ find_batch, a long module ]
+# Over 400 lines: the public function's docstring is its manual (a hundred lines), and the
+# stages it runs (search under the guard, the report, a target's plans for one GPU and for N
+# ranks, the frontier) call one another; split them only with the ProbePlan they share.
 Step = ProbeStep  # the earlier name (NOTE [ One vocabulary ] in engine/_types.py)
 MakeBatch = Union[Callable[[int], Any], torch.utils.data.Dataset, torch.utils.data.DataLoader,
                   torch.Tensor]
