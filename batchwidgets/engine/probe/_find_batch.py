@@ -131,7 +131,8 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         *predicted, not run*, and says so (``stop_reason``, ``summary()``, ``target_band``).
         A model built on the meta device (``with torch.device("meta"): model = ...``) is
         planned too: nothing of it is materialised. A count plans that many GPUs
-        (``"8xA100-80GB"``, ``"4xH100"``, ``"2x24GiB"``) under ``parallel`` (default "ddp").
+        (``"8xA100-80GB"``, ``"4xH100"``, ``"2x24GiB"``) under ``parallel`` (default "ddp");
+        ``"4xCPU"`` with ``budget=`` plans CPU processes under that budget each.
     trace : {"fake", "real"}, optional
         How a target's small sizes are traced: on fake tensors (``FakeTensorMode``: shapes, no
         compute, no memory; the default for a target plan of a model) or by real steps. A step
@@ -154,7 +155,9 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         batch. ``max_batch_size`` is then per rank, ``global_batch_size`` over the
         ``world_size`` ranks, ``parallel_plans`` has every strategy, ``memory_split`` one rank's
         (``communication_bytes``: the strategy's buffers). Predicted, not run; the model is
-        only read (see NOTE [ Per-rank memory by strategy ] in probe/_parallel.py).
+        only read: "fsdp" is traced on one rank of a fake process group, the others from the
+        one-GPU trace with each storage at a rank's share (see NOTE [ Per-rank memory by
+        strategy ] in probe/_parallel.py).
     what_if : bool
         Also probe with each change the user could make (bf16, fp16, SGD, ``foreach=False``) and
         list the largest batch under each in ``report.what_if``, measured. Rows the per-op model
