@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import collections
 import copy
-import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ._fake import FakeWorld
 from ._fake_group import fully_shard_function
 from ._parallel import blocks
 
@@ -106,14 +104,4 @@ class ShardedWorld:
             param.grad = None
         self.optimizer.state.clear()
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        """The fake mode, the cycle collector paused (as ``FakeWorld.active``, for the same
-        reason: the traces of two sizes line up op for op)."""
-        gc.collect()
-        gc.disable()
-        try:
-            with self.mode:
-                yield
-        finally:
-            gc.enable()
+    active = FakeWorld.active  # the fake mode, the cycle collector paused (the same reason)
