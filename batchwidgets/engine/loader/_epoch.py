@@ -130,6 +130,13 @@ class Epoch:
         except StopIteration:
             self._end(keep=True)
             raise
+        except (EOFError, ConnectionError) as error:  # see NOTE [ A worker that dies ]
+            dead = _dead_workers(self.iterator)
+            self._end(keep=False)
+            raise RuntimeError(f"DataLoader worker {dead}exited unexpectedly: the main process "
+                               f"lost its connection to it ({type(error).__name__}); a worker "
+                               "killed for memory is the usual cause, try fewer workers or a "
+                               "smaller prefetch_factor") from error
         except BaseException:  # a worker died, the loop was interrupted: nothing left running
             self._end(keep=False)
             raise
@@ -192,3 +199,19 @@ class Epoch:
         """Abandoned (a new epoch began, or ``live.close()``): persistent workers are kept, as a
         DataLoader keeps them after a ``break``; ``live.close()`` stops them too."""
         self._end(keep=True)
+
+
+# NOTE [ A worker that dies ]
+# When a worker process dies (the OOM killer, os._exit in a dataset), what PyTorch raises depends
+# on when the main process notices: DataLoader's own RuntimeError "worker (pid ...) exited
+# unexpectedly" if it was waiting on the queue, but an EOFError or ConnectionError if it was
+# receiving a batch the worker shares by file descriptor at that moment (the worker's resource
+# sharer is gone). A live epoch raises the same RuntimeError in every case, naming the workers
+# found dead, so a loop's `except RuntimeError` sees one error, with the lost connection chained.
+
+
+def _dead_workers(iterator: Any) -> str:
+    """'(pid(s) 123) ' for the iterator's workers that have exited, or '' when none is seen yet."""
+    workers = getattr(iterator, "_workers", None) or []
+    pids = [str(w.pid) for w in workers if not w.is_alive()]
+    return f"(pid(s) {', '.join(pids)}) " if pids else ""
