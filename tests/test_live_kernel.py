@@ -1,5 +1,5 @@
 """The live loader in a real kernel (issue 24): a LoaderPanel's num_workers dropdown changed by a
-widget message sent while the training cell runs (as a click in the browser is) switches the loop
+panel message sent while the training cell runs (as a click in the browser is) switches the loop
 at its next batch, mid-epoch, with the plain DataLoader's order kept; on both ipykernel lines,
 and with ipywidgets 7.7 beside ipykernel 6 as on Colab."""
 
@@ -20,7 +20,7 @@ data = TensorDataset(torch.arange(600))
 live = bw.live_loader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
 panel = bw.LoaderPanel(live, max_workers=2)
 import ipykernel, ipywidgets
-print(panel.num_workers.model_id, ipykernel.__version__[0], ipywidgets.__version__[0],
+print(panel.model_id, ipykernel.__version__[0], ipywidgets.__version__[0],
       panel.num_workers.options)
 """
 TRAINING = """
@@ -54,11 +54,11 @@ def test_a_click_while_the_training_cell_runs_switches_the_loop_at_its_next_batc
         training = client.execute(TRAINING)
         iopub: list[dict] = []
         read_until(client, iopub, "start")
-        # What the browser sends when "2" is chosen in the dropdown (ipywidgets 7 and 8 sync
-        # a selection widget's index).
+        # What the panel's front end (static/panel.js) sends when "2" is chosen in the dropdown:
+        # a custom message with the option's position.
         client.shell_channel.send(client.session.msg("comm_msg", content={
-            "comm_id": model_id,
-            "data": {"method": "update", "state": {"index": 2}, "buffer_paths": []}}))
+            "comm_id": model_id, "data": {"method": "custom", "content": {
+                "event": "set", "name": "num_workers", "value": 2}}}))
         read_until(client, iopub, "workers")
         text = "".join(m["content"]["text"] for m in iopub if m["msg_type"] == "stream"
                        and m["parent_header"].get("msg_id") == training)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing
 import threading
 
-import ipywidgets as widgets
 import pytest
 import torch
 from torch import nn
@@ -17,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import batchwidgets as bw
 from batchwidgets.results import LiveLoaderReport
-from batchwidgets.widgets import WIDGET_VIEW
+from batchwidgets.widgets import WIDGET_VIEW, _controls
 
 WAIT_S = 60
 REFRESHER = "batchwidgets-live-panel"
@@ -81,7 +80,7 @@ def test_the_panel_of_a_live_loader_is_bound_to_it_and_starts_at_its_settings(pa
             panel.persistent_workers.value, panel.batch_size.value) == (1, False, 4, True, 4)
     assert panel.batch_size.disabled
     assert not panel.prefetch_factor.disabled
-    assert isinstance(panel.autotune, widgets.Checkbox)
+    assert isinstance(panel.autotune, _controls.Checkbox)
     assert panel.autotune.value is False
     assert isinstance(panel.report, LiveLoaderReport)
     assert panel.report == live.report()
@@ -90,7 +89,7 @@ def test_the_panel_of_a_live_loader_is_bound_to_it_and_starts_at_its_settings(pa
     assert len(refreshers()) == 1
     plain = panels(data(), start=False)  # a Dataset still gets the measuring panel
     assert type(plain) is bw.LoaderPanel
-    assert isinstance(plain.autotune, widgets.Button)
+    assert isinstance(plain.autotune, _controls.Button)
 
 
 def test_a_control_set_between_batches_switches_the_loop_at_the_next_batch_in_order(panels):

@@ -373,12 +373,14 @@ def test_the_panel_displays_live_with_the_static_report_as_fallback(panels):
 
 def test_the_parts_have_css_classes_for_stylesheets_and_browser_tests(panels):
     panel = panels(tiny(), start=False, **FAST)
-    assert "batchwidgets-loader" in panel._dom_classes
-    for widget, part in [(panel.readout, "readout"), (panel.chart, "chart"),
-                         (panel.status, "status"), (panel.autotune, "autotune"),
-                         (panel.num_workers, "num-workers"),
-                         (panel.persistent_workers, "persistent-workers")]:
-        assert f"batchwidgets-loader-{part}" in widget._dom_classes
+    assert panel.css_name == "loader"  # the front end: "batchwidgets-loader" on the panel
+    laid_out = [name for section in panel.layout_spec for name in section["parts"]]
+    assert sorted(laid_out) == sorted(panel.parts)  # every part drawn, once
+    for control, part in [(panel.readout, "readout"), (panel.chart, "chart"),
+                          (panel.status, "status"), (panel.autotune, "autotune"),
+                          (panel.num_workers, "num_workers"),
+                          (panel.persistent_workers, "persistent_workers")]:
+        assert panel.controls[part] is control  # "batchwidgets-loader-num-workers", ...
 
 
 def test_slow_dataset_is_deterministic_and_costs_cpu():

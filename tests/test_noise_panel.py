@@ -73,7 +73,8 @@ def test_the_panel_redraws_in_place_while_the_loop_runs():
     assert first not in shown
     assert panel.report == tracker.report
     assert panel.report.n_updates == 4
-    assert panel.children == (panel.status, panel.plot, panel.advice)  # one image, in place
+    assert list(panel.images) == ["plot"]  # one image, redrawn in place
+    assert panel.images["plot"].endswith(base64.b64encode(bytes(panel.plot.value)).decode())
 
 
 def test_redraws_are_throttled_by_min_interval_s():

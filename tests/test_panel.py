@@ -1,24 +1,19 @@
-"""widgets._panel: the display every panel shares (live widget plus static copy, refreshed in
-place through a real IPython shell), the one PNG resolution and the CSS class names."""
+"""widgets._panel and widgets._controls: the display every panel shares (live widget plus static
+copy, refreshed in place through a real IPython shell), the one PNG resolution, and one anywidget
+per panel whose controls are facades driven by the front end's messages as by code."""
 
 from __future__ import annotations
 
 import struct
 
-import ipywidgets as widgets
 import pytest
 from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 from matplotlib.figure import Figure
 
-from batchwidgets.widgets import WIDGET_VIEW
-from batchwidgets.widgets._panel import (
-    PLOT_DPI,
-    ReportDisplay,
-    figure_png,
-    name_parts,
-)
+from batchwidgets.widgets import WIDGET_VIEW, _controls
+from batchwidgets.widgets._panel import PLOT_DPI, ReportDisplay, figure_png
 
 
 class Report:
@@ -32,11 +27,11 @@ class Report:
         return f"<table><tr><td>{self.n}</td></tr></table>"
 
 
-class Panel(ReportDisplay, widgets.VBox):
+class Panel(ReportDisplay, _controls.Panel):
     def __init__(self) -> None:
         self.report: Report | None = None
-        self.status = widgets.Label(value="measuring <this>")
-        super().__init__(children=[self.status])
+        self.status = _controls.Label(value="measuring <this>")
+        super().__init__(css_name="test", layout=[{"parts": ["status"]}], status=self.status)
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +52,57 @@ def test_figure_png_draws_at_the_panels_one_resolution():
     assert png_size(figure_png(figure)) == (160, 80)
 
 
-def test_name_parts_gives_the_panel_and_each_part_a_css_class():
-    status, chart = widgets.Label(), widgets.Image()
-    panel = widgets.VBox([status, chart])
-    name_parts(panel, "loader", {"status": status, "num_workers": chart})
-    assert "batchwidgets-loader" in panel._dom_classes
-    assert "batchwidgets-loader-status" in status._dom_classes
-    assert "batchwidgets-loader-num-workers" in chart._dom_classes
+def from_the_browser(panel: _controls.Panel, **content) -> None:
+    """What the kernel does with the comm message a click or a choice in the front end sends."""
+    panel._handle_msg({"content": {"data": {"method": "custom", "content": content}},
+                       "buffers": []})
+
+
+def test_a_panel_is_one_anywidget_whose_esm_and_css_ship_in_the_package():
+    import anywidget
+
+    panel = Panel()
+    assert isinstance(panel, anywidget.AnyWidget)
+    assert "export default" in panel._esm
+    assert "function render" in panel._esm
+    assert ".batchwidgets-panel" in panel._css
+    assert "http" not in panel._esm  # works offline: nothing fetched from a URL or a CDN
+    assert panel.layout_spec == [{"parts": ["status"]}]
+    assert panel.parts["status"] == {"kind": "label", "description": "", "disabled": False,
+                                     "tooltip": "", "value": "measuring <this>"}
+
+
+def test_controls_mirror_into_the_synced_state_and_the_front_end_sets_them_as_code_does():
+    clicks, changes = [], []
+    button = _controls.Button(description="Go")
+    button.on_click(clicks.append)
+    choice = _controls.Dropdown(options=[("default", None), ("2", 2), ("4", 4)], value=None,
+                                description="prefetch_factor")
+    choice.observe(lambda change: changes.append(change["new"]), names="value")
+    slider = _controls.FloatSlider(value=0.9, min=0.5, max=1.0, step=0.01)
+    plot = _controls.Image(format="png")
+    panel = _controls.Panel(css_name="t", layout=[{"parts": ["go", "choice", "slider", "plot"]}],
+                            go=button, choice=choice, slider=slider, plot=plot)
+    assert panel.parts["choice"]["labels"] == ["default", "2", "4"]
+    assert panel.images["plot"] == ""  # nothing drawn yet: no image at all, not a broken one
+    from_the_browser(panel, event="set", name="choice", value=2)  # the position chosen
+    assert (choice.value, changes) == (4, [4])
+    assert panel.parts["choice"]["index"] == 2
+    choice.value = 2  # code: the front end follows
+    assert panel.parts["choice"]["index"] == 1
+    from_the_browser(panel, event="set", name="slider", value=7.0)  # clamped, as ipywidgets does
+    assert slider.value == 1.0
+    assert panel.parts["slider"]["value"] == 1.0
+    from_the_browser(panel, event="click", name="go")
+    assert clicks == [button]
+    button.disabled = True
+    from_the_browser(panel, event="click", name="go")  # a disabled control ignores the browser
+    from_the_browser(panel, event="set", name="nothing", value=1)  # unknown: ignored
+    assert clicks == [button]
+    plot.value = b"\x89PNG..."
+    assert panel.images["plot"].startswith("data:image/png;base64,")
+    with pytest.raises(Exception, match="not one of the options"):
+        choice.value = 3
 
 
 def test_the_bundle_has_the_live_widget_and_an_escaped_static_copy():
@@ -119,7 +158,7 @@ def test_closing_any_panel_leaves_no_widget_behind(ip):
     for name, make in makers.items():
         before = live_widgets()
         panel = make()
-        assert live_widgets() > before + 3, name  # a real panel: many widgets
+        assert live_widgets() <= before + 2, name  # one widget (and its layout), no children
         with capture_output():
             panel._ipython_display_()
         panel.close()

@@ -1,15 +1,18 @@
-"""The panels: ipywidgets front ends over the engine, one module each.
+"""The panels: anywidget front ends over the engine, one module each.
 
 - ``probe.py``   ProbePanel   ``find_batch`` live: progress, memory and throughput plots, headroom
 - ``noise.py``   NoisePanel   per-batch losses and the gradient noise scale while training runs
 - ``loader.py``  LoaderPanel  DataLoader options as live toggles, throughput, auto-tune
 - ``_live_panel.py`` LoaderPanel(live): the controls switch a running loop's live loader at its
   next batch; the readout is that loop's own numbers, refreshed while the cell runs
+- ``_controls.py`` one anywidget per panel (``static/panel.js``, ``static/panel.css``) and its
+  controls: Python facades with ipywidgets' names over one synced trait
 - ``_panel.py``  what every panel shares: live display with a static copy refreshed in place,
-  the plot's PNG at one resolution, CSS class names of the parts
+  the plot's PNG at one resolution
 - ``_runner.py`` the background worker: the latest request wins, the one in flight is stopped
 
-Only widgets that ipywidgets 7.7 (Colab) and 8 both have, and no custom front-end code.
+One ES module, no ipywidgets children: the same panel in JupyterLab, Notebook 7, Classic
+Notebook 6, VS Code, Colab and marimo, with ipywidgets 7.7 or 8 in the kernel.
 """
 
 import importlib

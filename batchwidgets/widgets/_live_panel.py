@@ -15,11 +15,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import ipywidgets as widgets
-
 from ..engine.loader import LiveLoader, one_line, usable_cpus
 from ..plots import plot_live_loader
 from ..results import LiveLoaderReport
+from . import _controls as widgets
 from ._panel import ReportDisplay, figure_png
 
 if TYPE_CHECKING:
@@ -108,9 +107,9 @@ class LiveBinding:
         Start at the loader's settings; set ``.value`` (or click) to switch the running loop at
         its next batch. Bad settings are shown in ``status`` (one line, also in ``error``) and
         the control goes back. They follow switches asked for by code or autotune.
-    batch_size : ipywidgets.BoundedIntText
+    batch_size : BoundedIntText
         Shown, disabled: the epoch's batches cannot change while it runs.
-    autotune : ipywidgets.Checkbox
+    autotune : Checkbox
         ``live.autotune``; a control changed by hand turns it off, as ``live.set`` does.
     report : LiveLoaderReport
         ``live.report()``: the loop's own numbers so far.
@@ -144,8 +143,7 @@ class LiveBinding:
         self._refresher.start()
 
     def _autotune_control(self) -> widgets.Checkbox:
-        checkbox = widgets.Checkbox(value=self._live.autotune, description="autotune",
-                                    indent=False, layout=widgets.Layout(width="auto"))
+        checkbox = widgets.Checkbox(value=self._live.autotune, description="autotune")
         checkbox.observe(self._on_autotune_box, names="value")
         return checkbox
 

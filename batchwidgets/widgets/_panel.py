@@ -1,10 +1,9 @@
 """What every panel shares: its display (the live widget, with a static copy for the places that
-cannot run widgets, refreshed in place), the PNG of its plot, and the CSS class names of its parts.
+cannot run widgets, refreshed in place) and the PNG of its plot.
 
-Usage (a panel is an ipywidgets box that mixes ``ReportDisplay`` in before the box)::
+Usage (a panel is one ``_controls.Panel`` that mixes ``ReportDisplay`` in before it)::
 
-    class LoaderPanel(ReportDisplay, widgets.VBox):
-        css_name = "loader"                    # "batchwidgets-loader", "batchwidgets-loader-<part>"
+    class LoaderPanel(ReportDisplay, Panel):
         def render(self, report):
             self._report = report
             self.chart.value = figure_png(plot_loader(report))
@@ -22,7 +21,6 @@ from matplotlib.figure import Figure
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 PLOT_DPI = 80  # every panel's plot: sharp enough on a laptop, small enough for a saved notebook
-CSS_PREFIX = "batchwidgets"
 
 
 def figure_png(figure: Figure) -> bytes:
@@ -37,26 +35,6 @@ def panel_bundle(panel: widgets.DOMWidget, text: str, static_html: str) -> dict[
     with an inline PNG) for nbviewer, GitHub and saved notebooks, which cannot run them."""
     return {"text/plain": text, "text/html": static_html,
             WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": panel.model_id}}
-
-
-def name_parts(panel: widgets.DOMWidget, css_name: str,
-               parts: dict[str, widgets.DOMWidget]) -> None:
-    """CSS classes for stylesheets and browser tests (tests/browser): ``batchwidgets-<css_name>``
-    on the panel, ``batchwidgets-<css_name>-<part>`` on each part (``_`` written ``-``)."""
-    panel.add_class(f"{CSS_PREFIX}-{css_name}")
-    for part, widget in parts.items():
-        widget.add_class(f"{CSS_PREFIX}-{css_name}-{part.replace('_', '-')}")
-
-
-def close_tree(widget: widgets.Widget) -> None:
-    """Close a widget, its children, and their layout and style widgets (``close()`` alone
-    leaves all of those open in the kernel)."""
-    for child in getattr(widget, "children", ()):
-        close_tree(child)
-    for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
-        if isinstance(part, widgets.Widget):
-            part.close()
-    widget.close()
 
 
 class ReportDisplay:
@@ -100,7 +78,7 @@ class ReportDisplay:
         outputs keeps the static report."""
         self.refresh_displays(live=False)
         self.__dict__["_display_handles"] = []
-        for child in self.children:
-            close_tree(child)
-        self.layout.close()
+        layout = getattr(self, "layout", None)  # DOMWidget's, opened with the widget
+        if isinstance(layout, widgets.Widget):
+            layout.close()
         super().close()

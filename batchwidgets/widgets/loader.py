@@ -1,6 +1,7 @@
 """LoaderPanel: the DataLoader options as live controls, re-measured off the main thread.
 
-Only widgets that ipywidgets 7.7 (Colab) and 8 both have, and no custom front-end code.
+One anywidget widget (``_controls.Panel``): the readout first, then the controls, the chart and
+the engine's warnings.
 
 Usage:
     >>> import batchwidgets as bw
@@ -19,7 +20,6 @@ import time
 import warnings
 from typing import Any, Literal
 
-import ipywidgets as widgets
 from torch.utils.data import DataLoader
 
 from .. import _html
@@ -36,8 +36,9 @@ from ..engine.loader import (
 )
 from ..plots import plot_loader
 from ..results import LoaderReport, LoaderTrial
+from . import _controls as widgets
 from ._live_panel import LiveBinding
-from ._panel import ReportDisplay, figure_png, name_parts
+from ._panel import ReportDisplay, figure_png
 from ._runner import Runner, Task
 
 JobKind = Literal["measure", "tune"]
@@ -77,7 +78,7 @@ def _status_line(job: _Job) -> str:
     return f"{what} " + ", ".join(f"{name}={value}" for name, value in job.settings.items())
 
 
-class LoaderPanel(ReportDisplay, widgets.VBox):
+class LoaderPanel(ReportDisplay, widgets.Panel):
     """Controls named after the DataLoader options; each change re-measures the loader in the
     background (``measure_loader``), shows samples/s, bytes/s to the device and the time to the
     first batch, and adds the setting to a chart. "Auto-tune" runs ``tune_loader`` and sets the
@@ -109,7 +110,7 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
         The controls. Set ``.value`` (or click them) to measure another setting; only the
         latest of quick changes is measured. Without workers, ``prefetch_factor`` (None) and
         ``persistent_workers`` (False) are disabled, as DataLoader requires.
-    autotune : ipywidgets.Button
+    autotune : Button
         Runs ``tune_loader`` in the background, then shows the best setting measured in this
         panel (tune's own, or an earlier one that ran faster) in the controls, the readout and
         ``report`` (its ``current`` is then its ``best``).
@@ -156,46 +157,38 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
     # -- layout --------------------------------------------------------------------------------
 
     def _build(self, initial: DataLoader) -> None:
-        wide = {"description_width": "initial"}
         workers = initial.num_workers
         self.num_workers = widgets.Dropdown(
             options=sorted({*range(self.max_workers + 1), workers}), value=workers,
-            description="num_workers", style=wide, layout=widgets.Layout(width="10em"))
-        self.pin_memory = widgets.Checkbox(value=initial.pin_memory, description="pin_memory",
-                                           indent=False, layout=widgets.Layout(width="auto"))
+            description="num_workers")
+        self.pin_memory = widgets.Checkbox(value=initial.pin_memory, description="pin_memory")
         prefetch = initial.prefetch_factor if workers else None
         self.prefetch_factor = widgets.Dropdown(
             options=[("default", None),
                      *((str(n), n) for n in sorted({*PREFETCH_FACTORS, prefetch or 2}))],
-            value=prefetch, description="prefetch_factor", style=wide,
-            layout=widgets.Layout(width="12em"))
+            value=prefetch, description="prefetch_factor")
         self.persistent_workers = widgets.Checkbox(
-            value=bool(workers and initial.persistent_workers), description="persistent_workers",
-            indent=False, layout=widgets.Layout(width="auto"))
+            value=bool(workers and initial.persistent_workers), description="persistent_workers")
         self._batching = initial.batch_size is not None  # False: the loader's batch_sampler
         self.batch_size = widgets.BoundedIntText(
             value=initial.batch_size or 1, min=1, max=2**24, description="batch_size",
-            disabled=not self._batching, style=wide, layout=widgets.Layout(width="11em"))
+            disabled=not self._batching)
         self.autotune = self._autotune_control()
         self.status = widgets.Label(value="ready")
         self.readout = widgets.HTML(value=_readout(None))
-        self.chart = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self.chart = widgets.Image(format="png")
         self.messages = widgets.HTML()  # the engine's warnings
         for control in self._controls:
             control.observe(self._on_control, names="value")
         self._sync_worker_options()
-        super().__init__(children=[
-            widgets.HBox([self.num_workers, self.pin_memory, self.prefetch_factor,
-                          self.persistent_workers, self.batch_size]),
-            widgets.HBox([self.autotune, self.status]),
-            self.readout, self.chart, self.messages,
-        ])
-        name_parts(self, "loader", {
-            "autotune": self.autotune, "status": self.status, "readout": self.readout,
-            "chart": self.chart, "warnings": self.messages,
-            **{control.description: control for control in self._controls}})
+        names = [control.description for control in self._controls]
+        widgets.Panel.__init__(self, css_name="loader", layout=[
+            {"parts": ["readout"]}, {"parts": names}, {"parts": ["autotune", "status"]},
+            {"parts": ["chart"]}, {"parts": ["warnings"]},
+        ], autotune=self.autotune, status=self.status, readout=self.readout, chart=self.chart,
+            warnings=self.messages, **dict(zip(names, self._controls)))
 
-    def _autotune_control(self) -> widgets.DOMWidget:
+    def _autotune_control(self) -> widgets.Control:
         button = widgets.Button(description="Auto-tune",
                                 tooltip="tune_loader: measure a few settings, keep the fastest "
                                         "(off the main thread)")
@@ -203,7 +196,7 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
         return button
 
     @property
-    def _controls(self) -> list[widgets.ValueWidget]:
+    def _controls(self) -> list[widgets.Control]:
         return [self.num_workers, self.pin_memory, self.prefetch_factor,
                 self.persistent_workers, self.batch_size]
 
@@ -214,8 +207,8 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
         try:
             if no_workers:
                 self.prefetch_factor.value, self.persistent_workers.value = None, False
-            if self.prefetch_factor.value is None:  # show "default": value None alone shows
-                self.prefetch_factor.index = 0      # an empty dropdown (ipywidgets 7 and 8)
+            if self.prefetch_factor.value is None:  # show "default"
+                self.prefetch_factor.index = 0
             self.prefetch_factor.disabled = self.persistent_workers.disabled = no_workers
         finally:
             self._quiet.on = False
@@ -249,7 +242,7 @@ class LoaderPanel(ReportDisplay, widgets.VBox):
         self._sync_worker_options()
         self._post(_Job("measure", self.settings))
 
-    def _on_autotune(self, _button: widgets.Button) -> None:
+    def _on_autotune(self, _button: Any) -> None:
         self._post(_Job("tune", self.settings))
 
     def _post(self, job: _Job, again: bool = False) -> None:

@@ -18,13 +18,12 @@ import html
 import time
 from collections.abc import Callable
 
-import ipywidgets as widgets
-
 from .. import _html
 from ..engine.noise import NoiseTracker
 from ..plots import plot_noise_panel
 from ..results import LOSS_WINDOW, NoiseReport, NoiseTrackerReport
-from ._panel import ReportDisplay, figure_png, name_parts
+from . import _controls as widgets
+from ._panel import ReportDisplay, figure_png
 
 # After a redraw that took t seconds, the next waits max(min_interval_s, DRAW_SHARE * t): drawing
 # then takes at most 1 / (1 + DRAW_SHARE) of the training loop's time however slow it is.
@@ -43,7 +42,7 @@ def _status(report: NoiseTrackerReport) -> str:
             f"{html.escape(loss)} · {report.n_losses_seen} batches{sampled}{stall}")
 
 
-class NoisePanel(ReportDisplay, widgets.VBox):
+class NoisePanel(ReportDisplay, widgets.Panel):
     """Per-batch losses and the gradient noise scale of a ``NoiseTracker``, live.
 
     Three plots in one image: each batch's loss with its rolling mean and a band of one
@@ -100,11 +99,11 @@ class NoisePanel(ReportDisplay, widgets.VBox):
         self.min_interval_s, self._clock = float(min_interval_s), clock
         self._next_draw_s = 0.0  # the clock's time of the next redraw the tracker may trigger
         self.status = widgets.HTML()
-        self.plot = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self.plot = widgets.Image(format="png")
         self.advice = widgets.HTML()
-        super().__init__(children=[self.status, self.plot, self.advice])
-        name_parts(self, "noise", {"status": self.status, "plot": self.plot,
-                                   "advice": self.advice})
+        super().__init__(css_name="noise", layout=[{"parts": ["status"]}, {"parts": ["plot"]},
+                                                   {"parts": ["advice"]}],
+                         status=self.status, plot=self.plot, advice=self.advice)
         self._draw()
         self.tracker.add_listener(self._on_tracker)
 
@@ -113,6 +112,10 @@ class NoisePanel(ReportDisplay, widgets.VBox):
     def render(self, report: NoiseTrackerReport) -> None:
         """Show ``report``: the image, the status line and the advice."""
         self.report = report
+        with self.hold_sync():
+            self._render(report)
+
+    def _render(self, report: NoiseTrackerReport) -> None:
         self.plot.value = figure_png(plot_noise_panel(report, self.noise_report))
         self.status.value = _status(report)
         self.advice.value = f"<p>{html.escape(report.advice)}</p>"

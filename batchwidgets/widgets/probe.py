@@ -1,6 +1,7 @@
 """ProbePanel: ``find_batch`` as a live panel (progress, plots, summary, headroom, code to copy).
 
-Only widgets that ipywidgets 7.7 (Colab) and 8 both have, and no custom front-end code.
+One anywidget widget (``_controls.Panel``): the answer in one line first, the controls, the
+plot beside the summary, and the attempts and details behind tabs.
 
 Usage:
     >>> import functools, batchwidgets as bw
@@ -13,12 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import html
 import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
-
-import ipywidgets as widgets
 
 from .. import _html
 from ..engine import _background, memory
@@ -27,7 +27,8 @@ from ..engine.probe import find_batch
 from ..plots import plot_probe
 from ..results import Attempt, BatchSizeReport, attempts_table
 from ..results.probe import details_html
-from ._panel import ReportDisplay, figure_png, name_parts
+from . import _controls as widgets
+from ._panel import ReportDisplay, figure_png
 
 # probe(on_step=..., headroom=...) -> report, e.g. functools.partial(find_batch, model, data)
 Probe = Callable[..., BatchSizeReport]
@@ -81,6 +82,23 @@ def _accepts(probe: Probe, name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
+def _answer(report: BatchSizeReport) -> str:
+    """The answer in one line: the largest batch, per rank and global where it applies,
+    predicted or measured (with its band), and where."""
+    size = f'<b class="batchwidgets-answer">{report.max_batch_size}</b>'
+    if report.target is not None and report.parallel is not None:
+        where = (f"per rank &times; {report.world_size} = <b>{report.global_batch_size}</b> "
+                 f"on {report.world_size}x{html.escape(report.target)} under "
+                 f"{html.escape(report.parallel)}, predicted (not run)")
+    elif report.target is not None:
+        low, high = report.target_band or (report.max_batch_size, report.max_batch_size)
+        where = f"on {html.escape(report.target)}, predicted (not run; band {low}-{high})"
+    else:
+        where = f"on {html.escape(report.device)}, measured"
+    return (f"largest batch {size} {where} &middot; recommended "
+            f"{report.recommended_batch_size} (headroom {report.headroom:g})")
+
+
 def _summary_table(report: BatchSizeReport) -> str:
     return _html.table([
         ("max_batch_size", report.max_batch_size),
@@ -93,7 +111,7 @@ def _summary_table(report: BatchSizeReport) -> str:
     ], caption="find_batch")
 
 
-class ProbePanel(ReportDisplay, widgets.VBox):
+class ProbePanel(ReportDisplay, widgets.Panel):
     """``find_batch`` with live progress, then memory and throughput plots, a summary, a
     headroom slider (recomputes the recommendation without probing again) and a line of code.
 
@@ -135,30 +153,28 @@ class ProbePanel(ReportDisplay, widgets.VBox):
         self.progress = widgets.IntProgress(value=0, min=0, max=EXPECTED_ATTEMPTS,
                                             description="attempts")
         self.status = widgets.Label(value="ready" if report is None else "")
-        self.plot = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self.plot = widgets.Image(format="png")
         self.summary = widgets.HTML()
         self.attempts = widgets.HTML()
         self.headroom = widgets.FloatSlider(
             value=0.9, min=0.5, max=1.0, step=0.01, description="headroom", disabled=True,
             continuous_update=False, readout_format=".2f")
-        self.code = widgets.Text(value="", description="code",
-                                 layout=widgets.Layout(width="28em"))
+        self.code = widgets.Text(value="", description="code")
         self.probe_button.on_click(self._on_probe_click)
         self.stop_button.on_click(self._on_stop_click)
         self.headroom.observe(self._on_headroom, names="value")
         self.target.observe(self._on_target, names="value")
-        super().__init__(children=[
-            widgets.HBox([self.probe_button, self.stop_button, self.progress, self.status]),
-            self.plot,
-            widgets.HBox([self.summary, widgets.VBox([self.headroom, self.code, self.target])]),
-            self.details,
-            self.attempts,
-        ])
-        name_parts(self, "probe", {
-            "button": self.probe_button, "progress": self.progress, "status": self.status,
-            "plot": self.plot, "summary": self.summary, "headroom": self.headroom,
-            "code": self.code, "attempts": self.attempts, "stop": self.stop_button,
-            "target": self.target, "details": self.details})
+        self.answer = widgets.HTML(value="")
+        super().__init__(css_name="probe", layout=[
+            {"parts": ["answer"]},
+            {"parts": ["button", "stop", "target", "progress", "status"]},
+            {"columns": [{"parts": ["plot"]}, {"parts": ["summary", "headroom", "code"]}]},
+            {"tabs": [{"title": "attempts", "parts": ["attempts"]},
+                      {"title": "details", "parts": ["details"]}]},
+        ], answer=self.answer, button=self.probe_button, stop=self.stop_button,
+            target=self.target, progress=self.progress, status=self.status, plot=self.plot,
+            summary=self.summary, headroom=self.headroom, code=self.code,
+            attempts=self.attempts, details=self.details)
         if report is not None:
             self.render(report)
 
@@ -166,8 +182,9 @@ class ProbePanel(ReportDisplay, widgets.VBox):
 
     def render(self, report: BatchSizeReport) -> None:
         """Show ``report`` (called from any thread; every update goes through traits)."""
-        with self._lock:
+        with self._lock, self.hold_sync():
             self.report = report
+            self.answer.value = _answer(report)
             self.plot.value = figure_png(plot_probe(report))
             self.summary.value = _summary_table(report)
             self.attempts.value = attempts_table(report.attempts)
@@ -278,10 +295,10 @@ class ProbePanel(ReportDisplay, widgets.VBox):
             raise self.error
         return self.report
 
-    def _on_probe_click(self, _button: widgets.Button) -> None:
+    def _on_probe_click(self, _button: Any) -> None:
         self.start()
 
-    def _on_stop_click(self, _button: widgets.Button) -> None:
+    def _on_stop_click(self, _button: Any) -> None:
         self._stop.set()
         self.status.value = "stopping after this size..."
 

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -52,8 +52,8 @@ from ._trials import (
 # stages it runs (search under the guard, the report, a target's plans for one GPU and for N
 # ranks, the frontier) call one another; split them only with the ProbePlan they share.
 Step = ProbeStep  # the earlier name (NOTE [ One vocabulary ] in engine/_types.py)
-MakeBatch = Union[Callable[[int], Any], torch.utils.data.Dataset, torch.utils.data.DataLoader,
-                  torch.Tensor]
+MakeBatch = (Callable[[int], Any] | torch.utils.data.Dataset | torch.utils.data.DataLoader
+             | torch.Tensor)
 
 _FLAT = "memory did not grow with the batch size: check make_batch"
 
