@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import time
 
 import pytest
 import torch
@@ -215,3 +216,52 @@ def test_choosing_a_target_runs_one_predicted_probe_and_the_details_show_the_row
 def test_a_probe_that_takes_no_target_keeps_the_selector_off():
     panel = ProbePanel(probe=lambda on_step, headroom=0.9: REPORT)
     assert panel.target.disabled
+
+
+class SlowBlocks(nn.Module):
+    """Forty blocks, each about 10 ms: one forward takes 0.4 s. ``stop_at`` (an Event and a
+    block count) is set from inside the first real step, as a user's click mid-step."""
+
+    def __init__(self, stop_after: int, clicked: threading.Event) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(40))
+        self.head = nn.Linear(16, 4)
+        self.stop_after, self.clicked = stop_after, clicked
+        self.real_calls = 0  # blocks run on real tensors (the fake trace first runs on fakes)
+        self.calls_after_click = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if type(x) is torch.Tensor:
+                self.real_calls += 1
+                if self.clicked.is_set():
+                    self.calls_after_click += 1
+                elif self.real_calls == self.stop_after:
+                    self.clicked.set()
+                time.sleep(0.01)
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def test_stop_ends_the_probe_in_the_middle_of_a_step_and_puts_everything_back():
+    clicked = threading.Event()
+    model = SlowBlocks(stop_after=5, clicked=clicked)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()  # real optimizer state to restore
+    model.real_calls = model.calls_after_click = 0  # count from the probe's first real step
+    clicked.clear()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [v["exp_avg"].clone() for v in optimizer.state.values()]
+    rng = torch.get_rng_state()
+    report = bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy,
+                           optimizer=optimizer, budget="64MiB", should_stop=clicked.is_set)
+    assert report.stop_reason == "stopped"
+    assert clicked.is_set()
+    # stopped before the forward it was clicked in reached its end (35 more blocks)
+    assert model.calls_after_click < len(model.blocks) - model.stop_after
+    assert all(a.fake for a in report.attempts)  # the real size it stopped in is not an attempt
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v["exp_avg"], m) for v, m in zip(optimizer.state.values(), moments))
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -144,7 +144,7 @@ class ProbePanel(ReportDisplay, widgets.Panel):
                                            tooltip="run find_batch again (off the main thread)")
         self._stop = threading.Event()
         self.stop_button = widgets.Button(description="Stop", disabled=True,
-                                          tooltip="end the probe with what it found so far")
+                                          tooltip="end the probe now, with the sizes it finished")
         self.target = widgets.Dropdown(
             options=TARGETS, value="this device", description="target",
             disabled=probe is None or not _accepts(probe, "target"),
@@ -265,8 +265,8 @@ class ProbePanel(ReportDisplay, widgets.Panel):
     # A probe holds the user's model (or a copy of it and its optimizer) and takes the memory
     # it measures; stopping one half-way to start another would cost a second probe's time for
     # nothing, since the answer does not depend on what was clicked in between. So a click
-    # while a probe runs is ignored, Stop ends it at the next size (should_stop), and start()
-    # returns the one thread, which tests and users join.
+    # while a probe runs is ignored, Stop ends it mid-step (should_stop, polled between ops),
+    # and start() returns the one thread, which tests and users join.
     def start(self) -> threading.Thread:
         """Probe off the kernel's main thread (what the "Probe" button does)."""
         if self.thread is not None and self.thread.is_alive():
@@ -300,7 +300,7 @@ class ProbePanel(ReportDisplay, widgets.Panel):
 
     def _on_stop_click(self, _button: Any) -> None:
         self._stop.set()
-        self.status.value = "stopping after this size..."
+        self.status.value = "stopping (the model, optimizer and RNGs are put back)..."
 
     def _on_target(self, change: dict) -> None:
         """A target chosen: one probe, predicted for it (off the main thread)."""

@@ -117,8 +117,10 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         Called with each ``Attempt`` as it finishes (progress for front ends); ``on_step`` is
         its earlier name, still accepted (NOTE [ One vocabulary ] in engine/_types.py).
     should_stop : callable, optional
-        Polled before each size (as in ``tune_loader``); True ends the search with what it
-        found so far (``stop_reason="stopped"``). A front end's Stop button.
+        Polled before each size (as in ``tune_loader``) and between the ops of a step (at most
+        every 0.05 s); True ends the search with the sizes it finished (``stop_reason=
+        "stopped"``), the size it stopped in undone: model, optimizer and RNGs as they were.
+        A front end's Stop button.
     seq_len : sequence of int, optional
         Sequence lengths: ``make_batch(batch_size, seq_len)`` is called, each length probed, and
         ``report.frontier`` maps each length to its largest batch size (the rest of the report

@@ -19,6 +19,7 @@ from . import _search
 from ._fake import FakeTraceError
 from ._plan import SEARCH_CEILING
 from ._ranks import agree, agree_size, in_job, share_error
+from ._stop import StepStopped, stop_between_ops
 from ._trials import OnStep, Trainer
 
 Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]  # two traced sizes: (trace, batch size)
@@ -269,7 +270,11 @@ class Search:
                 break
             # an error raises on every rank: NOTE [ One verdict per size, errors included ]
             try:
-                attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
+                with stop_between_ops(None if in_job() else should_stop, self.meter.device):
+                    attempt, reading = self.trainer.attempt(size, trace=self._wants_trace())
+            except StepStopped:  # NOTE [ Stopping mid-step ]: the state is restored already
+                self.stopped = True
+                break
             except Exception as error:
                 share_error(error)
                 raise
