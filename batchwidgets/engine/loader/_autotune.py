@@ -150,8 +150,7 @@ class Autotune:
         if trial is None:
             return None
         self.trials.append(trial)
-        if self.best is None or trial.samples_per_s >= self.best.samples_per_s * (
-                1 + self.min_gain):
+        if self.best is None or self._ranks_above(trial, self.best):
             self.best = trial
         return self._switch(*self._next())
 
@@ -204,7 +203,7 @@ class Autotune:
     def _next(self) -> tuple[Settings | None, str]:
         """The next setting to try (NOTE [ Which setting next ]), or None and why none."""
         best = self.best
-        if best.stall_fraction < self.stall_target:
+        if best.stall_fraction < self.stall_target and not self.advised_against(best.settings):
             return None, f"stall under {self.stall_target:.0%}"
         if len(self.trials) >= self.max_trials:
             return None, f"{self.max_trials} settings tried"
@@ -221,6 +220,9 @@ class Autotune:
         measured = [t.settings["num_workers"] for t in self.trials]
         up, down = self._rungs(workers)
         moves: list[Settings] = []
+        if self.advised_against(settings):  # NOTE [ Advice that agrees with its warnings ]
+            moves.append({"pin_memory": self.pin_memory and settings["pin_memory"],
+                          "num_workers": min(workers, self.max_workers)})
         if up and max(measured) <= workers:  # nothing above measured yet
             moves.append({"num_workers": self._keeps_up(best) if workers == 0 else up[0]})
         if down and min(measured) >= workers:
@@ -238,6 +240,22 @@ class Autotune:
                 moves += [{**trial.settings, "num_workers": n}
                           for n in (up[:1] if other > workers else down[-1:])]
         return [self._valid({**settings, **move}, self._persistent) for move in moves]
+
+    def advised_against(self, settings: Settings) -> bool:
+        """Whether the live loader warns to change ``settings`` (``setting_warnings``, as this
+        policy knows the machine): pinned memory where it does nothing, more workers than
+        ``max_workers`` (the usable CPUs in a live loader)."""
+        return (settings["pin_memory"] and not self.pin_memory) or \
+            settings["num_workers"] > self.max_workers
+
+    def _ranks_above(self, trial: Trial, best: Trial) -> bool:
+        """``trial`` replaces ``best``: a setting warned against never replaces one that is
+        not; otherwise when it ran ``min_gain`` faster."""
+        warned, best_warned = self.advised_against(trial.settings), \
+            self.advised_against(best.settings)
+        if warned != best_warned:
+            return best_warned
+        return trial.samples_per_s >= best.samples_per_s * (1 + self.min_gain)
 
     def _keeps_up(self, base: Trial) -> int:
         """From no workers: the rung of workers that should keep up with the step (NOTE [
@@ -276,7 +294,8 @@ class Autotune:
         current = self.trials[-1]
         if candidate is None:
             self.done = True
-            keep = current if self._ties(current) else self.best
+            keep = current if self._ties(current) and not self.advised_against(
+                current.settings) else self.best
             self._target = keep.settings
             self.status = (f"settled on {describe(keep.settings)}: "
                            f"{keep.samples_per_s:.4g} samples/s, stall "

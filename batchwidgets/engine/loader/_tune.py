@@ -268,6 +268,15 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
     return with_data(report, loader_or_dataset)
 
 
+# NOTE [ Advice that agrees with its warnings ]
+# A setting the engine warns about (pin_memory=True with no accelerator, more workers than CPUs,
+# workers whose batches overflow /dev/shm, batches pinning cannot reach) is never the one it
+# recommends while another setting ran without a warning: tune_loader's and a panel's best rank
+# the warned-against trials below every other that ran to its end, and the live autotune fixes
+# the settings it was warned about first and never settles on them while another tied. So no
+# report or panel shows "best: pin_memory=True" beside "use pin_memory=False".
+
+
 def with_data(report: LoaderReport, data: Any) -> LoaderReport:
     """``report``, whose ``make_loader()`` builds a DataLoader over ``data`` (the loader or
     dataset measured); the report keeps no field of it (NOTE [ A LoaderReport holds no data ])."""
@@ -283,7 +292,8 @@ def loader_report(trials: Sequence[LoaderTrial], *, current_index: int | None = 
     keeps no field of it (NOTE [ A LoaderReport holds no data ]).
 
     ``best_index`` is the fastest trial that ran to the end (failed and cancelled ones rank
-    last); ``current_index`` defaults to the best (a panel passes its latest, ``-1``); the
+    last, then those warned against: NOTE [ Advice that agrees with its warnings ]);
+    ``current_index`` defaults to the best (a panel passes its latest, ``-1``); the
     warnings are the trials', each once; ``grid_size`` counts the full grid for ``max_workers``
     (default the usable CPUs) on the trials' device.
     """
@@ -291,6 +301,7 @@ def loader_report(trials: Sequence[LoaderTrial], *, current_index: int | None = 
         raise ValueError("trials should hold at least one LoaderTrial, but got trials=[]; "
                          "measure one with measure_loader first.")
     best = max(range(len(trials)), key=lambda i: (trials[i].ok and not trials[i].cancelled,
+                                                   not trials[i].warnings,
                                                    trials[i].samples_per_s))
     device = trials[-1].device
     accelerator = torch.device(device).type not in ("cpu", "mps", "meta")
