@@ -40,10 +40,16 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
     With ``ax`` both panels share it (throughput on a twin axis); otherwise a new 1x2 Figure.
     """
     figure, memory_ax, speed_ax = _axes_pair(ax)
-    ran = sorted((a for a in report.attempts if a.fits), key=lambda a: a.batch_size)
+    ran = sorted((a for a in report.attempts if a.fits and not a.fake),
+                 key=lambda a: a.batch_size)
+    traced = [a for a in report.attempts if a.fits and a.fake]
     failed = [a for a in report.attempts if not a.fits]
     memory_ax.plot([a.batch_size for a in ran], [(a.peak_memory_bytes or 0) / MIB for a in ran],
                    "o", color="tab:blue", label="ran")
+    if traced:  # fake tensors: traced, not run
+        memory_ax.plot([a.batch_size for a in traced],
+                       [(a.peak_memory_bytes or 0) / MIB for a in traced], "o",
+                       markerfacecolor="none", color="tab:blue", label="traced (fake)")
     memory_ax.plot([a.batch_size for a in failed],
                    [(a.peak_memory_bytes or 0) / MIB for a in failed],
                    "x", color="tab:red", markersize=9, label="out of memory")
@@ -73,7 +79,8 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
     where = f"{report.target} (predicted)" if report.target else report.device
     memory_ax.set_title(f"memory on {where}: max batch {report.max_batch_size}")
     memory_ax.legend(fontsize="small", loc="lower right")
-    speed_ax.plot([a.batch_size for a in ran], [a.samples_per_s or 0 for a in ran], "o-",
+    timed = [a for a in ran if a.samples_per_s]  # out-of-memory and fake ones have no time
+    speed_ax.plot([a.batch_size for a in timed], [a.samples_per_s for a in timed], "o-",
                   color="tab:orange")
     speed_ax.set_xlabel("batch size")
     speed_ax.set_ylabel("samples/s")
@@ -84,14 +91,17 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
 
 
 def _draw_probe_extras(figure: Figure, report: BatchSizeReport) -> None:
-    """Below the two panels: where the memory goes (a stacked bar) and the length frontier."""
+    """Below the two panels: where the memory goes (one step over its ops, stacked by kind, or
+    a stacked bar at the peak) and the length frontier."""
     figure.set_size_inches(9, 6.4)
     memory_ax, speed_ax = figure.axes[:2]
     grid = figure.add_gridspec(2, 2)
     memory_ax.set_subplotspec(grid[0, 0])
     speed_ax.set_subplotspec(grid[0, 1])
     split = report.memory_split
-    if split is not None:
+    if report.memory_timeline is not None:
+        _draw_timeline(figure.add_subplot(grid[1, 0]), report)
+    elif split is not None:
         bar_ax = figure.add_subplot(grid[1, 0])
         left = 0.0
         parts = (("parameters", split.parameters_bytes), ("gradients", split.gradients_bytes),
@@ -112,6 +122,35 @@ def _draw_probe_extras(figure: Figure, report: BatchSizeReport) -> None:
         frontier_ax.set_xlabel("sequence length")
         frontier_ax.set_ylabel("largest batch size")
         frontier_ax.set_title("the (batch, length) frontier")
+
+
+TIMELINE_LABELS = {"parameter": "parameters", "optimizer": "optimizer state",
+                   "gradient": "gradients", "activation": "activations (saved)",
+                   "temporary": "temporaries"}
+
+
+def _draw_timeline(ax: Axes, report: BatchSizeReport) -> None:
+    """One step's live memory over its ops, stacked by kind (as PyTorch's memory timeline),
+    with the forward, backward and optimizer step, the peak and the limit marked."""
+    timeline = report.memory_timeline
+    ax.stackplot(timeline.ops, *[[b / MIB for b in timeline.by_kind[kind]]
+                                 for kind in timeline.by_kind],
+                 labels=[TIMELINE_LABELS.get(kind, kind) for kind in timeline.by_kind])
+    for name, first, last in timeline.phases:
+        if name in ("forward", "backward", "optimizer step") and last > first:
+            ax.axvline(first, color="tab:gray", linewidth=0.6, alpha=0.6)
+            ax.annotate(name, (first, 1), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                        textcoords="offset points", ha="left", va="top", fontsize="x-small")
+    ax.plot([timeline.peak_op], [timeline.peak_bytes / MIB], "v", color="black",
+            label=f"peak {timeline.peak_bytes / MIB:.1f} MiB")
+    if report.limit_bytes is not None:
+        ax.axhline(report.limit_bytes / MIB, color="tab:red", linestyle=":",
+                   label="budget" if report.budget_bytes else "device limit")
+    ax.set_xlim(0, max(timeline.n_ops - 1, 1))
+    ax.set_xlabel("op of the step")
+    ax.set_ylabel("live memory (MiB)")
+    ax.set_title(f"one step at batch size {timeline.batch_size}, over its ops")
+    ax.legend(fontsize="x-small", ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
 
 
 def plot_accumulate(report: AccumulationReport, *, ax: Axes | None = None) -> Figure:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import matplotlib
 import pytest
+import torch
 from matplotlib.figure import Figure
+from torch import nn
 
+import batchwidgets as bw
 from batchwidgets import plots
 from batchwidgets.plots import MIB, plot_accumulate, plot_noise, plot_noise_tracker, plot_probe
 from batchwidgets.results import (
@@ -123,3 +126,30 @@ def test_plot_live_loader_draws_the_loops_samples_per_s_per_setting():
     assert ax.patches[1].get_linewidth() == 1.5  # the setting in force
     assert ax.get_title() == "the running loop, 1 switch"
     assert "80% waiting, 5 batches" in [text.get_text().strip() for text in ax.texts]
+
+
+def test_the_probe_draws_one_step_over_its_ops_stacked_by_kind_with_its_peak_and_budget():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    report = bw.find_batch(model, lambda n: (torch.randn(n, 64), torch.randint(0, 10, (n,))),
+                           loss_fn=nn.functional.cross_entropy,
+                           optimizer=torch.optim.AdamW(model.parameters()), budget="8MiB")
+    timeline, split = report.memory_timeline, report.memory_split
+    assert timeline.batch_size == split.batch_size == report.max_batch_size
+    # three accountings of one peak agree: the timeline's, the split's and the attempt's
+    ran = [a.peak_memory_bytes for a in report.attempts
+           if a.batch_size == timeline.batch_size and a.fits and not a.fake]
+    assert timeline.peak_bytes == split.total_bytes == ran[-1]
+    assert [name for name, _, _ in timeline.phases] == ["forward", "backward", "optimizer step"]
+    assert timeline.phases[0][1] == 0
+    assert timeline.phases[-1][2] == timeline.n_ops - 1  # one step, not the trial's two
+    assert max(timeline.by_kind["optimizer"]) == split.optimizer_bytes > 0
+    assert timeline.by_kind["activation"][timeline.ops.index(timeline.peak_op)] \
+        == split.activations_bytes
+    figure = bw.plot_probe(report)
+    titles = [ax.get_title() for ax in figure.axes]
+    assert f"one step at batch size {timeline.batch_size}, over its ops" in titles
+    (timeline_ax,) = [ax for ax in figure.axes if ax.get_title().startswith("one step")]
+    labels = timeline_ax.get_legend_handles_labels()[1]
+    assert {"parameters", "optimizer state", "gradients", "activations (saved)", "temporaries",
+            "budget"} <= set(labels)

@@ -1,6 +1,7 @@
 """Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
 
-One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``), ``accumulate``,
+One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``; ``memory``: its
+``MemorySplit`` and ``MemoryTimeline``), ``accumulate``,
 ``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``loader``,
 ``live_loader`` and ``schedule``; every name is re-exported here.
 
@@ -32,6 +33,7 @@ from .probe import (
     BatchSizeReport,
     MemoryModel,
     MemorySplit,
+    MemoryTimeline,
     ParallelPlan,
     PeakSegment,
     WhatIf,
@@ -55,6 +57,7 @@ __all__ = [
     "LoaderTrial",
     "MemoryModel",
     "MemorySplit",
+    "MemoryTimeline",
     "NoisePoint",
     "NoiseReport",
     "NoiseTrackerReport",

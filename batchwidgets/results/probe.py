@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .. import _html
+from .memory import MemorySplit, MemoryTimeline
 
 
 @dataclass(frozen=True)
@@ -63,50 +64,6 @@ class PeakSegment:
 
     def predict_bytes(self, batch_size: int) -> float:
         return self.fixed_bytes + self.per_sample_bytes * batch_size
-
-
-@dataclass(frozen=True)
-class MemorySplit:
-    """Where the memory goes at the peak of a step at ``batch_size``: the parts add up to the
-    peak. ``activations_bytes`` are tensors saved for backward, ``temporaries_bytes`` everything
-    else alive at the peak (outputs not saved, gradients in flight, optimizer temporaries);
-    ``by_module`` the activation bytes each module saved, largest first."""
-
-    batch_size: int
-    parameters_bytes: int
-    gradients_bytes: int
-    optimizer_bytes: int
-    activations_bytes: int
-    temporaries_bytes: int
-    by_module: dict[str, int]
-    where: str = ""  # the op at the peak
-    # a plan for N GPUs (parallel=): the buffers a rank's strategy adds (DDP's gradient buckets,
-    # ZeRO's and FSDP's gathered weights and reduce buckets); the other parts are one rank's share
-    communication_bytes: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
-                + self.activations_bytes + self.temporaries_bytes + self.communication_bytes)
-
-    def rows(self) -> list[tuple[str, str]]:
-        total = self.total_bytes or 1
-        parts = [("parameters", self.parameters_bytes), ("gradients", self.gradients_bytes),
-                 ("optimizer state", self.optimizer_bytes),
-                 ("activations (saved for backward)", self.activations_bytes),
-                 ("temporaries", self.temporaries_bytes)]
-        if self.communication_bytes:
-            parts.append(("communication buffers", self.communication_bytes))
-        return [(name, f"{_html.format_bytes(value)} ({value / total:.0%})")
-                for name, value in parts]
-
-    def _repr_html_(self) -> str:
-        modules = _html.table([(name, _html.format_bytes(value)) for name, value in
-                               list(self.by_module.items())[:10]],
-                              caption="activations by module (top 10)",
-                              header=("module", "bytes"))
-        return (_html.table(self.rows(), caption=f"memory at the peak, batch size "
-                                                 f"{self.batch_size}") + modules)
 
 
 @dataclass(frozen=True)
@@ -194,6 +151,7 @@ class BatchSizeReport:
     method: str = ""
     worst_case: str = ""
     memory_split: MemorySplit | None = None
+    memory_timeline: MemoryTimeline | None = None  # the step over its ops, at memory_split's size
     # find_batch(..., seq_len=[...]): the largest batch size at each sequence length; the rest of
     # the report is the probe at ``seq_len``, the longest length
     frontier: dict[int, int] | None = None

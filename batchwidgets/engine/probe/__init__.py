@@ -9,6 +9,7 @@
 - ``_fake_group.py``  the one adapter over PyTorch's fake process group, and fully_shard
 - ``_sharded.py``     one FSDP2 rank traced: a meta copy under fully_shard on a fake mesh
 - ``_loop.py``        the search loop: run, fit the per-op model, ask the policy; target plans
+- ``_timeline.py``    one traced step's memory: split by part at the peak, by kind over its ops
 - ``_stop.py``        should_stop polled between ops: a Stop in the middle of a step
 - ``_optimizer_shapes.py``  optimizer state by shape: a tiny copy's real step, when fakes cannot
 - ``_search.py``      the pure search policy: which batch size next

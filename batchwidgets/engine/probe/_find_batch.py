@@ -397,7 +397,8 @@ def _report(plan: ProbePlan, search: Search) -> BatchSizeReport:
         baseline_bytes=search.meter.baseline_bytes, memory_model=_search.fit_memory(attempts),
         headroom=plan.headroom, multiple_of=plan.multiple_of, amp=plan.amp, stop_reason=stop,
         peak_segments=segments, method=" ".join([search.method(), *plan.notes]),
-        worst_case=plan.batch_description, memory_split=search.split, trace=plan.trace)
+        worst_case=plan.batch_description, memory_split=search.split,
+        memory_timeline=search.timeline, trace=plan.trace)
     if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report

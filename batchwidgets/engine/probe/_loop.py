@@ -11,7 +11,7 @@ import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ...results import Attempt, BatchSizeReport, MemorySplit
+from ...results import Attempt, BatchSizeReport, MemorySplit, MemoryTimeline
 from .. import memory
 from .._util import first_line
 from ..memory import OpTrace, PeakModel, Reading
@@ -20,6 +20,7 @@ from ._fake import FakeTraceError
 from ._plan import SEARCH_CEILING
 from ._ranks import agree, agree_size, in_job, share_error
 from ._stop import StepStopped, stop_between_ops
+from ._timeline import memory_split, memory_timeline
 from ._trials import OnStep, Trainer
 
 Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]  # two traced sizes: (trace, batch size)
@@ -124,18 +125,6 @@ def _target_peaks(pair: tuple[tuple[OpTrace, int], tuple[OpTrace, int]], usable_
     return tuple(peaks)
 
 
-def _memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
-                  modules: dict[str, int], peak: int) -> MemorySplit:
-    by_module = dict(sorted(modules.items(), key=lambda item: -item[1]))
-    return MemorySplit(
-        batch_size=batch_size, parameters_bytes=parts.get("parameter", 0),
-        gradients_bytes=parts.get("gradient", 0), optimizer_bytes=parts.get("optimizer", 0),
-        activations_bytes=parts.get("activation", 0),
-        temporaries_bytes=parts.get("temporary", 0) + parts.get("step", 0),
-        communication_bytes=parts.get("communication", 0), by_module=by_module,
-        where=f"{trace.where[peak]} ({trace.names[peak]})")
-
-
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cycle collector off over the fake trials (as FakeWorld.active pauses it over
@@ -191,6 +180,7 @@ class Search:
         self._lowered = False
         self.traced_only = traced_only  # stop once two sizes are traced (target=)
         self.split: MemorySplit | None = None  # at the largest size that ran with a trace
+        self.timeline: MemoryTimeline | None = None  # the same step over its ops
         self._seeding = False  # trials now are fake (NOTE [ A free first guess ])
         self._fake_sizes: set[int] = set()  # sizes whose trace in self.traces is fake
         self._shadowed: dict[int, OpTrace] = {}  # real traces at those sizes, kept for later
@@ -240,7 +230,7 @@ class Search:
         self.traces.update(self._shadowed)
         self._shadowed.clear()
         if self.split is not None and self.split.batch_size in self._fake_sizes:
-            self.split = None
+            self.split = self.timeline = None
         self._fake_sizes.clear()
         self.model = self._fit()
 
@@ -314,7 +304,8 @@ class Search:
             (self._shadowed if shadowed else self.traces)[attempt.batch_size] = trace
             if reading.split is not None and (self.split is None
                                               or attempt.batch_size >= self.split.batch_size):
-                self.split = _memory_split(attempt.batch_size, trace, *reading.split)
+                self.split = memory_split(attempt.batch_size, trace, *reading.split)
+                self.timeline = memory_timeline(attempt.batch_size, trace)
             if reading.peak_reserved_bytes:
                 self.overhead_bytes = max(0, reading.peak_reserved_bytes - max(trace.live))
             if self.meter.device.type == "cuda":  # workspaces the tensor trace cannot see
