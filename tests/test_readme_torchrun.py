@@ -1,5 +1,6 @@
-"""The README's torchrun example (find_batch inside every rank of a 2-process FSDP2 job) runs as
-written: the block between its markers, under ``python -m torch.distributed.run``, gloo on the CPU.
+"""The torchrun example of docs/distributed.md (find_batch inside every rank of a 2-process FSDP2
+job; the README links it) runs as written: the block between its markers, under
+``python -m torch.distributed.run``, gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -14,20 +15,20 @@ import pytest
 
 pytest.importorskip("transformers")  # the example builds a GPT-2 from a config
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
 BEGIN = "<!-- begin: tests/test_readme_torchrun.py"
 END = "<!-- end: tests/test_readme_torchrun.py -->"
 ANSWER = re.compile(r"^(\d+) (\d+)$", re.MULTILINE)  # print(dist.get_rank(), max_batch_size)
 
 
 def readme_example() -> str:
-    """The ```python block between the markers, exactly as the README shows it."""
-    text = README.read_text()
-    assert text.count(BEGIN) == 1, f"README.md should have one line starting {BEGIN!r}"
-    assert text.count(END) == 1, f"README.md should have one line {END!r}"
+    """The ```python block between the markers, exactly as docs/distributed.md shows it."""
+    text = PAGE.read_text()
+    assert text.count(BEGIN) == 1, f"docs/distributed.md should have one line starting {BEGIN!r}"
+    assert text.count(END) == 1, f"docs/distributed.md should have one line {END!r}"
     block = text.split(BEGIN, 1)[1].split(END, 1)[0]
     found = re.fullmatch(r"[^\n]*\n```python\n(.*)```\n", block, re.DOTALL)
-    assert found, "between the README's markers there should be one ```python block, no more"
+    assert found, "between the page's markers there should be one ```python block, no more"
     return found.group(1)
 
 
@@ -54,7 +55,7 @@ def test_readme_torchrun_example_gives_one_answer_on_both_ranks(tmp_path):
     answers = {int(rank): int(size) for rank, size in ANSWER.findall(done.stdout)}
     assert sorted(answers) == [0, 1], log
     assert answers[0] == answers[1] > 0, log
-    # the README's comment says what it prints: "(5 here, per rank)"
+    # the example's comment says what it prints: "(5 here, per rank)"
     claimed = re.search(r"\((\d+) here, per rank\)", script)
     assert claimed, "the example's print line should say the answer it gives: '(N here, per rank)'"
     assert answers[0] == int(claimed.group(1)), log

@@ -1,4 +1,4 @@
-"""What holds under interrupts, threads and errors (README "What is guaranteed"): bursts of Ctrl-C
+"""What holds under interrupts, threads and errors (docs/guarantees.md): bursts of Ctrl-C
 leave the training state bit-identical, a failing restore step does not skip the others, memory
 is freed after an error that IPython keeps, and no input makes find_batch answer nonsense
 silently."""

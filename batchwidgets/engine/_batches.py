@@ -217,7 +217,7 @@ def _apply(loss_fn: Callable, output: Any, target: Any, has_target: bool, form: 
                     f"{name}(output.logits, ...)")
         raise TypeError(f"loss_fn should take the model's whole output, but got loss_fn={name}, "
                         f"which takes tensors, and the model returns a {type(output).__name__}; "
-                        f'{fix} (see "Batches and losses" in the README).')
+                        f'{fix} (see "Batches and losses" in docs/find_batch.md).')
     if has_target:
         return loss_fn(output, target)
     if not _takes_one_argument(loss_fn):

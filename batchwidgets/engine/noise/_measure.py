@@ -209,10 +209,10 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
     data : Dataset or DataLoader
         Items ``(input, ..., target)``, dicts (e.g. ``{"input_ids", "attention_mask",
         "labels"}``) or tensors, fed by the batch convention of ``find_batch`` (see "Batches
-        and losses" in the README); a DataLoader's dataset is read item by item. Inputs are moved
-        to the model's device. A DataLoader's ``batch_size`` is the one the advice is given at;
-        one that does not shuffle gives a ``BatchwidgetsWarning`` (its batches are not the
-        random ones these numbers describe), kept in ``report.warnings``.
+        and losses" in docs/find_batch.md); a DataLoader's dataset is read item by item. Inputs
+        are moved to the model's device. A DataLoader's ``batch_size`` is the one the advice is
+        given at; one that does not shuffle gives a ``BatchwidgetsWarning`` (its batches are not
+        the random ones these numbers describe), kept in ``report.warnings``.
     loss_fn : callable, optional
         ``loss_fn(output, target) -> scalar``, called on one-example batches (``output`` and
         ``target`` keep a leading dimension of 1), so a mean reduction gives the example's loss.

@@ -319,8 +319,8 @@ class NoiseTracker:
             ``loss_fn(output, target) -> scalar``, the mean over the examples; None (or
             ``measure(model, batch)``): the output's ``.loss`` (Hugging Face models).
         batch : (x, ..., y), dict or BatchEncoding
-            The training batch, fed as ``find_batch`` feeds it (see "Batches and losses" in the
-            README) and split along the first dimension of its tensors.
+            The training batch, fed as ``find_batch`` feeds it (see "Batches and losses" in
+            docs/find_batch.md) and split along the first dimension of its tensors.
         parts : int
             Parts of the batch, >= 2.
 
