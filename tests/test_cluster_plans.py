@@ -122,10 +122,19 @@ def cpu_plan(parallel: str, world_size: int = 2, model: nn.Module | None = None,
                          target=f"{world_size}xCPU", parallel=parallel, **options)
 
 
+# torch 2.4.1 to 2.7.1 (.ci/floor) stop FSDP2 on the fake group with c10d's "Not implemented":
+# there the plan takes FSDP2's published rules and says why
+TRACED_FSDP2 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
+
+
 def test_fsdp_is_traced_on_one_rank_of_a_fake_process_group_and_leaves_none_behind():
     model = mlp("meta")
     report = cpu_plan("fsdp", model=model)
-    assert "One FSDP2 rank of 2 traced on a fake process group" in report.method
+    if TRACED_FSDP2:
+        assert "One FSDP2 rank of 2 traced on a fake process group" in report.method
+    else:
+        assert "FSDP2 planned by its published rules: one FSDP2 rank could not be traced" \
+            in report.method
     assert not torch.distributed.is_initialized()
     assert all(type(p) is nn.Parameter and p.is_meta for p in model.parameters())
     assert report.target == "CPU"

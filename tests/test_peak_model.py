@@ -309,7 +309,10 @@ def test_a_bert_with_dict_batches_takes_three_real_sizes_and_one_oom():
     model = tiny_bert()
     budget = 48 * 2**20
     report = bw.find_batch(model, lm_batch, budget=budget)
-    assert len(real_sizes(report)) <= 3
+    # three when the fake trace seeds the search; the older transformers of .ci/floor read a
+    # scalar in BERT's forward (no fake trace, said in the report): the real search alone, four
+    seeded = "No fake trace first" not in report.method
+    assert len(real_sizes(report)) <= (3 if seeded else 4)
     assert sum(not a.fits for a in real_sizes(report)) == 1
     assert fits_oracle(model, lm_batch, report.max_batch_size, budget)
     assert not fits_oracle(model, lm_batch, report.max_batch_size + 1, budget)
