@@ -210,6 +210,11 @@ def test_choosing_a_target_runs_one_predicted_probe_and_the_details_show_the_row
     assert predicted.target == "T4"
     assert "predicted, not run" in panel.status.value
     assert predicted.max_batch_size > report.max_batch_size
+    # the target is named wherever the panel says where: the answer, the summary, the plot
+    assert "on T4, predicted (not run; band" in panel.answer.value
+    assert "<caption>find_batch on T4</caption>" in panel.summary.value
+    assert "<td>target</td><td>T4 (predicted, not run)</td>" in panel.summary.value
+    assert "<td>device</td>" not in panel.summary.value
     panel.close()
 
 

@@ -107,8 +107,10 @@ def _summary_table(report: BatchSizeReport) -> str:
         ("headroom", f"{report.headroom:g}: {_html.format_bytes(report.headroom_bytes)} "
                      f"left at the recommended size"),
         ("limit", _html.format_bytes(report.limit_bytes)),
-        ("device", report.device),
-    ], caption="find_batch")
+        *([("target", f"{report.target} (predicted, not run)"),
+           ("traced on", "fake tensors" if report.trace == "fake" else report.device)]
+          if report.target is not None else [("device", report.device)]),
+    ], caption=f"find_batch on {report.target or report.device}")
 
 
 class ProbePanel(ReportDisplay, widgets.Panel):
