@@ -55,6 +55,7 @@ LAB_SETTINGS = {
         {"fetchNews": "false", "checkForUpdates": False},
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
+WIDGETS7_KERNEL = "python3-widgets7"  # this environment's Python with ipywidgets 7.7 first
 SKIPPED = pytest.StashKey[str]()
 SCREENSHOTS = pytest.StashKey[Path]()
 
@@ -203,6 +204,14 @@ def _jupyter_dirs(base: Path) -> dict[str, str]:
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "Python 3 (ipykernel)", "language": "python",
         "metadata": {"debugger": False}}))
+    widgets7 = ROOT / ".ipywidgets7"  # ipywidgets 7.7, as Colab ships it (.ci/run installs it)
+    if (widgets7 / "ipywidgets").is_dir():
+        kernel = dirs["data"] / "kernels" / WIDGETS7_KERNEL
+        kernel.mkdir(parents=True)
+        (kernel / "kernel.json").write_text(json.dumps({
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "Python 3 (ipywidgets 7.7)", "language": "python",
+            "env": {"PYTHONPATH": str(widgets7)}, "metadata": {"debugger": False}}))
     for name, settings in LAB_SETTINGS.items():
         path = dirs["config"] / "lab" / "user-settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import nbformat
 import pytest
+from conftest import WIDGETS7_KERNEL
 
 pytestmark = pytest.mark.browser
 
@@ -253,10 +254,10 @@ def test_tutorial_opens_and_runs_a_panel_in_notebook7(page: Any, lab_server: Any
     screenshot(page, panel, screenshot_dir, "notebook7-01_find_batch-probe-panel.png")
 
 
-def write_notebook(lab_server: Any, name: str, *cells: str) -> str:
+def write_notebook(lab_server: Any, name: str, *cells: str, kernel: str = "python3") -> str:
     """A notebook of the test's own in the server's folder; returns its name."""
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
+    notebook.metadata["kernelspec"] = {"name": kernel, "display_name": kernel,
                                        "language": "python"}
     nbformat.write(notebook, lab_server.root_dir / name)
     return name
@@ -390,3 +391,108 @@ def test_a_click_while_the_training_cell_runs_switches_its_loader_mid_loop(
     epoch, batch, workers = map(int, switches[0])
     assert (epoch, workers) == (0, 2), text
     assert 0 < batch < 600, text  # mid-loop
+
+
+THEMED_PROBE = (
+    """import torch
+from torch import nn
+import batchwidgets as bw
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+optimizer = torch.optim.AdamW(model.parameters())
+report = bw.find_batch(model, lambda n: (torch.randn(n, 64), torch.randint(0, 10, (n,))),
+                       loss_fn=nn.functional.cross_entropy, optimizer=optimizer, budget="8MiB")
+bw.ProbePanel(report)""",
+)
+CUT_OFF = """panel => [...panel.querySelectorAll('.bw-label, .bw-html, .bw-description, button')]
+    .filter(el => el.offsetParent !== null && el.scrollWidth > el.clientWidth + 1)
+    .map(el => el.className + ': ' + el.textContent.slice(0, 60))"""
+BROKEN_IMAGES = """panel => [...panel.querySelectorAll('img')]
+    .filter(img => img.style.display !== 'none' && !(img.complete && img.naturalWidth > 0))
+    .length"""
+
+
+def change_theme(page: Any, theme: str) -> None:
+    """Settings > Theme > ``theme``, as a person picks it."""
+    page.locator(".lm-MenuBar-item", has_text="Settings").first.click()
+    page.locator(".lm-Menu-item", has_text="Theme").first.hover()
+    page.locator(".lm-Menu-item[data-command='apputils:change-theme']",
+                 has_text=theme).first.click()
+    wait_until(lambda: page.evaluate("document.body.dataset.jpThemeName") == theme,
+               RENDER_TIMEOUT_S, f"the {theme} theme")
+
+
+def brightness(css_color: str) -> float:
+    """0 (black) to 1 (white), from ``rgb(r, g, b)``."""
+    r, g, b = (int(v) for v in re.findall(r"\d+", css_color)[:3])
+    return (0.299 * r + 0.587 * g + 0.114 * b) / 255
+
+
+def test_the_probe_panel_fits_1024_px_and_follows_the_light_and_dark_themes(
+        page: Any, lab_server: Any, screenshot_dir: Path) -> None:
+    page.set_viewport_size({"width": 1024, "height": 900})
+    notebook = write_notebook(lab_server, "themed_probe.ipynb", *THEMED_PROBE)
+    open_notebook(page, lab_server, f"lab/tree/{notebook}", reset="")
+    menu(page, "Run", "runmenu:run-all")
+    wait_for_cells(page, lab_server, notebook)
+    check_widgets_rendered(page)
+    panel = page.locator(".jp-Notebook .batchwidgets-probe")
+    check_probe_panel(panel)
+    assert "largest batch" in panel.locator(".batchwidgets-probe-answer").inner_text()
+    assert panel.evaluate(CUT_OFF) == []  # no text cut off at 1024 px
+    assert panel.evaluate(BROKEN_IMAGES) == 0
+    colours = {}
+    try:
+        for theme, name in (("JupyterLab Light", "light"), ("JupyterLab Dark", "dark")):
+            change_theme(page, theme)
+            colours[name] = panel.evaluate("el => getComputedStyle(el).color")
+            screenshot(page, panel, screenshot_dir, f"lab-probe-panel-{name}.png")
+    finally:
+        change_theme(page, "JupyterLab Light")  # the server's settings outlive this test
+    assert brightness(colours["light"]) < 0.4 < 0.6 < brightness(colours["dark"]), colours
+
+
+PANEL_TO_CLICK = (
+    """import ipywidgets, torch
+from torch.utils.data import TensorDataset
+import batchwidgets as bw
+
+print("ipywidgets", ipywidgets.__version__)
+panel = bw.LoaderPanel(TensorDataset(torch.arange(256.0).reshape(64, 4)), batch_size=8,
+                       device="cpu", duration_s=0.05, max_workers=2)
+panel""",
+)
+
+
+@pytest.mark.parametrize(("front_end", "kernel", "widgets"), [
+    ("lab/tree", WIDGETS7_KERNEL, "7.7"),  # Colab's ipywidgets beside JupyterLab 4's manager
+    ("notebooks", "python3", "8."),  # Notebook 7
+], ids=["jupyterlab4-kernel-ipywidgets7", "notebook7"])
+def test_a_click_in_the_panel_reaches_the_kernel(page: Any, lab_server: Any,
+                                                 screenshot_dir: Path, front_end: str,
+                                                 kernel: str, widgets: str) -> None:
+    """The panel renders and a choice in it reaches the kernel, which measures it and draws
+    the result back. With ipywidgets 7.7 in the kernel under JupyterLab 4, the panels showed
+    nothing before they were anywidget widgets ("VBoxModel not registered")."""
+    specs = lab_server.api("GET", "kernelspecs")["kernelspecs"]
+    if kernel not in specs:
+        pytest.skip("no ipywidgets 7.7 in .ipywidgets7 (pip install --target .ipywidgets7 "
+                    "--no-deps 'ipywidgets==7.7.*' ipython_genutils)")
+    notebook = write_notebook(lab_server, f"click_{kernel}.ipynb", *PANEL_TO_CLICK,
+                              kernel=kernel)
+    fresh = {"reset": ""} if front_end.startswith("lab") else {}  # Lab: a fresh workspace
+    open_notebook(page, lab_server, f"{front_end}/{notebook}", **fresh)
+    menu(page, "Run", "runmenu:run-all")
+    wait_for_cells(page, lab_server, notebook)
+    assert f"ipywidgets {widgets}" in notebook_text(page)
+    check_widgets_rendered(page)
+    panel = page.locator(".jp-Notebook .batchwidgets-loader")
+    wait_until(lambda: re.fullmatch(r"[\d,]+", samples_per_s(panel)), RUN_TIMEOUT_S,
+               "the first measurement", lambda: samples_per_s(panel))
+    panel.locator(".batchwidgets-loader-num-workers select").select_option(label="2")
+    status = panel.locator(".batchwidgets-loader-status")
+    wait_until(lambda: "2 workers" in status.inner_text(), RUN_TIMEOUT_S,
+               "the kernel to measure 2 workers", status.inner_text)
+    check_loader_panel(panel)
+    screenshot(page, panel, screenshot_dir, f"click-{kernel}-{front_end.split('/')[0]}.png")
