@@ -60,7 +60,10 @@ def test_measure_noise_matches_per_example_autograd(method):
     assert not report.sampled
     assert_close(report.trace_cov, trace_cov(g))
     assert_close(report.grad_norm_sq, g.mean(0).square().sum().item())
-    assert_close(report.b_simple, trace_cov(g) / g.mean(0).square().sum().item())
+    n, g2 = 23, g.mean(0).square().sum().item()
+    assert_close(report.b_simple_plain, trace_cov(g) / g2)
+    # both parts unbiased: tr(cov) N/(N-1) over |G_N|^2 less its floor tr(cov)/(N-1)
+    assert_close(report.b_simple, trace_cov(g) * n / (n - 1) / (g2 - trace_cov(g) / (n - 1)))
     assert_close(report.loss_mean, losses.mean().item())
     assert_close(report.loss_variance, losses.var(correction=0).item())
     names = [name for name, _ in model.named_parameters()]
@@ -171,7 +174,9 @@ def test_finite_sample_identities_hold_exactly():
     assert report.grad_variance_without_replacement[10] == 0.0
     assert 20 not in report.grad_variance_without_replacement  # no 20 of 10 without replacement
     assert report.grad_variance[20] == report.trace_cov / 20
-    assert report.b_simple == report.trace_cov / report.grad_norm_sq
+    assert report.b_simple_plain == report.trace_cov / report.grad_norm_sq
+    assert report.b_simple == report.trace_cov * 10 / 9 / (report.grad_norm_sq
+                                                          - report.noise_floor)
 
 
 def test_linear_regression_matches_its_closed_form_noise():
@@ -355,7 +360,8 @@ def test_report_is_plain_data_and_its_html_escapes_every_value():
     report = NoiseReport(trace_cov=2.0, grad_norm_sq=0.5, loss_mean=1.0, loss_variance=0.25,
                          n_examples=10, n_available=None, sampled=True, batch_sizes=(1, 4, 20),
                          layers=(LayerNoise("<script>", 2.0, 0.5),))
-    assert report.b_simple == 4.0
+    assert report.b_simple_plain == 4.0
+    assert report.b_simple == pytest.approx(2.0 * 10 / 9 / (0.5 - 2.0 / 9))  # 8
     assert report.grad_variance == {1: 2.0, 4: 2.0 / 4 * 6 / 9}
     assert report.grad_variance_with_replacement[20] == 0.1
     assert pickle.loads(pickle.dumps(report)) == report
@@ -387,10 +393,13 @@ def test_a_loader_that_does_not_shuffle_is_a_warning_and_is_kept_in_the_report()
     assert (shuffled.trace_cov, shuffled.grad_norm_sq) == (report.trace_cov, report.grad_norm_sq)
 
 
-def noise_report(b_simple, batch_sizes=(8, 32, 256), batch_size=None):
-    return NoiseReport(trace_cov=b_simple * 0.5, grad_norm_sq=0.5, loss_mean=1.0,
-                       loss_variance=0.25, n_examples=1000, n_available=1000, sampled=False,
-                       batch_sizes=batch_sizes, batch_size=batch_size)
+def noise_report(b_simple, batch_sizes=(8, 32, 256), batch_size=None, n=1000):
+    """A report whose (bias-corrected) B_simple is ``b_simple``: tr(cov) N/(N-1) = b/2 and
+    |G_N|^2 - tr(cov)/(N-1) = 1/2."""
+    return NoiseReport(trace_cov=b_simple * 0.5 * (n - 1) / n,
+                       grad_norm_sq=0.5 + 0.5 * b_simple / n,
+                       loss_mean=1.0, loss_variance=0.25, n_examples=n, n_available=n,
+                       sampled=False, batch_sizes=batch_sizes, batch_size=batch_size)
 
 
 def test_advice_gives_the_trade_off_at_each_batch_size_and_the_learning_rate():
@@ -471,12 +480,16 @@ def test_the_error_bar_is_the_delete_a_group_jackknife_of_the_examples():
         n, mean = len(rows), rows.mean(0)
         trace = (rows - mean).square().sum(1).mean().item()
         g2 = mean.square().sum().item()
-        return g2 - trace / (n - 1), trace / g2
+        return g2 - trace / (n - 1), trace * n / (n - 1) / (g2 - trace / (n - 1))
 
     left_out = torch.tensor([statistics(g[rows]) for rows in groups], dtype=torch.float64)
     expected = (15 / 16 * (left_out - left_out.mean(0)).square().sum(0)).sqrt()
     assert report.grad_norm_sq_error == pytest.approx(expected[0].item(), rel=1e-6)
-    assert report.b_simple_error == pytest.approx(expected[1].item(), rel=1e-6)
+    if (left_out[:, 0] > 0).all():
+        assert report.b_simple_error == pytest.approx(expected[1].item(), rel=1e-6)
+    else:  # a group left out leaves no signal above the floor: B_simple's error is unbounded
+        assert report.b_simple_error is None
+        assert not report.measurable
 
 
 def test_a_frozen_model_is_a_one_line_error_with_the_fix():
@@ -506,3 +519,58 @@ def test_examples_with_a_nan_loss_are_left_out_with_a_warning(method):
     x[:] = math.nan
     with pytest.raises(ValueError, match="data should give finite losses"):
         bw.measure_noise(model, TensorDataset(x, y), loss_fn, batch_sizes=(1,))
+
+
+def analytic_regression(n: int, seed: int, dim: int = 20, offset: float = 1.0):
+    """``regression``'s task, with the data's true B_simple: g_i = 2 (x_i.delta - eps_i) x_i, so
+    tr(Sigma) = 4((d+1)|delta|^2 + d) and |G|^2 = 4|delta|^2 (Isserlis' theorem)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=generator, dtype=torch.float64)
+    w = torch.randn(dim, 1, generator=generator, dtype=torch.float64)
+    y = x @ w + torch.randn(n, 1, generator=generator, dtype=torch.float64)
+    delta = offset * torch.randn(dim, 1, generator=generator, dtype=torch.float64)
+    model = nn.Linear(dim, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_((w + delta).T)
+    norm_sq = delta.square().sum().item()
+    gradients = 2 * (x @ (w + delta) - y) * x  # per example, the oracle
+    return model, TensorDataset(x, y), ((dim + 1) * norm_sq + dim) / norm_sq, gradients
+
+
+def test_b_simple_does_not_grow_with_the_examples_and_its_error_bar_covers_the_truth():
+    """Issue 27: the plain tr(cov)/|G_N|^2 is pulled toward N (E|G_N|^2 = |G|^2 + tr(Sigma)/N);
+    the reported B_simple is not, at 64, 256 and 1024 examples, and its jackknife error bar
+    covers the data's true value as a standard error should."""
+    for n in (64, 256, 1024):
+        rows = []
+        for seed in range(12):
+            model, data, truth, _ = analytic_regression(n, seed)
+            report = bw.measure_noise(model, data, nn.functional.mse_loss, batch_sizes=(1,),
+                                      chunk_size=n)
+            assert report.measurable, report.reason
+            rows.append((report.b_simple - truth, report.b_simple_error,
+                         report.b_simple_plain - truth))
+        errors = torch.tensor(rows, dtype=torch.float64)
+        bias, spread, plain_bias = errors.mean(0).tolist()
+        assert abs(bias) < spread, (n, bias, spread)  # unbiased within one standard error
+        covered = ((errors[:, 0] / errors[:, 1]).abs() < 2).double().mean().item()
+        assert covered >= 0.75, (n, covered)
+        if n == 64:  # the plain one is pulled toward N: B N/(N + B) - B, about -5.6 here
+            assert plain_bias < -2 * spread / 12**0.5 < 0, (plain_bias, spread)
+
+
+def test_the_error_bar_of_b_simple_is_the_jackknife_of_the_unbiased_ratio():
+    model, data, _, g = analytic_regression(256, seed=3)
+    report = bw.measure_noise(model, data, nn.functional.mse_loss, batch_sizes=(1,),
+                              chunk_size=100)
+
+    def ratio(rows):
+        n, mean = len(rows), rows.mean(0)
+        trace = (rows - mean).square().sum(1).mean().item()
+        return trace * n / (n - 1) / (mean.square().sum().item() - trace / (n - 1))
+
+    assert report.b_simple == pytest.approx(ratio(g), rel=1e-9)
+    left_out = torch.tensor([ratio(g[torch.arange(256) % 16 != k]) for k in range(16)],
+                            dtype=torch.float64)
+    expected = (15 / 16 * (left_out - left_out.mean()).square().sum()).sqrt().item()
+    assert report.b_simple_error == pytest.approx(expected, rel=1e-6)

@@ -67,6 +67,18 @@ class NoiseReport:
 
     @property
     def b_simple(self) -> float:
+        """tr(Sigma) / |G|^2 with both estimated without bias from the N examples (NOTE
+        [ The error bars of measure_noise ]): tr(cov) N/(N-1) over |G_N|^2 - tr(cov)/(N-1).
+        Before, |G_N|^2 itself was the denominator, whose +tr(Sigma)/N made B_simple grow with N
+        (``b_simple_plain``); inf where |G_N|^2 does not rise above the floor."""
+        n = self.n_examples
+        if n < 2:
+            return self.b_simple_plain
+        return _ratio(self.trace_cov * n / (n - 1), self.grad_norm_sq - self.noise_floor)
+
+    @property
+    def b_simple_plain(self) -> float:
+        """tr(cov) / |G_N|^2, biased toward N when the noise dominates (what ``b_simple`` was)."""
         return _ratio(self.trace_cov, self.grad_norm_sq)
 
     @property
@@ -77,22 +89,20 @@ class NoiseReport:
     @property
     def reason(self) -> str:
         """Why B_simple is not measurable from these examples; '' when it is."""
-        if not math.isfinite(self.b_simple) or self.b_simple <= 0:
-            return (f"B_simple = {self.b_simple} is not finite (the mean gradient vanishes "
-                    f"here: a converged model, or too few examples)")
-        if self.grad_norm_sq_error is None:
-            return ""
+        if not math.isfinite(self.b_simple_plain) or self.b_simple_plain <= 0:
+            return (f"B_simple = {self.b_simple_plain} is not finite (the mean gradient "
+                    f"vanishes here: a converged model, or too few examples)")
         signal = self.grad_norm_sq - self.noise_floor
-        if signal > SIGNIFICANCE * self.grad_norm_sq_error:
+        if signal > SIGNIFICANCE * (self.grad_norm_sq_error or 0.0):
             return ""
         number = _html.format_number
         return (f"not measurable from {self.n_examples} examples: |G|^2 = "
                 f"{number(self.grad_norm_sq)} is not clearly above the noise floor "
                 f"tr(cov)/(N-1) = {number(self.noise_floor)} that {self.n_examples} examples "
                 f"give by themselves (difference {number(signal)} ± "
-                f"{number(self.grad_norm_sq_error, 2)}), so B_simple ≈ "
-                f"{number(self.b_simple)} reflects N, not the noise; B_simple is larger than "
-                f"these examples resolve: measure more (max_examples, more data)")
+                f"{number(self.grad_norm_sq_error or 0.0, 2)}), so tr(cov)/|G|^2 ≈ "
+                f"{number(self.b_simple_plain)} reflects N, not the noise; B_simple is larger "
+                f"than these examples resolve: measure more (max_examples, more data)")
 
     @property
     def measurable(self) -> bool:
@@ -143,7 +153,7 @@ class NoiseReport:
     def rows(self) -> list[tuple[str, object]]:
         """The rows of the report's table (label, value)."""
         return [
-            ("B_simple = tr(cov) / |G|^2", _html.format_number(self.b_simple)
+            ("B_simple = tr(Σ) / |G|^2 (both unbiased)", _html.format_number(self.b_simple)
              + (f" ± {_html.format_number(self.b_simple_error, 2)}"
                 if self.b_simple_error is not None else "")
              + ("" if self.measurable else " (not measurable)")),
@@ -153,6 +163,7 @@ class NoiseReport:
                 if self.grad_norm_sq_error is not None else "")),
             ("tr(cov) per example", _html.format_number(self.trace_cov)),
             ("|G|^2", _html.format_number(self.grad_norm_sq)),
+            ("plain tr(cov) / |G|^2 (biased toward N)", _html.format_number(self.b_simple_plain)),
             ("loss mean / variance", f"{_html.format_number(self.loss_mean)} / "
                                      f"{_html.format_number(self.loss_variance)}"),
             ("examples measured", f"{self.n_examples} of {self.n_available or '?'}"

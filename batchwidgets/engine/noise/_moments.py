@@ -26,11 +26,14 @@ MAX_GROUPS = 16  # example groups the jackknife leaves out in turn
 # whatever the model: it measures the sample, not the noise. The report keeps the noise floor
 # tr(cov)/(N - 1) (unbiased for tr(Sigma)/N) and calls B_simple measurable only when
 # |G_N|^2 - floor, an unbiased estimate of |G|^2, is more than twice its standard error, the
-# rule NoiseTracker uses. Standard errors come from the delete-a-group jackknife (Efron & Stein
-# 1981; Shao & Tu 1995, sec. 2.1): example i goes to group i mod K (K = min(16, N // 2)), each
-# group's sum of shifted gradients is kept (K float32 copies of the parameters, and a float64
-# sum of squares), and each statistic is recomputed with one group left out from dot products
-# of the kept sums: se^2 = (K - 1)/K sum_k (theta_k - mean theta)^2.
+# rule NoiseTracker uses. B_simple itself is the ratio of the two unbiased parts,
+# tr(cov) N/(N - 1) / (|G_N|^2 - floor), so it no longer grows with N (the plain tr(cov)/|G_N|^2
+# stays as b_simple_plain); a ratio keeps a bias of order 1/N, inside its error bar. Standard
+# errors come from the delete-a-group jackknife (Efron & Stein 1981; Shao & Tu 1995, sec. 2.1):
+# example i goes to group i mod K (K = min(16, N // 2)), each group's sum of shifted gradients
+# is kept (K float32 copies of the parameters, and a float64 sum of squares), and each statistic
+# is recomputed with one group left out from dot products of the kept sums:
+# se^2 = (K - 1)/K sum_k (theta_k - mean theta)^2.
 class Moments:
     """Running per-parameter sums of shifted per-example gradients, in float64 (see NOTE
     [ Why the float64 sums are shifted ]), and per-group sums for NOTE [ The error bars of
@@ -81,7 +84,9 @@ class Moments:
         return tuple(result)
 
     def errors(self) -> tuple[float | None, float | None]:
-        """Jackknife standard errors of (|G|^2 - noise floor, B_simple); None without groups."""
+        """Jackknife standard errors of (|G|^2 - noise floor, B_simple), B_simple as the report
+        gives it (both parts unbiased); None without groups, or where a group left out leaves
+        no signal above the floor."""
         if self.n_groups < 2:
             return None, None
         dots = torch.zeros(6, len(self.group_sq), dtype=torch.float64, device=self.group_sq.device)
@@ -101,8 +106,9 @@ class Moments:
             left = d_d[k] - 2 * d_dk[k] + dk_dk[k]  # |D - D_k|^2
             grad_norm_sq = s_s[k] + 2 * (s_d[k] - s_dk[k]) / n + left / n**2
             trace_cov = max((sq - group_sq[k]) / n - left / n**2, 0.0)
-            floors.append(grad_norm_sq - trace_cov / (n - 1))
-            ratios.append(trace_cov / grad_norm_sq if grad_norm_sq > 0 else math.inf)
+            signal = grad_norm_sq - trace_cov / (n - 1)  # unbiased |G|^2
+            floors.append(signal)
+            ratios.append(trace_cov * n / (n - 1) / signal if signal > 0 else math.inf)
         return _jackknife(floors), _jackknife(ratios)
 
 
