@@ -31,6 +31,9 @@ _LAZY = {
     "NoiseTrackerReport": "batchwidgets.results",
     "plot_noise_tracker": "batchwidgets.plots",
     "NoisePanel": "batchwidgets.widgets",
+    # critical_batch: the critical batch measured from branched runs
+    "critical_batch": "batchwidgets.engine.noise",
+    "CriticalBatchReport": "batchwidgets.results",
     # tune_loader: is the input pipeline keeping up
     "tune_loader": "batchwidgets.engine.loader",
     "measure_loader": "batchwidgets.engine.loader",

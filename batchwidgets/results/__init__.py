@@ -2,7 +2,7 @@
 
 One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``; ``memory``: its
 ``MemorySplit`` and ``MemoryTimeline``), ``accumulate``,
-``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``loader``,
+``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``critical``, ``loader``,
 ``live_loader`` and ``schedule``; every name is re-exported here.
 
 Usage:
@@ -23,6 +23,7 @@ from ._noise_theory import (
     steps_over_min,
 )
 from .accumulate import AccumulationReport
+from .critical import Branch, CriticalBatchReport
 from .live_loader import LiveLoaderReport, LoaderSegment, LoaderSwitch
 from .loader import DataStallReport, LoaderReport, LoaderTrial
 from .noise import LayerNoise, NoiseReport
@@ -48,6 +49,8 @@ __all__ = [
     "Attempt",
     "BatchSchedule",
     "BatchSizeReport",
+    "Branch",
+    "CriticalBatchReport",
     "DataStallReport",
     "LayerNoise",
     "LiveLoaderReport",

@@ -7,15 +7,18 @@ during training, and the batch-size schedule they suggest.
 - ``_estimate.py``  the tracker's estimators and their error bars; loaders that bias them
 - ``_feed.py``      what an accumulate block hands a tracker each update, on the device
 - ``_schedule.py``  the batch-size schedule from the noise scale; sampling the tracker
+- ``_critical.py``  critical_batch: the critical batch measured from branched runs
 
 It imports the shared modules only. ``AccumulatorFeed`` and ``AutoSteps`` are what accumulate
 uses of it, ``DeferredUpdate`` what the trainer callbacks use.
 """
 
+from ._critical import critical_batch
 from ._estimate import DeferredUpdate
 from ._feed import AccumulatorFeed
 from ._measure import measure_noise
 from ._schedule import AutoSteps
 from ._tracker import NoiseTracker
 
-__all__ = ["AccumulatorFeed", "AutoSteps", "DeferredUpdate", "NoiseTracker", "measure_noise"]
+__all__ = ["AccumulatorFeed", "AutoSteps", "DeferredUpdate", "NoiseTracker", "critical_batch",
+           "measure_noise"]

@@ -1,0 +1,102 @@
+"""``CriticalBatchReport``: the critical batch measured from branched runs (``critical_batch``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import _html
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One run from the same weights at ``batch_size`` with learning rate ``lr``, to the target
+    loss: ``steps`` and ``examples`` (steps x batch size) to reach it, None if it did not
+    within the step limit; ``diverged``: the loss blew up (the branch is run again at half the
+    learning rate, a row each)."""
+
+    batch_size: int
+    lr: float
+    steps: int | None
+    examples: int | None
+    diverged: bool
+    seed: int
+
+    def row(self) -> tuple[object, ...]:
+        outcome = ("diverged" if self.diverged else "-" if self.steps is None else self.steps)
+        return (self.batch_size, _html.format_number(self.lr, 3), outcome,
+                self.examples if self.examples is not None else "-", self.seed)
+
+
+@dataclass(frozen=True)
+class CriticalBatchReport:
+    """The critical batch from the current weights: the batch that needs twice the fewest
+    examples (and twice the fewest steps) to reach ``target_loss``, from S(B) = S_min (1 +
+    B_noise / B) fitted on the steps each batch of the ladder took (McCandlish et al. 2018).
+
+    ``critical_batch_size`` is B_noise (the mean over seeds) with ``critical_batch_size_error``
+    its standard error over seeds, None with the ``reason`` when it is not measurable.
+    ``examples`` counts every example spent: training in every branch and the loss
+    evaluations. ``b_simple`` is the gradient noise scale measured at the same weights
+    (``measure_noise``), for comparison: ``ratio`` = critical / B_simple."""
+
+    critical_batch_size: float | None
+    critical_batch_size_error: float | None
+    target_loss: float
+    start_loss: float
+    examples: int
+    ladder: tuple[Branch, ...]
+    base_batch_size: int
+    s_min: float | None
+    e_min: float | None
+    lr_scaling: str
+    reason: str = ""
+    b_simple: float | None = None
+    b_simple_error: float | None = None
+    extra_memory_bytes: int = 0  # the copy of weights and optimizer state the branches start from
+
+    @property
+    def measurable(self) -> bool:
+        return self.critical_batch_size is not None
+
+    @property
+    def ratio(self) -> float | None:
+        """critical_batch_size / b_simple: how far the noise scale is from the measured batch."""
+        if self.critical_batch_size is None or not self.b_simple or not math.isfinite(
+                self.b_simple):
+            return None
+        return self.critical_batch_size / self.b_simple
+
+    def summary(self) -> str:
+        number = _html.format_number
+        target = (f"to loss {number(self.target_loss)} from {number(self.start_loss)}")
+        if not self.measurable:
+            return f"critical batch: not measurable ({self.reason}); {target}"
+        spread = (f" ± {number(self.critical_batch_size_error, 2)}"
+                  if self.critical_batch_size_error is not None else "")
+        noise = (f"; B_simple {number(self.b_simple)} at the same weights (ratio "
+                 f"{number(self.ratio, 2)})" if self.ratio is not None else "")
+        return (f"critical batch {number(self.critical_batch_size)}{spread} samples {target}, "
+                f"measured from {len(self.ladder)} branches ({self.examples} examples){noise}")
+
+    def rows(self) -> list[tuple[str, object]]:
+        number = _html.format_number
+        return [
+            ("critical batch (B_noise)", "not measurable: " + self.reason if not self.measurable
+             else number(self.critical_batch_size) + (
+                 f" ± {number(self.critical_batch_size_error, 2)}"
+                 if self.critical_batch_size_error is not None else "")),
+            ("target loss (from)", f"{number(self.target_loss)} (from {number(self.start_loss)})"),
+            ("S_min, E_min", f"{number(self.s_min)} steps, {number(self.e_min)} examples"
+             if self.s_min is not None else "-"),
+            ("B_simple at these weights", number(self.b_simple) if self.b_simple else "-"),
+            ("examples spent", self.examples),
+            ("learning rate", f"{self.lr_scaling} scaling from batch {self.base_batch_size}"),
+        ]
+
+    def _repr_html_(self) -> str:
+        ladder = _html.table([b.row() for b in self.ladder],
+                             header=("batch", "lr", "steps to target", "examples", "seed"),
+                             caption="branches") if self.ladder else ""
+        return _html.report_html(self, "batchwidgets: critical_batch", self.rows(), ladder,
+                                 plot=False)

@@ -1,0 +1,121 @@
+"""critical_batch (issue 27): the critical batch measured by its definition, from branched runs
+on a noisy linear regression, with the user's model, optimizer and RNGs as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import batchwidgets as bw
+
+
+def regression(n: int = 4096, dim: int = 16, noise: float = 1.0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, dim, generator=generator)
+    w = torch.randn(dim, 1, generator=generator)
+    return TensorDataset(x, x @ w + noise * torch.randn(n, 1, generator=generator))
+
+
+def model_and_sgd(lr: float, momentum: float = 0.0):
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+
+
+def test_the_critical_batch_is_measured_and_everything_is_put_back():
+    model, optimizer = model_and_sgd(0.1, momentum=0.5)
+    data = regression()
+    nn.functional.mse_loss(model(data.tensors[0][:8]), data.tensors[1][:8]).backward()
+    optimizer.step()  # momentum buffers to put back
+    weights = [p.detach().clone() for p in model.parameters()]
+    buffers = [s["momentum_buffer"].clone() for s in optimizer.state.values()]
+    rng = torch.get_rng_state()
+    report = bw.critical_batch(model, data, optimizer=optimizer, loss_fn=nn.functional.mse_loss,
+                               base_batch_size=4)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(s["momentum_buffer"], b)
+               for s, b in zip(optimizer.state.values(), buffers))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert report.measurable, report.reason
+    assert 2 <= report.critical_batch_size <= 256  # inside the ladder 4..128, by its factor 2
+    assert report.critical_batch_size_error is not None  # two seeds
+    assert report.target_loss < report.start_loss
+    assert report.lr_scaling == "linear"  # SGD
+    spent = sum(b.examples or 0 for b in report.ladder)
+    assert report.examples > spent  # training and the loss evaluations
+    assert report.ratio == pytest.approx(report.critical_batch_size / report.b_simple)
+    # the base batch backs off while its run does not descend (momentum 0.5 at 0.1 does not);
+    # every other batch starts from that stable rate, scaled linearly
+    base_lr = next(b.lr for b in report.ladder if b.batch_size == 4 and not b.diverged)
+    assert base_lr <= 0.1
+    first = {}
+    for branch in report.ladder:
+        first.setdefault((branch.seed, branch.batch_size), branch)
+    for (_, batch), branch in first.items():
+        if batch > 4:
+            assert branch.lr == pytest.approx(base_lr * batch / 4)
+    backed_off = [(a, b) for a, b in zip(report.ladder, report.ladder[1:])
+                  if a.diverged and b.batch_size == a.batch_size]
+    assert all(b.lr == pytest.approx(a.lr / 2) for a, b in backed_off)
+    assert "critical batch" in report.summary()
+    assert "branches" in report._repr_html_()
+
+
+def test_the_adam_family_scales_the_learning_rate_by_the_square_root():
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    report = bw.critical_batch(model, regression(), optimizer=optimizer,
+                               loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1,
+                               noise=False)
+    assert report.lr_scaling == "sqrt"
+    sixteen = next(b for b in report.ladder if b.batch_size == 16)
+    assert sixteen.lr == pytest.approx(0.02)
+    assert report.b_simple is None
+
+
+def test_a_critical_batch_past_the_ladder_is_a_bound_not_a_number():
+    model, optimizer = model_and_sgd(0.01)  # far below the stability edge: steps halve
+    report = bw.critical_batch(model, regression(), optimizer=optimizer,
+                               loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1)
+    assert not report.measurable
+    assert report.critical_batch_size is None
+    assert "above it" in report.reason
+    assert "not measurable" in report.summary()
+
+
+def test_a_target_no_branch_reaches_is_not_measurable_and_says_why():
+    model, optimizer = model_and_sgd(0.1)
+    report = bw.critical_batch(model, regression(noise=1.0), optimizer=optimizer,
+                               loss_fn=nn.functional.mse_loss, target_loss=0.01,
+                               base_batch_size=4, seeds=1, max_steps=40, noise=False)
+    assert report.critical_batch_size is None
+    assert all(b.steps is None for b in report.ladder)
+    assert "did not fall" in report.reason or "reached" in report.reason
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"data": TensorDataset(torch.randn(12, 16), torch.randn(12, 1))}, "data should hold"),
+    ({"lr_scaling": "cubic"}, "lr_scaling should be"),
+    ({"seeds": 0}, "seeds should be a positive int"),
+    ({"optimizer": None}, "optimizer should be"),
+])
+def test_bad_input_is_a_one_line_error_naming_the_argument(options, message):
+    model, optimizer = model_and_sgd(0.1)
+    arguments = {"data": regression(256), "optimizer": optimizer, **options}
+    data = arguments.pop("data")
+    with pytest.raises((TypeError, ValueError), match=message) as caught:
+        bw.critical_batch(model, data, loss_fn=nn.functional.mse_loss, base_batch_size=4,
+                          **arguments)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_frozen_model_is_refused():
+    model, optimizer = model_and_sgd(0.1)
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="model should have trainable parameters"):
+        bw.critical_batch(model, regression(256), optimizer=optimizer,
+                          loss_fn=nn.functional.mse_loss)
