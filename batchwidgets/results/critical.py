@@ -54,6 +54,7 @@ class CriticalBatchReport:
     b_simple: float | None = None
     b_simple_error: float | None = None
     extra_memory_bytes: int = 0  # the copy of weights and optimizer state the branches start from
+    seeds_fitted: int = 0  # seeds whose steps fell with the batch (the error needs two)
 
     @property
     def measurable(self) -> bool:
@@ -77,7 +78,8 @@ class CriticalBatchReport:
         noise = (f"; B_simple {number(self.b_simple)} at the same weights (ratio "
                  f"{number(self.ratio, 2)})" if self.ratio is not None else "")
         return (f"critical batch {number(self.critical_batch_size)}{spread} samples {target}, "
-                f"measured from {len(self.ladder)} branches ({self.examples} examples){noise}")
+                f"measured from {len(self.ladder)} branches, {self.seeds_fitted} seed(s) fitted "
+                f"({self.examples} examples){noise}")
 
     def rows(self) -> list[tuple[str, object]]:
         number = _html.format_number

@@ -29,6 +29,7 @@ MAX_BACKOFFS = 4  # a diverging branch runs again at half the learning rate, thi
 BLOWUP = 2.0  # a branch whose evaluated loss passes BLOWUP x the starting loss has diverged
 TARGET_SHARE = 0.9  # the default target: this share of the way to the base's loss after its run
 BEYOND = 2.0  # a fitted B_noise past the ladder by this factor is a bound, not a measurement
+EVALS_PER_DOUBLING = 16  # the loss is evaluated at every step up to 16, then every step // 16
 
 # NOTE [ The critical batch, measured ]
 # McCandlish et al. (2018): the steps and examples to reach a loss follow S = S_min (1 + B_noise
@@ -43,13 +44,15 @@ BEYOND = 2.0  # a fitted B_noise past the ladder by this factor is a bound, not 
 #   learning rate scaled by the optimizer's rule (linear for SGD, square root for the Adam
 #   family) until the evaluated loss reaches the target; a branch that blows up runs again at
 #   half the learning rate (the stability edge moves down as the batch grows less than the
-#   rule says);
+#   rule says), and so does one that took more steps than the batch below it (with a learning
+#   rate tuned per batch, steps never grow with the batch: more is a rate past the edge that
+#   oscillates without blowing up); the fewest steps of its tries count;
 # - S(B) is fitted by least squares on 1/B: S = S_min + S_min B_noise / B, and B_noise =
 #   slope / intercept; over seeds (different draws of the batches) the mean and its standard
 #   error. A B_noise past the ladder (twice its largest batch, half its smallest) is reported as
 #   that bound with critical_batch_size None: no number is made from an extrapolation.
-#   Evaluations come every few steps (a sixteenth of the base run, scaled down with the
-#   batch), so steps are counted to that resolution.
+#   The loss is evaluated at every step up to the 16th, then every step // 16 steps: steps to
+#   the target are counted to about 6%, whatever the batch, at 16 evaluations per doubling.
 # Nothing of the user's changes: weights, optimizer state, scheduler and RNGs are restored.
 
 
@@ -115,7 +118,9 @@ class _Runner:
             if self.scheduler is not None:
                 self.scheduler.step()
             self.examples += batch_size
-            if step % every == 0 or step == max_steps:
+            # every step up to ``every``, then every step // every (about 1/every resolution);
+            # every=0: only at the end
+            if (every and step % max(1, step // every) == 0) or step == max_steps:
                 last = self.loss()
                 if not math.isfinite(last) or last > BLOWUP * start:
                     return None, last, True
@@ -231,12 +236,13 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                 points = []
                 for batch in ladder:
                     scale = stable * scale_of(batch / base)
+                    best = None  # the fewest steps of the tries that reached the target
                     for _ in range(MAX_BACKOFFS + 1):
                         state.restore()
-                        every = max(1, base_steps * base // (16 * batch))
+                        every = EVALS_PER_DOUBLING
                         if target is None:  # the base branch sets the target
                             steps, reached, diverged = runner.run(
-                                batch, scale, seed, base_steps, base_steps, None, start)
+                                batch, scale, seed, base_steps, 0, None, start)
                             diverged = diverged or not reached < start
                             if diverged:
                                 stable /= 2
@@ -251,9 +257,14 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                         lr = runner.lrs[0] * scale
                         branches.append(Branch(batch, lr, steps, steps * batch if steps else
                                                None, diverged, seed))
-                        if not diverged:
+                        slower = bool(points) and steps is not None and steps > points[-1][1]
+                        if not diverged and not slower:
                             break
+                        if slower:  # past the stability edge without blowing up: see NOTE
+                            best = steps if best is None else min(best, steps)
                         scale /= 2
+                    if best is not None:
+                        steps, diverged = min(best, steps or best), False
                     if steps is not None and not diverged:
                         points.append((batch, steps))
                 if target is None:
@@ -296,4 +307,4 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         target_loss=target if target is not None else math.nan, start_loss=start,
         examples=runner.examples, ladder=tuple(branches), base_batch_size=base, s_min=s_min,
         e_min=e_min, lr_scaling=rule, reason=reason, b_simple=b_simple,
-        b_simple_error=b_simple_error, extra_memory_bytes=extra)
+        b_simple_error=b_simple_error, extra_memory_bytes=extra, seeds_fitted=len(fits))
