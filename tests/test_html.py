@@ -15,6 +15,8 @@ from batchwidgets.results import (
     AccumulationReport,
     Attempt,
     BatchSizeReport,
+    Branch,
+    CriticalBatchReport,
     DataStallReport,
     LayerNoise,
     LiveLoaderReport,
@@ -44,6 +46,18 @@ EXAMPLES = {  # one or more per report type; test_every_report_type_has_an_examp
         AccumulationReport(steps=4, micro_steps=10, real_steps=3, remainder="applied",
                            remainder_micro_steps=2, micro_batch_size=32,
                            losses=(2.3, 2.1, 1.9), grad_norms=(1.0, 0.9, 0.8)),
+    ],
+    CriticalBatchReport: [
+        CriticalBatchReport(
+            critical_batch_size=70.0, critical_batch_size_error=25.0, target_loss=2.26,
+            start_loss=7.31, examples=34536, base_batch_size=4, s_min=3.0, e_min=210.0,
+            lr_scaling="linear", b_simple=20.5, seeds_fitted=2,
+            ladder=(Branch(4, 0.1, 12, 48, False, 0), Branch(8, 0.2, None, None, True, 0),
+                    Branch(8, 0.1, 7, 56, False, 0))),
+        CriticalBatchReport(
+            critical_batch_size=None, critical_batch_size_error=None, target_loss=2.48,
+            start_loss=7.31, examples=27000, base_batch_size=4, s_min=None, e_min=None,
+            lr_scaling="sqrt", reason="the critical batch is above <128>", ladder=()),
     ],
     NoiseReport: [
         NoiseReport(trace_cov=2.0, grad_norm_sq=0.5, loss_mean=1.0, loss_variance=0.25,
