@@ -27,9 +27,12 @@ print("panel", panel.answer.value)
 
 
 def run(*command: str, cwd: Path, timeout: float = 600) -> str:
+    # the fresh environment's matplotlib keeps its font cache to itself: the user's cache
+    # (~/.cache/matplotlib) is shared by every matplotlib of a version, and one written from an
+    # environment that is then deleted leaves the others without its fonts (STIX, for mathtext)
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-                               "PYTHONPATH": ""})
+                               "PYTHONPATH": "", "MPLCONFIGDIR": str(cwd / "matplotlib")})
     said = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.returncode == 0, f"{' '.join(command)}\n{said}"
     return done.stdout
