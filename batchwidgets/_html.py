@@ -48,6 +48,13 @@ def format_number(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}g}"
 
 
+def format_estimate(x: float | None, error: float | None) -> str:
+    """``'82.7 ± 3.5'``: ``x`` at 3 significant digits and its ``error`` at 2; ``'82.7'`` when
+    the error is unknown (None)."""
+    spread = f" ± {format_number(error, 2)}" if error is not None else ""
+    return f"{format_number(x)}{spread}"
+
+
 def inline_plot(report: object) -> str:
     """The report's plot as an ``<img>`` with an inline PNG, or ``''`` without matplotlib.
 

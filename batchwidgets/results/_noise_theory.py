@@ -57,7 +57,6 @@ def noise_advice(b_simple: float, error: float | None, unit: str,
     trade-off at ``current`` (else at each of ``batch_sizes``) and the learning rate to use
     when changing the batch size. See NOTE [ The steps-versus-examples trade-off ]."""
     number = _html.format_number
-    spread = f" ± {number(error, 2)}" if error is not None else ""
     sizes = (current,) if current else batch_sizes
     label = "the current batch" if current else "batch size"
     at = "; ".join(f"at {label} B = {b}: {number(steps_over_min(b_simple, b), 3)}× the fewest "
@@ -65,8 +64,9 @@ def noise_advice(b_simple: float, error: float | None, unit: str,
                    for b in sizes)
     target = max(1, int(float(f"{b_simple:.2g}")))  # B_simple to 2 significant digits
     start = current or min(batch_sizes, default=1)
-    return (f"critical batch size B_simple ≈ {number(b_simple)}{spread} {unit} (McCandlish et "
-            f"al. 2018). Training at batch size B takes about S_min·(1 + B_simple/B) steps and "
+    estimate = _html.format_estimate(b_simple, error)
+    return (f"critical batch size B_simple ≈ {estimate} {unit} (McCandlish et al. 2018)."
+            f" Training at batch size B takes about S_min·(1 + B_simple/B) steps and "
             f"E_min·(1 + B/B_simple) examples, {at}; B ≈ B_simple balances the two (2× each), "
             f"and batches well above it spend many more examples to save few steps. Learning "
             f"rate: when the batch changes from B to B', multiply it by B'/B (linear scaling) "

@@ -73,11 +73,11 @@ class CriticalBatchReport:
         target = (f"to loss {number(self.target_loss)} from {number(self.start_loss)}")
         if not self.measurable:
             return f"critical batch: not measurable ({self.reason}); {target}"
-        spread = (f" ± {number(self.critical_batch_size_error, 2)}"
-                  if self.critical_batch_size_error is not None else "")
         noise = (f"; B_simple {number(self.b_simple)} at the same weights (ratio "
                  f"{number(self.ratio, 2)})" if self.ratio is not None else "")
-        return (f"critical batch {number(self.critical_batch_size)}{spread} samples {target}, "
+        estimate = _html.format_estimate(self.critical_batch_size,
+                                         self.critical_batch_size_error)
+        return (f"critical batch {estimate} samples {target}, "
                 f"measured from {len(self.ladder)} branches, {self.seeds_fitted} seed(s) fitted "
                 f"({self.examples} examples){noise}")
 
@@ -85,9 +85,8 @@ class CriticalBatchReport:
         number = _html.format_number
         return [
             ("critical batch (B_noise)", "not measurable: " + self.reason if not self.measurable
-             else number(self.critical_batch_size) + (
-                 f" ± {number(self.critical_batch_size_error, 2)}"
-                 if self.critical_batch_size_error is not None else "")),
+             else _html.format_estimate(self.critical_batch_size,
+                                        self.critical_batch_size_error)),
             ("target loss (from)", f"{number(self.target_loss)} (from {number(self.start_loss)})"),
             ("S_min, E_min", f"{number(self.s_min)} steps, {number(self.e_min)} examples"
              if self.s_min is not None else "-"),

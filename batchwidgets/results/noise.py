@@ -143,9 +143,8 @@ class NoiseReport:
     def summary(self) -> str:
         if not self.measurable:
             return f"B_simple: {self.reason}"
-        spread = (f" ± {_html.format_number(self.b_simple_error, 2)}"
-                  if self.b_simple_error is not None else "")
-        return (f"B_simple {_html.format_number(self.b_simple)}{spread} from {self.n_examples} "
+        return (f"B_simple {_html.format_estimate(self.b_simple, self.b_simple_error)} from "
+                f"{self.n_examples} "
                 f"examples "
                 f"(tr cov {_html.format_number(self.trace_cov)}, "
                 f"|G|^2 {_html.format_number(self.grad_norm_sq)})")
@@ -153,14 +152,12 @@ class NoiseReport:
     def rows(self) -> list[tuple[str, object]]:
         """The rows of the report's table (label, value)."""
         return [
-            ("B_simple = tr(Σ) / |G|^2 (both unbiased)", _html.format_number(self.b_simple)
-             + (f" ± {_html.format_number(self.b_simple_error, 2)}"
-                if self.b_simple_error is not None else "")
+            ("B_simple = tr(Σ) / |G|^2 (both unbiased)",
+             _html.format_estimate(self.b_simple, self.b_simple_error)
              + ("" if self.measurable else " (not measurable)")),
             ("|G|^2 - noise floor tr(cov)/(N-1)",
-             f"{_html.format_number(self.grad_norm_sq - self.noise_floor)}"
-             + (f" ± {_html.format_number(self.grad_norm_sq_error, 2)}"
-                if self.grad_norm_sq_error is not None else "")),
+             _html.format_estimate(self.grad_norm_sq - self.noise_floor,
+                                   self.grad_norm_sq_error)),
             ("tr(cov) per example", _html.format_number(self.trace_cov)),
             ("|G|^2", _html.format_number(self.grad_norm_sq)),
             ("plain tr(cov) / |G|^2 (biased toward N)", _html.format_number(self.b_simple_plain)),
