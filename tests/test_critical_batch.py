@@ -95,14 +95,20 @@ def test_a_target_no_branch_reaches_is_not_measurable_and_says_why():
                                base_batch_size=4, seeds=1, max_steps=40, noise=False)
     assert report.critical_batch_size is None
     assert all(b.steps is None for b in report.ladder)
-    assert "did not fall" in report.reason or "reached" in report.reason
+    assert "fewer than two batch sizes reached the target" in report.reason
 
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"data": TensorDataset(torch.randn(12, 16), torch.randn(12, 1))}, "data should hold"),
     ({"lr_scaling": "cubic"}, "lr_scaling should be"),
-    ({"seeds": 0}, "seeds should be a positive int"),
+    ({"seeds": 0}, "seeds should be an int >= 1"),
     ({"optimizer": None}, "optimizer should be"),
+    ({"criterion": "examples"}, "criterion should be 'steps'"),
+    ({"loss_tolerance": 1.5}, "loss_tolerance should be"),
+    ({"fits_batch_size": 0}, "fits_batch_size should be"),
+    ({"target_loss": float("nan")}, "target_loss should be a finite number"),
+    ({"batch_sizes": [4, 8, 0]}, "batch_sizes should be"),
+    ({"max_steps": 2.5}, "max_steps should be"),
 ])
 def test_bad_input_is_a_one_line_error_naming_the_argument(options, message):
     model, optimizer = model_and_sgd(0.1)
@@ -120,3 +126,84 @@ def test_a_frozen_model_is_refused():
     with pytest.raises(ValueError, match="model should have trainable parameters"):
         bw.critical_batch(model, regression(256), optimizer=optimizer,
                           loss_fn=nn.functional.mse_loss)
+
+
+def test_batches_above_what_fits_accumulate_to_the_same_steps():
+    """A ladder past ``fits_batch_size`` accumulates micro-batches: the gradient of the whole
+    batch, so every branch takes the steps it takes in one batch (PyTorch as the oracle)."""
+    data = regression(2048)
+    reports = []
+    for fits in (None, 8):
+        model, optimizer = model_and_sgd(0.05)
+        reports.append(bw.critical_batch(model, data, optimizer=optimizer,
+                                         loss_fn=nn.functional.mse_loss, base_batch_size=4,
+                                         seeds=1, noise=False, fits_batch_size=fits))
+    whole, parts = reports
+    assert [b.steps for b in whole.ladder] == [b.steps for b in parts.ladder]
+    assert [b.micro_batches for b in parts.ladder] == [
+        -(-b.batch_size // 8) for b in parts.ladder]
+    assert all(b.micro_batches == 1 for b in whole.ladder)
+    assert parts.critical_batch_size == pytest.approx(whole.critical_batch_size, rel=1e-6)
+    assert parts.fits_batch_size == 8
+    assert "accumulate" in str(parts.rows())
+    assert "(16 × 8)" in parts._repr_html_()
+
+
+def test_the_loss_criterion_is_a_second_number_on_equal_examples():
+    model, optimizer = model_and_sgd(0.05)
+    report = bw.critical_batch(model, regression(), optimizer=optimizer,
+                               loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1,
+                               noise=False, criterion="loss", base_steps=32)
+    assert report.criterion == "loss"
+    budget = 32 * 4
+    assert {b.examples for b in report.loss_ladder} == {budget}
+    assert {b.batch_size for b in report.loss_ladder} == {4, 8, 16, 32, 64, 128}
+    losses = {b.batch_size: b.loss for b in report.loss_ladder}
+    within = [b for b in sorted(losses) if losses[b] <= losses[4] * 1.01]
+    assert report.loss_criterion_batch_size in within
+    # the largest batch from the base up: every batch below it is within the tolerance too
+    assert all(b in within for b in sorted(losses) if b <= report.loss_criterion_batch_size)
+    bigger = [b for b in sorted(losses) if b > report.loss_criterion_batch_size]
+    assert not bigger or losses[bigger[0]] > losses[4] * 1.01
+    assert "Merrill" in str(report.rows())
+    assert "equal examples" in report._repr_html_()
+    training = sum(b.examples for b in report.ladder + report.loss_ladder if b.examples)
+    assert report.examples > training
+
+
+def test_a_dataloaders_collate_fn_builds_the_branches_batches():
+    """Dict batches through the user's collate_fn (variable-length items padded), as a
+    DataLoader over text gives them."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(8, generator=generator)
+    items = []
+    for i in range(1024):
+        length = 2 + i % 5
+        x = torch.randn(length, 8, generator=generator)
+        items.append((x, (x @ w).mean() + 0.5 * torch.randn((), generator=generator)))
+
+    def pad(batch):
+        longest = max(len(x) for x, _ in batch)
+        x = torch.zeros(len(batch), longest, 8)
+        mask = torch.zeros(len(batch), longest)
+        for row, (tokens, _) in enumerate(batch):
+            x[row, :len(tokens)], mask[row, :len(tokens)] = tokens, 1
+        return {"x": x, "mask": mask, "labels": torch.stack([y for _, y in batch])}
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 1)
+
+        def forward(self, x, mask, labels):
+            pooled = (self.linear(x).squeeze(-1) * mask).sum(1) / mask.sum(1)
+            return {"loss": nn.functional.mse_loss(pooled, labels)}
+
+    torch.manual_seed(0)
+    model = Pooled()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = torch.utils.data.DataLoader(items, batch_size=4, shuffle=True, collate_fn=pad)
+    report = bw.critical_batch(model, loader, optimizer=optimizer, seeds=1, noise=False)
+    assert report.base_batch_size == 4
+    assert report.start_loss > report.target_loss
+    assert any(b.steps for b in report.ladder)

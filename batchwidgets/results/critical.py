@@ -13,7 +13,11 @@ class Branch:
     """One run from the same weights at ``batch_size`` with learning rate ``lr``, to the target
     loss: ``steps`` and ``examples`` (steps x batch size) to reach it, None if it did not
     within the step limit; ``diverged``: the loss blew up (the branch is run again at half the
-    learning rate, a row each)."""
+    learning rate, a row each). ``micro_batches``: how many each step accumulated (above
+    ``fits_batch_size``); ``loss``: the last loss evaluated (None when it diverged);
+    ``steps_to_target``: the steps interpolated between the last two evaluations, where the
+    loss crossed the target (what the fit uses; ``steps`` is the evaluated step at or past
+    it)."""
 
     batch_size: int
     lr: float
@@ -21,11 +25,20 @@ class Branch:
     examples: int | None
     diverged: bool
     seed: int
+    micro_batches: int = 1
+    loss: float | None = None
+    steps_to_target: float | None = None
 
     def row(self) -> tuple[object, ...]:
-        outcome = ("diverged" if self.diverged else "-" if self.steps is None else self.steps)
-        return (self.batch_size, _html.format_number(self.lr, 3), outcome,
-                self.examples if self.examples is not None else "-", self.seed)
+        outcome = ("diverged" if self.diverged else "-" if self.steps is None else
+                   f"{self.steps} ({_html.format_number(self.steps_to_target, 3)})"
+                   if self.steps_to_target is not None else self.steps)
+        batch = (f"{self.batch_size} ({self.micro_batches} × "
+                 f"{-(-self.batch_size // self.micro_batches)})" if self.micro_batches > 1
+                 else self.batch_size)
+        return (batch, _html.format_number(self.lr, 3), outcome,
+                self.examples if self.examples is not None else "-",
+                _html.format_number(self.loss) if self.loss is not None else "-", self.seed)
 
 
 @dataclass(frozen=True)
@@ -36,9 +49,14 @@ class CriticalBatchReport:
 
     ``critical_batch_size`` is B_noise (the mean over seeds) with ``critical_batch_size_error``
     its standard error over seeds, None with the ``reason`` when it is not measurable.
-    ``examples`` counts every example spent: training in every branch and the loss
-    evaluations. ``b_simple`` is the gradient noise scale measured at the same weights
-    (``measure_noise``), for comparison: ``ratio`` = critical / B_simple."""
+    ``examples`` counts every example spent: training in every branch, the loss evaluations
+    and the examples ``measure_noise`` read (``examples_noise``). ``b_simple`` is the gradient
+    noise scale measured at the same weights, for comparison: ``ratio`` = critical / B_simple.
+
+    With ``criterion="loss"``, ``loss_criterion_batch_size`` is Merrill et al.'s (2025) answer
+    to another question: the largest batch whose loss after the base's examples stays within
+    ``loss_tolerance`` of the base batch's (how far the batch grows before a fixed budget of
+    examples buys less); its branches are ``loss_ladder``."""
 
     critical_batch_size: float | None
     critical_batch_size_error: float | None
@@ -55,6 +73,12 @@ class CriticalBatchReport:
     b_simple_error: float | None = None
     extra_memory_bytes: int = 0  # the copy of weights and optimizer state the branches start from
     seeds_fitted: int = 0  # seeds whose steps fell with the batch (the error needs two)
+    examples_noise: int = 0  # of ``examples``: those measure_noise read for b_simple
+    fits_batch_size: int | None = None  # larger batches accumulated micro-batches of this size
+    criterion: str = "steps"  # "loss": also Merrill et al.'s loss-tolerance batch
+    loss_criterion_batch_size: int | None = None  # the largest batch within loss_tolerance
+    loss_tolerance: float = 0.01
+    loss_ladder: tuple[Branch, ...] = ()  # the equal-examples branches of criterion="loss"
 
     @property
     def measurable(self) -> bool:
@@ -77,9 +101,12 @@ class CriticalBatchReport:
                  f"{number(self.ratio, 2)})" if self.ratio is not None else "")
         estimate = _html.format_estimate(self.critical_batch_size,
                                          self.critical_batch_size_error)
+        merrill = (f"; loss within {number(100 * self.loss_tolerance)}% of the base's at equal "
+                   f"examples up to batch {self.loss_criterion_batch_size}"
+                   if self.loss_criterion_batch_size is not None else "")
         return (f"critical batch {estimate} samples {target}, "
                 f"measured from {len(self.ladder)} branches, {self.seeds_fitted} seed(s) fitted "
-                f"({self.examples} examples){noise}")
+                f"({self.examples} examples){noise}{merrill}")
 
     def rows(self) -> list[tuple[str, object]]:
         number = _html.format_number
@@ -93,11 +120,19 @@ class CriticalBatchReport:
             ("B_simple at these weights", number(self.b_simple) if self.b_simple else "-"),
             ("examples spent", self.examples),
             ("learning rate", f"{self.lr_scaling} scaling from batch {self.base_batch_size}"),
-        ]
+        ] + ([("accumulation", f"batches above {self.fits_batch_size} (what fits) accumulate "
+                               f"micro-batches")] if self.fits_batch_size else []) + (
+            [(f"largest batch within {number(100 * self.loss_tolerance)}% of the base's loss at "
+              f"equal examples (Merrill et al. 2025)",
+              self.loss_criterion_batch_size if self.loss_criterion_batch_size is not None
+              else "-")] if self.criterion == "loss" else [])
 
     def _repr_html_(self) -> str:
-        ladder = _html.table([b.row() for b in self.ladder],
-                             header=("batch", "lr", "steps to target", "examples", "seed"),
-                             caption="branches") if self.ladder else ""
+        header = ("batch", "lr", "steps", "examples", "last loss", "seed")
+        ladder = _html.table([b.row() for b in self.ladder], header=header,
+                             caption="branches to the target loss") if self.ladder else ""
+        equal = _html.table([b.row() for b in self.loss_ladder], header=header,
+                            caption="branches on equal examples (criterion='loss')"
+                            ) if self.loss_ladder else ""
         return _html.report_html(self, "batchwidgets: critical_batch", self.rows(), ladder,
-                                 plot=False)
+                                 equal, plot=False)

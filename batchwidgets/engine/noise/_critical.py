@@ -11,15 +11,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from ...results import Branch, CriticalBatchReport
+from ...results import BatchSizeReport, Branch, CriticalBatchReport
 from .._batches import batch_length, forward_and_loss
 from .._state import TrainingState
-from .._util import to_device
+from .._util import check_int, check_number, to_device
 from ._measure import measure_noise
 
 LossFn = Callable[..., torch.Tensor]
@@ -29,6 +29,7 @@ MAX_BACKOFFS = 4  # a diverging branch runs again at half the learning rate, thi
 BLOWUP = 2.0  # a branch whose evaluated loss passes BLOWUP x the starting loss has diverged
 TARGET_SHARE = 0.9  # the default target: this share of the way to the base's loss after its run
 BEYOND = 2.0  # a fitted B_noise past the ladder by this factor is a bound, not a measurement
+FIT_GRID = 2000  # points of the log grid B_noise is fitted on (0.5% apart over 10^4 x ladder)
 EVALS_PER_DOUBLING = 16  # the loss is evaluated at every step up to 16, then every step // 16
 
 # NOTE [ The critical batch, measured ]
@@ -47,12 +48,22 @@ EVALS_PER_DOUBLING = 16  # the loss is evaluated at every step up to 16, then ev
 #   rule says), and so does one that took more steps than the batch below it (with a learning
 #   rate tuned per batch, steps never grow with the batch: more is a rate past the edge that
 #   oscillates without blowing up); the fewest steps of its tries count;
-# - S(B) is fitted by least squares on 1/B: S = S_min + S_min B_noise / B, and B_noise =
-#   slope / intercept; over seeds (different draws of the batches) the mean and its standard
-#   error. A B_noise past the ladder (twice its largest batch, half its smallest) is reported as
-#   that bound with critical_batch_size None: no number is made from an extrapolation.
+# - S(B) = S_min (1 + B_noise / B) is fitted by least squares in log S (B_noise on a log grid,
+#   S_min the geometric mean of the rest), each batch's steps being the interpolated point
+#   where the loss crossed the target between its last two evaluations (at large batches the
+#   steps are few: counted in whole steps they would be off by up to one); over seeds
+#   (different draws of the batches) the mean and its standard error. A B_noise past the
+#   ladder (twice its largest batch, half its smallest) is reported as that bound with
+#   critical_batch_size None: no number is made from an extrapolation.
 #   The loss is evaluated at every step up to the 16th, then every step // 16 steps: steps to
 #   the target are counted to about 6%, whatever the batch, at 16 evaluations per doubling.
+# - criterion="loss" adds Merrill et al.'s (2025) answer: every batch of the ladder trains on
+#   the base's examples (base_steps x base) at the learning rate its branch above used; the
+#   largest batch from the base up whose loss (mean over seeds) stays within loss_tolerance of
+#   the base's. It answers another question (how far the batch grows before a fixed budget of
+#   examples buys less loss) and moves with the base batch and the budget.
+# - Batches above fits_batch_size accumulate micro-batches of at most that size: the same
+#   gradient (each micro-batch's loss weighted by its share), the memory of what fits.
 # Nothing of the user's changes: weights, optimizer state, scheduler and RNGs are restored.
 
 
@@ -77,14 +88,24 @@ def _scaling(optimizer: torch.optim.Optimizer, rule: str | Callable | None) -> t
     return rules[rule], rule
 
 
+class _Outcome(NamedTuple):
+    steps: int | None  # the step whose evaluation first reached the target; None: not reached
+    at: float | None  # the steps to the target, interpolated between the last two evaluations
+    loss: float  # the last loss evaluated
+    diverged: bool
+
+
 class _Runner:
     """Branches from one snapshot: train at a batch and learning rate until a target loss."""
 
-    def __init__(self, model, optimizer, loss_fn, scheduler, items, eval_items, device):
+    def __init__(self, model, optimizer, loss_fn, scheduler, items, eval_items, device,
+                 collate, fits):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.scheduler, self.items, self.device = scheduler, items, device
-        self.eval_batches = [to_device(default_collate(eval_items[i:i + 256]), device)
-                             for i in range(0, len(eval_items), 256)]
+        self.collate, self.fits = collate, fits
+        chunk = min(256, fits or 256)
+        self.eval_batches = [to_device(collate(eval_items[i:i + chunk]), device)
+                             for i in range(0, len(eval_items), chunk)]
         self.eval_size = len(eval_items)
         self.lrs = [group["lr"] for group in optimizer.param_groups]
         self.examples = 0
@@ -96,24 +117,39 @@ class _Runner:
                         * batch_length(batch) for batch in self.eval_batches)
         return total / self.eval_size
 
+    def micro_batches(self, batch_size: int) -> int:
+        return -(-batch_size // self.fits) if self.fits else 1
+
+    def step(self, picked: list[int]) -> bool:
+        """The gradient of the batch ``picked`` into ``.grad``, in micro-batches of at most
+        ``fits`` (each loss weighted by its share of the batch, as ``accumulate`` does); False
+        when the loss is not finite."""
+        parts = self.micro_batches(len(picked))
+        size = -(-len(picked) // parts)
+        for start in range(0, len(picked), size):
+            part = picked[start:start + size]
+            batch = to_device(self.collate([self.items[i] for i in part]), self.device)
+            loss = forward_and_loss(self.model, batch, self.loss_fn, surrogate=False)
+            if not torch.isfinite(loss):
+                return False
+            (loss * (len(part) / len(picked)) if parts > 1 else loss).backward()
+        return True
+
     def run(self, batch_size: int, scale: float, seed: int, max_steps: int, every: int,
-            target: float | None, start: float) -> tuple[int | None, float, bool]:
-        """(steps to reach ``target`` or None, the last evaluated loss, diverged)."""
+            target: float | None, start: float) -> _Outcome:
+        """Train from the restored state until the evaluated loss reaches ``target``."""
         for group, lr in zip(self.optimizer.param_groups, self.lrs):
             group["lr"] = lr * scale
         generator = torch.Generator().manual_seed(seed)
         order: list[int] = []
-        last = start
+        last, before = start, (0, start)  # the last evaluation, and the one before it
         for step in range(1, max_steps + 1):
             if len(order) < batch_size:
                 order += torch.randperm(len(self.items), generator=generator).tolist()
             picked, order = order[:batch_size], order[batch_size:]
-            batch = to_device(default_collate([self.items[i] for i in picked]), self.device)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = forward_and_loss(self.model, batch, self.loss_fn, surrogate=False)
-            if not torch.isfinite(loss):
-                return None, math.inf, True
-            loss.backward()
+            if not self.step(picked):
+                return _Outcome(None, None, math.inf, True)
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -123,25 +159,67 @@ class _Runner:
             if (every and step % max(1, step // every) == 0) or step == max_steps:
                 last = self.loss()
                 if not math.isfinite(last) or last > BLOWUP * start:
-                    return None, last, True
+                    return _Outcome(None, None, last, True)
                 if target is not None and last <= target:
-                    return step, last, False
-        return None, last, False
+                    # where the line between the last two evaluations crosses the target
+                    (p, loss_p), drop = before, before[1] - last
+                    at = p + (step - p) * (loss_p - target) / drop if drop > 0 else step
+                    return _Outcome(step, at, last, False)
+                before = (step, last)
+        return _Outcome(None, None, last, False)
 
 
-def _fit(points: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
-    """(S_min, B_noise) from (batch, steps) by least squares of S on 1/B; None if the steps do
-    not fall as the batch grows (no positive intercept and slope)."""
+def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """(S_min, B_noise) of S = S_min (1 + B_noise / B) from (batch, steps), least squares in
+    log S (each batch's steps counted to the same relative precision); None with fewer than
+    two batches. B_noise is searched on a log grid from a hundredth of the smallest batch to a
+    hundred times the largest: an answer at an end (steps that fall as fast as the batch
+    grows, or do not fall) is past the ladder, which the caller reports as a bound."""
     if len({b for b, _ in points}) < 2:
         return None
-    xs, ys = [1 / b for b, _ in points], [float(s) for _, s in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    intercept = my - slope * mx
-    if intercept <= 0 or slope <= 0:
-        return None
-    return intercept, slope / intercept
+    low, high = min(b for b, _ in points) / 100, max(b for b, _ in points) * 100
+    best = (math.inf, 0.0, 0.0)
+    for i in range(FIT_GRID + 1):
+        b_noise = low * (high / low) ** (i / FIT_GRID)
+        logs = [math.log(s) - math.log1p(b_noise / b) for b, s in points]
+        log_min = statistics.fmean(logs)
+        error = sum((v - log_min) ** 2 for v in logs)
+        if error < best[0]:
+            best = (error, b_noise, math.exp(log_min))
+    return best[2], best[1]
+
+
+def _loss_criterion(runner: _Runner, state: TrainingState, ladder: Sequence[int], base: int,
+                    examples: int, used: dict[tuple[int, int], float], seeds: int, start: float,
+                    tolerance: float) -> tuple[int | None, tuple[Branch, ...]]:
+    """Merrill et al.'s answer (NOTE [ The critical batch, measured ]): every batch of the
+    ladder trains on the same ``examples`` at the learning rate its steps branch used; the
+    largest batch from the base up whose mean loss over seeds stays within ``tolerance`` of the
+    base's (relative)."""
+    rows: list[Branch] = []
+    losses: dict[int, list[float]] = {}
+    for seed in range(seeds):
+        for batch in ladder:
+            if (seed, batch) not in used:
+                continue
+            lr = used[(seed, batch)]
+            state.restore()
+            steps = max(1, round(examples / batch))
+            outcome = runner.run(batch, lr / runner.lrs[0], seed, steps, 0, None, start)
+            loss, diverged = outcome.loss, outcome.diverged
+            rows.append(Branch(batch, lr, steps, steps * batch, diverged, seed,
+                               runner.micro_batches(batch), None if diverged else loss))
+            losses.setdefault(batch, []).append(math.inf if diverged else loss)
+    if base not in losses or not all(math.isfinite(v) for v in losses[base]):
+        return None, tuple(rows)
+    reference = statistics.fmean(losses[base])
+    largest = base
+    for batch in ladder[1:]:
+        if batch not in losses or len(losses[batch]) < len(losses[base]) or statistics.fmean(
+                losses[batch]) > reference * (1 + tolerance):
+            break
+        largest = batch
+    return largest, tuple(rows)
 
 
 def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
@@ -151,6 +229,8 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                    lr_scaling: str | Callable[[float], float] | None = None,
                    scheduler: Any = None, seeds: int = 2, max_steps: int | None = None,
                    eval_examples: int = 256, noise: bool = True,
+                   fits_batch_size: int | BatchSizeReport | None = None,
+                   criterion: str = "steps", loss_tolerance: float = 0.01,
                    device: torch.device | str | None = None) -> CriticalBatchReport:
     """Measure the critical batch from the current weights (NOTE [ The critical batch,
     measured ]): short branched runs at a ladder of batch sizes, each to the same target loss.
@@ -159,7 +239,8 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
     ----------
     model, optimizer : the model and its optimizer, at the point of training to measure from;
         both (and ``scheduler``, and the RNGs) are as they were afterwards.
-    data : Dataset or DataLoader over one (map-style): batches are drawn from it at random.
+    data : Dataset or DataLoader over one (map-style): batches are drawn from it at random
+        (with the DataLoader's ``collate_fn`` when it is one: dict batches, padded text).
     loss_fn : ``loss_fn(model(x), y)``; None for models whose output has ``.loss``.
     target_loss : float, optional
         The loss each branch runs to; default: the one the base batch reaches in
@@ -177,6 +258,18 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         Steps a branch may take (default 4 x ``base_steps``).
     noise : bool
         Also measure B_simple at the same weights (``measure_noise``) for comparison.
+    fits_batch_size : int or BatchSizeReport, optional
+        The largest batch that fits in memory (``find_batch``'s report: its
+        ``recommended_batch_size``): larger batches of the ladder accumulate micro-batches of
+        at most this size (the same gradient; the branch's ``micro_batches`` says how many).
+    criterion : "steps" or "loss"
+        "loss" adds Merrill et al.'s answer as a second number,
+        ``loss_criterion_batch_size``: the largest batch whose loss after the base's examples
+        (``base_steps`` x base) is within ``loss_tolerance`` of the base batch's. A different
+        question (how far the batch grows before a fixed budget of examples buys less loss);
+        it moves with the base batch and the budget.
+    loss_tolerance : float
+        For ``criterion="loss"``: relative, 0.01 is 1%.
 
     Returns
     -------
@@ -193,11 +286,33 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                          f"none in {type(model).__name__}; critical_batch trains branches of it.")
     for name, value in (("base_steps", base_steps), ("seeds", seeds),
                         ("eval_examples", eval_examples)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} should be a positive int, but got {name}={value!r}.")
+        check_int(name, value, 1)
+    check_int("base_batch_size", base_batch_size, 1, optional=True, hint="; e.g. 8")
+    check_int("max_steps", max_steps, 1, optional=True, hint="; e.g. 256")
+    if criterion not in ("steps", "loss"):
+        raise ValueError(f"criterion should be 'steps' (the critical batch by its definition) "
+                         f"or 'loss' (also Merrill et al.'s loss-tolerance batch), but got "
+                         f"criterion={criterion!r}.")
+    check_number("loss_tolerance", loss_tolerance, lambda v: 0 < v < 1, "a share in (0, 1)",
+                 "; e.g. 0.01 for 1%")
+    if isinstance(fits_batch_size, BatchSizeReport):
+        if fits_batch_size.recommended_batch_size is None:
+            raise ValueError(f"fits_batch_size should be a find_batch report with an answer, but "
+                             f"this one found none ({fits_batch_size.stop_reason}); pass an int.")
+        fits_batch_size = fits_batch_size.recommended_batch_size
+    check_int("fits_batch_size", fits_batch_size, 1, optional=True,
+              hint="; e.g. fits_batch_size=bw.find_batch(model, make_batch)")
+    if target_loss is not None:
+        check_number("target_loss", target_loss, math.isfinite, "a finite number",
+                     "; e.g. target_loss=0.5, or None for the base batch's")
     items = _items(data)
+    collate = (data.collate_fn if isinstance(data, DataLoader) and data.collate_fn is not None
+               else default_collate)
     base = base_batch_size or (data.batch_size if isinstance(data, DataLoader)
                                and data.batch_size else 8)
+    if batch_sizes is not None:
+        for value in batch_sizes:
+            check_int("batch_sizes", value, 1, hint="; e.g. batch_sizes=[8, 16, 32, 64]")
     ladder = sorted(set(batch_sizes)) if batch_sizes is not None else [
         base * 2**k for k in range(6) if base * 2**k <= len(items)]
     if len(ladder) < 3:
@@ -219,14 +334,20 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
         if torch.is_tensor(v))
     b_simple = b_simple_error = None
+    noise_examples = 0
     if noise:
         measured = measure_noise(model, data, loss_fn, batch_sizes=(1,), max_examples=512)
+        noise_examples = measured.n_examples
         if measured.measurable:
             b_simple, b_simple_error = measured.b_simple, measured.b_simple_error
-    runner = _Runner(model, optimizer, loss_fn, scheduler, items, eval_items, device)
+    runner = _Runner(model, optimizer, loss_fn, scheduler, items, eval_items, device, collate,
+                     fits_batch_size)
     branches: list[Branch] = []
     fits: list[tuple[float, float]] = []
+    used: dict[tuple[int, int], float] = {}  # (seed, batch) -> the learning rate that counted
     reason = ""
+    loss_batch: int | None = None
+    loss_rows: tuple[Branch, ...] = ()
     try:
         with torch.enable_grad():
             start = runner.loss()
@@ -236,37 +357,42 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                 points = []
                 for batch in ladder:
                     scale = stable * scale_of(batch / base)
-                    best = None  # the fewest steps of the tries that reached the target
+                    best = None  # (steps to target, scale) of the fewest steps
+                    calm = None  # the scale of the last try that did not blow up
                     for _ in range(MAX_BACKOFFS + 1):
                         state.restore()
-                        every = EVALS_PER_DOUBLING
                         if target is None:  # the base branch sets the target
-                            steps, reached, diverged = runner.run(
-                                batch, scale, seed, base_steps, 0, None, start)
-                            diverged = diverged or not reached < start
-                            if diverged:
+                            first = runner.run(batch, scale, seed, base_steps, 0, None, start)
+                            if first.diverged or not first.loss < start:
                                 stable /= 2
+                                outcome = first._replace(diverged=True)
                             else:  # 90% of its way: not on a plateau's noise
-                                target = reached + (1 - TARGET_SHARE) * (start - reached)
+                                target = first.loss + (1 - TARGET_SHARE) * (start - first.loss)
                                 state.restore()
-                                steps, _, diverged = runner.run(batch, scale, seed, max_steps,
-                                                                every, target, start)
+                                outcome = runner.run(batch, scale, seed, max_steps,
+                                                     EVALS_PER_DOUBLING, target, start)
                         else:
-                            steps, _, diverged = runner.run(batch, scale, seed, max_steps,
-                                                            every, target, start)
-                        lr = runner.lrs[0] * scale
-                        branches.append(Branch(batch, lr, steps, steps * batch if steps else
-                                               None, diverged, seed))
-                        slower = bool(points) and steps is not None and steps > points[-1][1]
-                        if not diverged and not slower:
+                            outcome = runner.run(batch, scale, seed, max_steps,
+                                                 EVALS_PER_DOUBLING, target, start)
+                        branches.append(Branch(
+                            batch, runner.lrs[0] * scale, outcome.steps,
+                            outcome.steps * batch if outcome.steps else None, outcome.diverged,
+                            seed, runner.micro_batches(batch),
+                            None if outcome.diverged else outcome.loss, outcome.at))
+                        calm = scale if not outcome.diverged else calm
+                        if outcome.at is not None and (best is None or outcome.at < best[0]):
+                            best = (outcome.at, scale)
+                        # more steps than the batch below: past the edge (see NOTE)
+                        slower = bool(points) and outcome.at is not None and (
+                            outcome.at > points[-1][1])
+                        if not outcome.diverged and not slower:
                             break
-                        if slower:  # past the stability edge without blowing up: see NOTE
-                            best = steps if best is None else min(best, steps)
                         scale /= 2
                     if best is not None:
-                        steps, diverged = min(best, steps or best), False
-                    if steps is not None and not diverged:
-                        points.append((batch, steps))
+                        points.append((batch, best[0]))
+                        used[(seed, batch)] = runner.lrs[0] * best[1]
+                    elif calm is not None:  # no target reached: its calm rate, for "loss"
+                        used[(seed, batch)] = runner.lrs[0] * calm
                 if target is None:
                     reason = (f"the base batch did not lower the loss at any learning rate "
                               f"tried (down to {runner.lrs[0] * stable * 2:.3g})")
@@ -274,6 +400,10 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                 fitted = _fit(points)
                 if fitted is not None:
                     fits.append(fitted)
+            if criterion == "loss" and target is not None:
+                loss_batch, loss_rows = _loss_criterion(
+                    runner, state, ladder, base, base_steps * base, used, seeds, start,
+                    loss_tolerance)
     finally:
         state.restore()
     if target is not None and target >= start:
@@ -283,9 +413,9 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         fits = []
     elif not fits and not reason:
         reached = sum(b.steps is not None for b in branches)
-        reason = (f"the steps to the target did not fall as the batch grew ({reached} of "
-                  f"{len(branches)} branches reached it): no S_min (1 + B_noise / B) to fit; "
-                  f"try a larger max_steps or a lower target_loss")
+        reason = (f"fewer than two batch sizes reached the target ({reached} of "
+                  f"{len(branches)} branches did): no S_min (1 + B_noise / B) to fit; "
+                  f"try a larger max_steps or a higher target_loss")
     critical = error = s_min = e_min = None
     if fits and statistics.fmean(b for _, b in fits) > BEYOND * max(ladder):
         reason = (f"the steps still fall as fast as the batch grows up to the largest batch "
@@ -305,6 +435,10 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
     return CriticalBatchReport(
         critical_batch_size=critical, critical_batch_size_error=error,
         target_loss=target if target is not None else math.nan, start_loss=start,
-        examples=runner.examples, ladder=tuple(branches), base_batch_size=base, s_min=s_min,
+        examples=runner.examples + noise_examples, ladder=tuple(branches), base_batch_size=base,
+        s_min=s_min,
         e_min=e_min, lr_scaling=rule, reason=reason, b_simple=b_simple,
-        b_simple_error=b_simple_error, extra_memory_bytes=extra, seeds_fitted=len(fits))
+        b_simple_error=b_simple_error, extra_memory_bytes=extra, seeds_fitted=len(fits),
+        examples_noise=noise_examples, fits_batch_size=fits_batch_size, criterion=criterion,
+        loss_criterion_batch_size=loss_batch, loss_tolerance=loss_tolerance,
+        loss_ladder=loss_rows)
