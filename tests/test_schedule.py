@@ -254,3 +254,72 @@ def test_the_noise_scale_plot_marks_the_schedule():
     labels = [t.get_text() for t in figure.axes[2].get_legend().get_texts()]
     assert "schedule from here 64" in labels
     assert "current batch 32" in labels
+
+
+def measured(critical, error=None):
+    """A CriticalBatchReport as critical_batch gives one (None: not measurable)."""
+    from batchwidgets.results import CriticalBatchReport
+
+    return CriticalBatchReport(critical_batch_size=critical, critical_batch_size_error=error,
+                               target_loss=0.5, start_loss=1.0, examples=1000, ladder=(),
+                               base_batch_size=8, s_min=10.0, e_min=None, lr_scaling="linear",
+                               reason="" if critical else "the steps did not fall")
+
+
+def test_a_measured_critical_batch_takes_b_simples_place_and_is_named():
+    tracker = exact_tracker(64.0, critical=measured(250.0, 20.0))
+    schedule = tracker.report.schedule
+    assert schedule.source == "critical_batch"
+    assert (schedule.batch_size, schedule.steps) == (256, 32)  # 250 / 8 -> 32 micro-batches
+    assert schedule.lr_factor == pytest.approx(lr_scale(250.0, 32, 256))
+    assert "measured critical batch ≈ 250 ± 20 samples" in schedule.summary()
+    assert "the measured critical batch" in str(schedule.rows())
+    report = tracker.report
+    assert "Measured (critical_batch)" in report.advice
+    assert "250 ± 20" in str(report.rows())
+    # not measurable: B_simple again, and said
+    tracker.critical = measured(None)
+    assert tracker.report.schedule.source == "b_simple"
+    assert tracker.report.schedule.batch_size == 64
+    assert "B_simple ≈ 64" in tracker.report.schedule.summary()
+    # before B_simple is measurable, the measured batch alone sets the schedule
+    early = bw.NoiseTracker(critical=measured(100.0))
+    early.update(small_sq_norms=[2.0, 2.0], big_sq_norm=1.5, micro_batch_size=8, n_micro=2)
+    assert not early.report.measurable
+    assert early.report.schedule.source == "critical_batch"
+    assert early.report.schedule.batch_size == 128
+    # sizes in micro-batches (micro-batch unknown): the measured samples cannot be used
+    unknown = plan_batch(64.0, None, micro_batch_size=None, steps=2, critical_batch_size=250.0)
+    assert unknown.source == "b_simple"
+    assert "micro-batch size is unknown" in unknown.reason
+    with pytest.raises(TypeError, match="critical should be a CriticalBatchReport"):
+        bw.NoiseTracker(critical=250)
+
+
+def test_steps_auto_ramps_to_a_critical_batch_measured_at_a_checkpoint():
+    """A ramp from measurements: critical_batch at a checkpoint, set on the tracker, and
+    accumulate(steps="auto") goes to it (and says it followed the measured number)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 16, generator=generator)
+    y = x @ torch.randn(16, 1, generator=generator) + torch.randn(4096, 1, generator=generator)
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    mse = nn.functional.mse_loss
+    report = bw.critical_batch(model, torch.utils.data.TensorDataset(x, y), optimizer=optimizer,
+                               loss_fn=mse, base_batch_size=4, noise=False)
+    assert report.measurable, report.reason
+    tracker = bw.NoiseTracker(warmup_updates=2, overhead_target=None, critical=report)
+    micro = 4
+    with bw.accumulate(optimizer, steps="auto", model=model, noise=tracker) as acc:
+        for j in range(400):
+            mse(model(x[j * micro:(j + 1) * micro]), y[j * micro:(j + 1) * micro]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    change = acc.report.schedule_changes[0]
+    assert change.source == "critical_batch"
+    assert change.critical_batch_size == report.critical_batch_size
+    expected = plan_batch(None, None, micro_batch_size=micro, steps=2, min_steps=2,
+                          critical_batch_size=report.critical_batch_size)
+    assert change.batch_size == expected.batch_size
+    assert "measured critical batch" in str(acc.report.rows())

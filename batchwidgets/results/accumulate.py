@@ -61,9 +61,14 @@ class AccumulationReport:
             ("last loss", _html.format_number(self.losses[-1] if self.losses else None)),
         ]
         if self.auto:
+            def followed(c: ScheduleChange) -> str:
+                if c.source == "critical_batch":
+                    return f"measured critical batch {_html.format_number(c.critical_batch_size)}"
+                return f"B_simple {_html.format_number(c.b_simple)}"
+
             rows.append(("schedule (steps='auto')", "; ".join(
                 f"update {c.update}: {c.steps_before} -> {c.steps_after} micro-batches "
-                f"(B_simple {_html.format_number(c.b_simple)}, learning rate "
+                f"({followed(c)}, learning rate "
                 f"×{_html.format_number(c.lr_factor)})" for c in self.schedule_changes)
                 or "no change"))
         if self.advice:

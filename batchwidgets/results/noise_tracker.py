@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .. import _html
 from ._noise_theory import examples_over_min, noise_advice, steps_over_min
+from .critical import CriticalBatchReport
 from .schedule import BatchSchedule, accumulation_advice, plan_batch
 
 
@@ -90,6 +91,9 @@ class NoiseTrackerReport:
     n_updates_seen: int | None = None  # updates in all, measured or not; None: n_updates
     # per optimizer step, the share of its wall time spent waiting for data (trainer callbacks)
     data_stall_shares: tuple[float, ...] = field(default=(), repr=False)
+    # the critical batch measured by critical_batch (NoiseTracker(critical=...)): the schedule
+    # follows it instead of B_simple while it is measurable
+    critical: CriticalBatchReport | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         errors = self.history_errors or (None,) * len(self.history)
@@ -104,10 +108,19 @@ class NoiseTrackerReport:
         """The batch size to use from here and its learning-rate factor (NOTE [ The batch-size
         schedule ]), bounded by the tracker's ``max_batch_size``; ``fits_batch_size`` says
         whether it needs accumulation."""
+        measured = self.measured_critical
         return plan_batch(self.b_simple, self.b_simple_error,
                           micro_batch_size=self.micro_batch_size, steps=self.n_micro or 1,
                           max_batch_size=self.max_batch_size,
-                          fits_batch_size=self.fits_batch_size, reason=self.reason)
+                          fits_batch_size=self.fits_batch_size, reason=self.reason,
+                          critical_batch_size=measured.critical_batch_size if measured else None,
+                          critical_batch_size_error=(measured.critical_batch_size_error
+                                                     if measured else None))
+
+    @property
+    def measured_critical(self) -> CriticalBatchReport | None:
+        """``critical`` when it holds a number (``critical_batch`` measured one), else None."""
+        return self.critical if self.critical is not None and self.critical.measurable else None
 
     @property
     def accumulation_advice(self) -> str:
@@ -232,6 +245,11 @@ class NoiseTrackerReport:
             text = (f"critical batch size: {self.reason}. Learning rate: scale it linearly "
                     f"with the batch size up to about B_simple, with a warm-up over the first "
                     f"few epochs (Goyal et al. 2017).")
+        if self.measured_critical is not None:
+            text = (f"Measured (critical_batch): {self.measured_critical.summary()}; the "
+                    f"schedule follows it, not B_simple, which only estimates it. {text}")
+            if not self.measurable:
+                text += f" Schedule: {self.schedule.summary()}."
         if self.measured_by == "split batches":
             text += f" Measured {self.measurement}."
         return " ".join([text, *(f"Warning: {w}." for w in self.warnings)])
@@ -268,7 +286,12 @@ class NoiseTrackerReport:
              if self.n_examples else "-"),
             ("measured", self.measurement),
             ("updates measured (sampling)", self.sampling),
-            ("schedule from here", self.schedule.summary() if self.measurable else "-"),
+            ("critical batch (measured by critical_batch)",
+             _html.format_estimate(self.measured_critical.critical_batch_size,
+                                   self.measured_critical.critical_batch_size_error)
+             if self.measured_critical is not None else "-"),
+            ("schedule from here", self.schedule.summary()
+             if self.measurable or self.measured_critical is not None else "-"),
             ("waiting for data (share of step)", f"{100 * self.data_stall_share:.3g}%"
              if self.data_stall_share is not None else "-"),
             ("advice", self.advice),

@@ -34,6 +34,11 @@ from ._noise_theory import examples_over_min, lr_scale, steps_over_min
 #   with the noise of its estimate does not shrink the batch back.
 # The largest batch that fits (find_batch) bounds the micro-batch, not the batch: above it, the
 # batch needs accumulation; below it, one batch of that size needs none (``needs_accumulation``).
+# A critical batch measured by its definition (``critical_batch``: branched runs to a target
+# loss) takes B_simple's place wherever one is given: B_simple is a proxy for it, off by 2-3x
+# either way on the project's benchmarks. ``source`` says which number the schedule used. The
+# measured number holds for the weights it was measured at: measured again at checkpoints, it
+# makes a batch ramp (benchmarks/batch_ramp.py).
 WELL_ABOVE = 2.0  # a batch this many times B_simple is "well above": E >= 3 E_min, S <= 1.5 S_min
 
 
@@ -53,6 +58,10 @@ class BatchSchedule:
     fits_batch_size: int | None = None  # the largest batch that fits in memory (find_batch)
     unit: str = "samples"
     reason: str = ""
+    # the critical batch measured by critical_batch, when one was given (samples)
+    critical_batch_size: float | None = None
+    critical_batch_size_error: float | None = None
+    source: str = "b_simple"  # the number the batch follows: "critical_batch", "b_simple", "none"
 
     @property
     def changes(self) -> bool:
@@ -81,6 +90,12 @@ class BatchSchedule:
             ("micro-batches per update (accumulate steps)", self.steps),
             ("learning-rate factor", number(self.lr_factor)),
             ("current batch size", self.current_batch_size or "-"),
+            ("follows", {"critical_batch": "the measured critical batch",
+                         "b_simple": "B_simple (the noise scale)"}.get(self.source,
+                                                                        "nothing measured")),
+            ("critical batch (measured)", _html.format_estimate(
+                self.critical_batch_size, self.critical_batch_size_error)
+             if self.critical_batch_size is not None else "-"),
             ("B_simple", f"{number(self.b_simple)} ± {number(self.b_simple_error, 2)}"),
             ("bounds: max / fits in memory", f"{self.max_batch_size or '-'} / "
                                              f"{self.fits_batch_size or '-'}"),
@@ -101,9 +116,11 @@ class ScheduleChange:
     steps_before: int
     steps_after: int
     batch_size: int | None  # samples per update after the change (None: micro-batch unknown)
-    b_simple: float
+    b_simple: float | None
     b_simple_error: float | None
     lr_factor: float  # on the loop's learning rate, from this update on (cumulative)
+    source: str = "b_simple"  # the number followed: "critical_batch" or "b_simple"
+    critical_batch_size: float | None = None  # the measured one, when followed
 
 
 def _nearest_power_of_two(x: float) -> int:
@@ -113,30 +130,50 @@ def _nearest_power_of_two(x: float) -> int:
 def plan_batch(b_simple: float | None, b_simple_error: float | None, *,
                micro_batch_size: int | None, steps: int, max_batch_size: int | None = None,
                fits_batch_size: int | None = None, min_steps: int = 1,
-               reason: str = "") -> BatchSchedule:
+               reason: str = "", critical_batch_size: float | None = None,
+               critical_batch_size_error: float | None = None) -> BatchSchedule:
     """The schedule's batch from here (see NOTE [ The batch-size schedule ]): for a loop that
     feeds micro-batches of ``micro_batch_size`` (None: sizes in micro-batches) ``steps`` at a
-    time, B_simple in the same unit. ``reason``: why B_simple is None, if it is."""
+    time, B_simple in the same unit. ``reason``: why B_simple is None, if it is. A measured
+    ``critical_batch_size`` (samples) is followed instead of B_simple when given."""
     micro = micro_batch_size or 1
     unit = "samples" if micro_batch_size is not None else "micro-batches"
     current = micro * steps
     common: dict[str, Any] = {
         "current_batch_size": current, "micro_batch_size": micro_batch_size,
         "b_simple": b_simple, "b_simple_error": b_simple_error,
-        "max_batch_size": max_batch_size, "fits_batch_size": fits_batch_size, "unit": unit}
-    if b_simple is None or not math.isfinite(b_simple) or b_simple <= 0:
+        "max_batch_size": max_batch_size, "fits_batch_size": fits_batch_size, "unit": unit,
+        "critical_batch_size": critical_batch_size,
+        "critical_batch_size_error": critical_batch_size_error}
+    number = _html.format_number
+    measured = critical_batch_size is not None and math.isfinite(critical_batch_size) and (
+        critical_batch_size > 0)
+    if measured and micro_batch_size is not None:
+        b_noise, source = critical_batch_size, "critical_batch"
+        why = (f"the measured critical batch ≈ "
+               f"{_html.format_estimate(critical_batch_size, critical_batch_size_error)} "
+               f"samples (critical_batch)")
+    elif b_simple is None or not math.isfinite(b_simple) or b_simple <= 0:
+        unknown = (" (a measured critical batch is in samples: pass model= to accumulate so "
+                   "the micro-batch size is known)" if measured else "")
         return BatchSchedule(batch_size=current, steps=steps, lr_factor=1.0,
-                             reason=f"keep the batch: {reason or 'B_simple is not measured'}",
-                             **common)
-    target = max(_nearest_power_of_two(b_simple / micro), min_steps)
-    why = (f"B_simple ≈ {_html.format_number(b_simple)} {unit}, rounded to {micro} × a power "
-           f"of two")
+                             reason=f"keep the batch: {reason or 'B_simple is not measured'}"
+                                    f"{unknown}", source="none", **common)
+    else:
+        b_noise, source = b_simple, "b_simple"
+        why = f"B_simple ≈ {number(b_simple)} {unit}"
+        if measured:
+            why += (" (the measured critical batch is in samples and the micro-batch size is "
+                    "unknown)")
+    target = max(_nearest_power_of_two(b_noise / micro), min_steps)
+    why += f", rounded to {micro} × a power of two"
     if max_batch_size is not None and target * micro > max_batch_size:
         target = max(max_batch_size // micro, 1)
         why += f", bounded by max_batch_size={max_batch_size}"
     batch = target * micro
     return BatchSchedule(batch_size=batch, steps=target,
-                         lr_factor=lr_scale(b_simple, current, batch), reason=why, **common)
+                         lr_factor=lr_scale(b_noise, current, batch), reason=why, source=source,
+                         **common)
 
 
 def accumulation_advice(b_simple: float | None, b_simple_error: float | None,

@@ -83,7 +83,8 @@ class UpdateSampler:
 class AutoSteps:
     """``accumulate(steps="auto")``: after every ``check_every`` updates, read the tracker and
     ramp the micro-batches per update up to its schedule (NOTE [ The batch-size schedule ]),
-    with the learning-rate factor of the rule; every change is kept."""
+    with the learning-rate factor of the rule; every change is kept, with the number it
+    followed (the tracker's measured ``critical`` batch when it has one, else B_simple)."""
 
     MIN_STEPS = 2  # the fewest micro-batches that measure the noise
 
@@ -97,16 +98,24 @@ class AutoSteps:
         if updates % self.check_every:
             return self.steps
         b_simple, error, reason = self.tracker._estimate()
+        critical = self.tracker.critical
+        measured = critical is not None and critical.measurable
         schedule = plan_batch(b_simple, error, micro_batch_size=micro_batch_size,
                               steps=self.steps, max_batch_size=self.tracker.max_batch_size,
                               fits_batch_size=self.tracker.fits_batch_size,
-                              min_steps=self.MIN_STEPS, reason=reason)
+                              min_steps=self.MIN_STEPS, reason=reason,
+                              critical_batch_size=critical.critical_batch_size if measured
+                              else None,
+                              critical_batch_size_error=critical.critical_batch_size_error
+                              if measured else None)
         if schedule.steps <= self.steps:  # a ramp: only up
             return self.steps
         self.lr_factor *= schedule.lr_factor
         self.changes.append(ScheduleChange(
             update=updates, steps_before=self.steps, steps_after=schedule.steps,
             batch_size=schedule.batch_size if micro_batch_size is not None else None,
-            b_simple=b_simple, b_simple_error=error, lr_factor=self.lr_factor))
+            b_simple=b_simple, b_simple_error=error, lr_factor=self.lr_factor,
+            source=schedule.source, critical_batch_size=schedule.critical_batch_size
+            if schedule.source == "critical_batch" else None))
         self.steps = schedule.steps
         return self.steps

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..._warnings import BatchwidgetsWarning
-from ...results import BatchSizeReport, NoisePoint, NoiseTrackerReport
+from ...results import BatchSizeReport, CriticalBatchReport, NoisePoint, NoiseTrackerReport
 from .._util import check_int, check_number
 from ._estimate import (
     DeferredUpdate,
@@ -102,6 +102,11 @@ class NoiseTracker:
         Under ``accumulate``, measure 1 update in k, with k from the measured cost of the
         tracker, so that it takes at most this share of the training time (default 2%); None
         measures every update. See NOTE [ Sampling updates to keep the tracker cheap ].
+    critical : CriticalBatchReport, optional
+        A critical batch measured by ``critical_batch``: ``report.schedule`` (and
+        ``accumulate(steps="auto")``) follow it instead of B_simple while it is measurable, and
+        say so. Set ``tracker.critical = bw.critical_batch(...)`` again at a checkpoint to
+        ramp the batch from a new measurement.
 
     Examples
     --------
@@ -117,7 +122,8 @@ class NoiseTracker:
                  flush_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
                  max_batch_size: int | None = None, fits: BatchSizeReport | int | None = None,
-                 overhead_target: float | None = 0.02) -> None:
+                 overhead_target: float | None = 0.02,
+                 critical: CriticalBatchReport | None = None) -> None:
         check_number("ema", ema, lambda v: 0 <= v < 1, "a number in [0, 1)",
                      "; e.g. ema=0.9 averages over about the last 10 updates")
         for name, value in (("warmup_updates", warmup_updates), ("max_losses", max_losses),
@@ -156,6 +162,7 @@ class NoiseTracker:
         self._sizes: Counter[tuple[int | None, int]] = Counter()  # (micro-batch, n_micro) seen
         self._measured_by = "micro-batches"
         self._listeners: list[Callable[[NoiseTracker], None]] = []
+        self.critical = critical
         self._examples: tuple[int, float, float] = (0, 0.0, 0.0)  # per-example losses: n, mean, M2
         # updates accumulate left on the device, oldest first; see flush()
         self._deferred: list[tuple[torch.Tensor, DeferredUpdate]] = []
@@ -361,6 +368,19 @@ class NoiseTracker:
             self.flush()
             return self._report()
 
+    @property
+    def critical(self) -> CriticalBatchReport | None:
+        """The measured critical batch the schedule follows (``critical_batch``'s report)."""
+        return self._critical
+
+    @critical.setter
+    def critical(self, report: CriticalBatchReport | None) -> None:
+        if report is not None and not isinstance(report, CriticalBatchReport):
+            raise TypeError(f"critical should be a CriticalBatchReport (bw.critical_batch(...)) "
+                            f"or None, but got critical={report!r}.")
+        self._critical = report
+        self._notify()
+
     def _report(self) -> NoiseTrackerReport:
         b_simple, error, reason = self._b_simple()
         measured = self._n_updates > 0
@@ -384,4 +404,4 @@ class NoiseTracker:
             sample_every=self.sampler.every, overhead=self.sampler.overhead,
             overhead_target=self.overhead_target,
             n_updates_seen=self._n_updates + self._n_skipped,
-            data_stall_shares=tuple(self._stall_shares))
+            data_stall_shares=tuple(self._stall_shares), critical=self._critical)
