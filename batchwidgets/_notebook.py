@@ -51,6 +51,11 @@ _ROLES = {
     "MAKE_BATCH": _Role("a make_batch(batch_size) function, a Dataset, a DataLoader or an "
                         "example tensor", "batch sources", _is_batch_source,
                         lambda v: isinstance(v, (*_DATA, *_FUNCTIONS))),
+    "DATA": _Role("a map-style Dataset or a DataLoader over one", "datasets",
+                  lambda v: isinstance(v, (torch.utils.data.Dataset,
+                                           torch.utils.data.DataLoader)),
+                  lambda v: isinstance(v, (torch.utils.data.Dataset,
+                                           torch.utils.data.DataLoader))),
     "--loss-fn": _Role("a loss function, loss_fn(output, target)", "loss functions",
                        _is_function, lambda v: isinstance(v, _FUNCTIONS)
                        or type(v).__name__.endswith("Loss")),

@@ -9,6 +9,7 @@ Usage:
     %%accumulate 8
     %%accumulate 4 --noise
     report = %find_batch model --input-shape 3,32,32 --num-classes 10 -q
+    %critical_batch model train_dataset --optimizer opt --noise noise_tracker
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from ._notebook import (
+    available,
     budget_size,
     device_name,
     example_shape,
@@ -36,11 +38,12 @@ from ._notebook import (
     parse,
     positive_int,
     probe_call,
+    resolve,
     training_model,
 )
 from .engine.accumulate import accumulate
-from .engine.noise import NoiseTracker
-from .results import AccumulationReport, BatchSizeReport
+from .engine.noise import NoiseTracker, critical_batch
+from .results import AccumulationReport, BatchSizeReport, CriticalBatchReport
 from .widgets import ProbePanel
 from .widgets.noise import NoisePanel
 
@@ -139,7 +142,8 @@ def _steps_or_auto(text: str) -> int | str:
 
 @magics_class
 class BatchMagics(Magics):
-    """``%find_batch`` and ``%%accumulate``; registered by ``%load_ext batchwidgets``."""
+    """``%find_batch``, ``%%accumulate`` and ``%critical_batch``; registered by
+    ``%load_ext batchwidgets``."""
 
     LIVE_PANELS = 3  # %find_batch panels kept live; older ones are closed (static report stays)
 
@@ -327,6 +331,98 @@ class BatchMagics(Magics):
                 panel.refresh()
                 panel.detach()
         return None if silenced else acc.report
+
+
+    @magic_arguments()
+    @argument("model", metavar="MODEL", help="the model (torch.nn.Module) at the weights to "
+                                             "measure from")
+    @argument("data", metavar="DATA", help="a map-style Dataset, or a DataLoader over one "
+                                           "(its collate_fn builds the batches)")
+    @argument("--optimizer", metavar="NAME",
+              help="the model's optimizer (default: the only one in the notebook that trains "
+                   "MODEL); its learning rate is the base batch's")
+    @argument("--loss-fn", metavar="NAME",
+              help="loss_fn(output, target) (default: the output's .loss)")
+    @argument("--scheduler", metavar="NAME", help="an LR scheduler stepped in the branches")
+    @argument("--target-loss", type=float, metavar="X",
+              help="the loss every branch runs to (default: 90%% of the way to the loss the "
+                   "base batch reaches in --base-steps steps)")
+    @argument("--base-batch-size", type=positive_int, metavar="N",
+              help="the ladder's first batch (default: the DataLoader's, else 8)")
+    @argument("--batch-sizes", type=lengths, metavar="N,N,...",
+              help="the ladder, e.g. 8,16,32,64,128 (default: the base x 1, 2, 4 ... 32)")
+    @argument("--base-steps", type=positive_int, metavar="N",
+              help="steps of the base batch that set the target (default: 64)")
+    @argument("--max-steps", type=positive_int, metavar="N",
+              help="steps a branch may take (default: 4 x --base-steps)")
+    @argument("--seeds", type=positive_int, metavar="N",
+              help="draws of the batches; two or more give an error bar (default: 2)")
+    @argument("--lr-scaling", choices=("linear", "sqrt", "none"),
+              help="how each branch's learning rate follows its batch (default: sqrt for the "
+                   "Adam family, linear otherwise)")
+    @argument("--criterion", choices=("steps", "loss"),
+              help="loss: also Merrill et al.'s largest batch within 1%% of the base's loss at "
+                   "equal examples")
+    @argument("--probe", metavar="NAME",
+              help="a find_batch report: batches above what fits accumulate micro-batches")
+    @argument("--noise", metavar="NAME",
+              help="a NoiseTracker whose schedule (and %%%%accumulate auto) follows the "
+                   "measured batch from now on")
+    @line_magic
+    def critical_batch(self, line: str) -> CriticalBatchReport | None:
+        """Measure the critical batch from the model's current weights: the same as
+        ``batchwidgets.critical_batch``. Short branched runs at a ladder of batch sizes, each
+        to one target loss; the batch that needs twice the fewest examples (and twice the
+        fewest steps) to get there, with an error bar over seeds, beside the noise scale
+        B_simple at the same weights. The model, optimizer, scheduler and RNGs are as they
+        were afterwards.
+
+        Examples::
+
+          %critical_batch model train_dataset --optimizer opt --loss-fn F.cross_entropy
+          %critical_batch model loader --criterion loss --probe report
+          %critical_batch model train_dataset --noise noise_tracker    # the schedule follows it
+        """
+        line, silenced = _without_semicolon(line)
+        args = parse(self.critical_batch, line)
+        model = resolve(self.shell, args.model, "MODEL")
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"MODEL should be a torch.nn.Module, but got MODEL={args.model} "
+                             f"(a {type(model).__name__}); "
+                             f"{available(self.shell, '--model')}.")
+        data = resolve(self.shell, args.data, "DATA")
+        optimizer = find_one(self.shell, args.optimizer, "--optimizer", False,
+                             lambda o: _trains(o, model))
+        if optimizer is None:
+            raise UsageError(f"--optimizer is needed: no optimizer in the notebook trains "
+                             f"{args.model}; {available(self.shell, '--optimizer')}.")
+        options: dict[str, Any] = {
+            name: getattr(args, name) for name in (
+                "target_loss", "base_batch_size", "batch_sizes", "base_steps", "max_steps",
+                "seeds", "lr_scaling", "criterion") if getattr(args, name) is not None}
+        options.update(loss_fn=resolve(self.shell, args.loss_fn, "--loss-fn"),
+                       scheduler=resolve(self.shell, args.scheduler, "--scheduler"),
+                       fits_batch_size=resolve(self.shell, args.probe, "--probe"))
+        tracker = resolve(self.shell, args.noise, "--noise")
+        try:
+            report = critical_batch(model, data, optimizer=optimizer, **options)
+        except (TypeError, ValueError) as error:
+            message = str(error)
+            named = [name for name in options if message.startswith(f"{name} should")]
+            if "\n" in message or not named:  # not about a flag: the engine's own error
+                raise
+            flag = f"--{named[0].replace('_', '-')}"
+            message = message.replace(f"{named[0]}=", f"{flag} ")
+            raise UsageError(flag + message[len(named[0]):]) from None
+        if tracker is not None:
+            tracker.critical = report
+        return None if silenced else report
+
+
+def _trains(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> bool:
+    """Whether ``optimizer`` steps the parameters of ``model``."""
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return any(id(p) in trained for p in model.parameters())
 
 
 def load(ipython: Any) -> None:
