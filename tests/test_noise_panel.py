@@ -142,7 +142,7 @@ def test_static_view_is_the_report_table_and_the_current_picture():
     assert bundle[WIDGET_VIEW]["model_id"] == panel.model_id
     assert bundle["text/plain"] == f"NoisePanel({tracker.report.summary()})"
     page = bundle["text/html"]
-    assert page.startswith(f"<div>{tracker.report.summary_table()}<img")
+    assert page.startswith(f"<div>{panel.choice.value}{tracker.report.summary_table()}<img")
     png = re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1)
     assert base64.b64decode(png) == bytes(panel.plot.value)
 
@@ -300,3 +300,36 @@ def test_the_panel_says_when_accumulating_does_not_pay_and_shows_the_schedule():
     assert "Schedule: batch size 16 samples" in panel.advice.value
     assert "waiting for data 25% of each step" in panel.status.value
     panel.close()
+
+
+def critical_report(critical, error=None, reason=""):
+    from batchwidgets.results import CriticalBatchReport
+
+    return CriticalBatchReport(critical_batch_size=critical, critical_batch_size_error=error,
+                               target_loss=0.5, start_loss=1.0, examples=12_345, ladder=(),
+                               base_batch_size=8, s_min=10.0, e_min=None, lr_scaling="linear",
+                               reason=reason)
+
+
+def test_the_batch_section_shows_both_numbers_and_follows_a_measured_one():
+    tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
+    panel = NoisePanel(tracker, min_interval_s=0, clock=FakeClock())
+    assert "What batch should I train at?" in panel.choice.value
+    assert "not measured: %critical_batch" in panel.choice.value
+    train(tracker, updates=8)
+    assert "B_simple ≈" in panel.choice.value  # the schedule follows B_simple meanwhile
+    # a measurement set on the tracker (as %critical_batch --noise does) redraws the panel
+    tracker.critical = critical_report(300.0, 25.0)
+    choice = panel.choice.value
+    assert "300 ± 25 samples, to loss 0.5 from 1 (12345 examples spent)" in choice
+    assert "the measured critical batch ≈ 300 ± 25 samples" in choice  # what the schedule used
+    assert panel.report.schedule.source == "critical_batch"
+    assert "which to trust" in choice
+    assert choice in panel._repr_mimebundle_()["text/html"]  # in the saved notebook too
+    tracker.critical = critical_report(None, reason="the steps hardly fall")
+    assert "not measurable: the steps hardly fall" in panel.choice.value
+    # given to the panel: set on the tracker
+    other = NoisePanel(critical=critical_report(64.0))
+    assert other.tracker.critical.critical_batch_size == 64.0
+    with pytest.raises(TypeError, match="critical should be a CriticalBatchReport"):
+        NoisePanel(critical=64)

@@ -254,6 +254,37 @@ class NoiseTrackerReport:
             text += f" Measured {self.measurement}."
         return " ".join([text, *(f"Warning: {w}." for w in self.warnings)])
 
+    def batch_choice(self) -> list[tuple[str, object]]:
+        """What batch to train at, with both numbers behind it and when to trust each: the
+        rows of the NoisePanel's section."""
+        number = _html.format_number
+        critical = self.critical
+        if critical is None:
+            measured = ("not measured: %critical_batch MODEL DATA --noise NAME, or "
+                        "tracker.critical = bw.critical_batch(model, data, optimizer=...)")
+        elif not critical.measurable:
+            measured = f"not measurable: {critical.reason}"
+        else:
+            estimate = _html.format_estimate(critical.critical_batch_size,
+                                             critical.critical_batch_size_error)
+            measured = (f"{estimate} samples, to loss {number(critical.target_loss)} from "
+                        f"{number(critical.start_loss)} ({critical.examples} examples spent)")
+        noise = (f"{_html.format_estimate(self.b_simple, self.b_simple_error)} {self.unit}, "
+                 f"live" if self.measurable else self.reason)
+        schedule = self.schedule
+        return [
+            ("train at", schedule.summary() if schedule.source != "none" else
+             "- (nothing measured yet)"),
+            ("critical batch, measured (critical_batch)", measured),
+            ("B_simple, the gradient noise scale", noise),
+            ("which to trust", "the measured critical batch: it is the definition (twice the "
+                               "fewest steps and examples to a loss), measured by training, at "
+                               "the weights and target it names; it grows as the loss falls, so "
+                               "measure it again at checkpoints. B_simple follows training for "
+                               "a few percent of its time, but only estimates it (2-3x off "
+                               "either way on our benchmarks): a direction, not a number"),
+        ]
+
     def summary(self) -> str:
         if not self.measurable:
             return f"B_simple: {self.reason} ({self.n_updates} updates, {len(self.losses)} losses)"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from .. import _html
 from ..engine.noise import NoiseTracker
 from ..plots import plot_noise_panel
-from ..results import LOSS_WINDOW, NoiseReport, NoiseTrackerReport
+from ..results import LOSS_WINDOW, CriticalBatchReport, NoiseReport, NoiseTrackerReport
 from . import _controls as widgets
 from ._panel import ReportDisplay, figure_png
 
@@ -48,7 +48,9 @@ class NoisePanel(ReportDisplay, widgets.Panel):
     Three plots in one image: each batch's loss with its rolling mean and a band of one
     standard deviation; the gradient variance against the batch size with the 1/B line (the
     tracker's two batch sizes, and every batch size of a ``measure_noise`` report if given);
-    B_simple over the updates with a band of one standard error. Below them the advice:
+    B_simple over the updates with a band of one standard error. Below them "What batch should
+    I train at?": the batch the schedule suggests, the measured critical batch (the tracker's
+    ``critical``, from ``critical_batch``) and B_simple, and when to trust each. Then the advice:
     critical batch size, steps-versus-examples trade-off, learning rate, the batch-size
     schedule from here, and, when the accumulated batch is well above B_simple, that
     accumulating to it does not pay (with the steps saved and the examples spent).
@@ -65,6 +67,10 @@ class NoisePanel(ReportDisplay, widgets.Panel):
         The tracker to follow; a new one (``panel.tracker``) if not given.
     report : NoiseReport, optional
         A ``measure_noise`` report: its variance at each batch size joins the middle plot.
+    critical : CriticalBatchReport, optional
+        A critical batch measured by ``critical_batch``: set on the tracker
+        (``tracker.critical``), so the schedule follows it; the section "What batch should I
+        train at?" shows it beside B_simple, with which to trust.
     min_interval_s : float
         Seconds between redraws, at least.
     clock : callable
@@ -80,7 +86,7 @@ class NoisePanel(ReportDisplay, widgets.Panel):
     """
 
     def __init__(self, tracker: NoiseTracker | None = None, *, report: NoiseReport | None = None,
-                 min_interval_s: float = 0.5,
+                 critical: CriticalBatchReport | None = None, min_interval_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if tracker is not None and not isinstance(tracker, NoiseTracker):
             raise TypeError(f"tracker should be a batchwidgets.NoiseTracker, but got "
@@ -93,17 +99,25 @@ class NoisePanel(ReportDisplay, widgets.Panel):
                 or not min_interval_s >= 0):
             raise ValueError(f"min_interval_s should be a number >= 0, but got "
                              f"min_interval_s={min_interval_s!r}; e.g. 0.5.")
+        if critical is not None and not isinstance(critical, CriticalBatchReport):
+            raise TypeError(f"critical should be a CriticalBatchReport from critical_batch, but "
+                            f"got critical={type(critical).__name__}; e.g. NoisePanel(tracker, "
+                            f"critical=bw.critical_batch(model, data, optimizer=optimizer)).")
         self.tracker = tracker if tracker is not None else NoiseTracker()
+        if critical is not None:
+            self.tracker.critical = critical
         self.noise_report = report
         self.report: NoiseTrackerReport | None = None  # the last report drawn: all panel state
         self.min_interval_s, self._clock = float(min_interval_s), clock
         self._next_draw_s = 0.0  # the clock's time of the next redraw the tracker may trigger
         self.status = widgets.HTML()
         self.plot = widgets.Image(format="png")
+        self.choice = widgets.HTML()  # what batch to train at, and the numbers behind it
         self.advice = widgets.HTML()
         super().__init__(css_name="noise", layout=[{"parts": ["status"]}, {"parts": ["plot"]},
-                                                   {"parts": ["advice"]}],
-                         status=self.status, plot=self.plot, advice=self.advice)
+                                                   {"parts": ["choice"]}, {"parts": ["advice"]}],
+                         status=self.status, plot=self.plot, choice=self.choice,
+                         advice=self.advice)
         self._draw()
         self.tracker.add_listener(self._on_tracker)
 
@@ -118,6 +132,8 @@ class NoisePanel(ReportDisplay, widgets.Panel):
     def _render(self, report: NoiseTrackerReport) -> None:
         self.plot.value = figure_png(plot_noise_panel(report, self.noise_report))
         self.status.value = _status(report)
+        self.choice.value = _html.table(report.batch_choice(),
+                                        caption="What batch should I train at?")
         self.advice.value = f"<p>{html.escape(report.advice)}</p>"
 
     def _draw(self) -> None:
@@ -154,5 +170,5 @@ class NoisePanel(ReportDisplay, widgets.Panel):
         """The static copy: the report's table and the picture the panel drew (not redrawn)."""
         report = self.report
         png = base64.b64encode(bytes(self.plot.value)).decode("ascii")
-        return (f'<div>{report.summary_table()}<img alt="batchwidgets plot" '
+        return (f'<div>{self.choice.value}{report.summary_table()}<img alt="batchwidgets plot" '
                 f'src="data:image/png;base64,{png}"/></div>', f"NoisePanel({report.summary()})")
