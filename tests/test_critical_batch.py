@@ -207,3 +207,31 @@ def test_a_dataloaders_collate_fn_builds_the_branches_batches():
     assert report.base_batch_size == 4
     assert report.start_loss > report.target_loss
     assert any(b.steps for b in report.ladder)
+
+
+def test_inside_an_accumulate_block_it_is_not_the_blocks_micro_steps():
+    """Measured at a checkpoint mid-loop, inside ``accumulate``: the same answer as outside, and
+    the block's count, pending gradient and tracker untouched."""
+    data = regression(2048)
+    outside_model, outside_optimizer = model_and_sgd(0.05)
+    expected = bw.critical_batch(outside_model, data, optimizer=outside_optimizer,
+                                 loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1)
+    model, optimizer = model_and_sgd(0.05)
+    tracker = bw.NoiseTracker(overhead_target=None)
+    x, y = data.tensors
+    with bw.accumulate(optimizer, steps=4, model=model, noise=tracker) as acc:
+        nn.functional.mse_loss(model(x[:4]), y[:4]).backward()
+        optimizer.step()  # one micro-step pending
+        optimizer.zero_grad()
+        grads = [p.grad.clone() for p in model.parameters()]
+        weights = [p.detach().clone() for p in model.parameters()]
+        losses = len(tracker.report.losses)
+        # the weights moved by no update yet: the same start as outside
+        assert all(torch.equal(w, p) for w, p in zip(weights, outside_model.parameters()))
+        report = bw.critical_batch(model, data, optimizer=optimizer,
+                                   loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+        assert len(tracker.report.losses) == losses
+    assert report == expected
+    assert acc.report.micro_steps == 1
+    assert acc.report.real_steps == 1  # the remainder, applied at the end

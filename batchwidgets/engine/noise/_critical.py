@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from ...results import BatchSizeReport, Branch, CriticalBatchReport
 from .._batches import batch_length, forward_and_loss
+from .._own_steps import own_steps
 from .._state import TrainingState
 from .._util import check_int, check_number, to_device
 from ._measure import measure_noise
@@ -336,7 +337,8 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
     b_simple = b_simple_error = None
     noise_examples = 0
     if noise:
-        measured = measure_noise(model, data, loss_fn, batch_sizes=(1,), max_examples=512)
+        with own_steps():
+            measured = measure_noise(model, data, loss_fn, batch_sizes=(1,), max_examples=512)
         noise_examples = measured.n_examples
         if measured.measurable:
             b_simple, b_simple_error = measured.b_simple, measured.b_simple_error
@@ -349,7 +351,7 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
     loss_batch: int | None = None
     loss_rows: tuple[Branch, ...] = ()
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), own_steps():  # inside an accumulate block: not its micro-steps
             start = runner.loss()
             target = target_loss
             stable = 1.0  # the base's learning rate, halved while its run does not descend
@@ -386,6 +388,8 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                         slower = bool(points) and outcome.at is not None and (
                             outcome.at > points[-1][1])
                         if not outcome.diverged and not slower:
+                            break
+                        if slower and outcome.at > best[0]:  # halving made it slower still
                             break
                         scale /= 2
                     if best is not None:
