@@ -323,3 +323,34 @@ def test_steps_auto_ramps_to_a_critical_batch_measured_at_a_checkpoint():
                           critical_batch_size=report.critical_batch_size)
     assert change.batch_size == expected.batch_size
     assert "measured critical batch" in str(acc.report.rows())
+
+
+def test_a_critical_batch_past_the_ladder_bounds_b_simple():
+    """Not measurable, but on one side of the ladder: "below 4" keeps a large B_simple from
+    growing the batch, "above 512" lifts a small one."""
+    import dataclasses
+
+    below = dataclasses.replace(measured(None), bound="below", bound_batch_size=4.0)
+    schedule = exact_tracker(64.0, critical=below).report.schedule
+    assert schedule.source == "critical_batch_bound"
+    assert schedule.batch_size == 8  # the micro-batch: B_simple 64 held to at most 4
+    assert "critical batch below 4 samples" in schedule.reason
+    above = dataclasses.replace(measured(None), bound="above", bound_batch_size=512.0)
+    schedule = exact_tracker(64.0, critical=above).report.schedule
+    assert (schedule.source, schedule.batch_size) == ("critical_batch_bound", 512)
+    # within the bound, B_simple as it is
+    lifted = exact_tracker(1024.0, critical=above).report.schedule
+    assert lifted.batch_size == 1024
+    assert "within it" in lifted.reason
+    # a real report past its ladder carries the bound
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 16, generator=generator)
+    data = torch.utils.data.TensorDataset(x, x @ torch.randn(16, 1, generator=generator)
+                                          + torch.randn(4096, 1, generator=generator))
+    report = bw.critical_batch(model, data, optimizer=torch.optim.SGD(model.parameters(),
+                                                                      lr=0.01),
+                               loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1,
+                               noise=False)
+    assert (report.bound, report.bound_batch_size) == ("above", 256.0)

@@ -79,6 +79,18 @@ class CriticalBatchReport:
     loss_criterion_batch_size: int | None = None  # the largest batch within loss_tolerance
     loss_tolerance: float = 0.01
     loss_ladder: tuple[Branch, ...] = ()  # the equal-examples branches of criterion="loss"
+    # not measurable because B_noise lies past the ladder: "above" or "below" bound_batch_size
+    bound: str = ""
+    bound_batch_size: float | None = None
+
+    def schedule_options(self) -> dict[str, object]:
+        """What ``plan_batch`` takes from this report: the measured batch, or the bound."""
+        if self.measurable:
+            return {"critical_batch_size": self.critical_batch_size,
+                    "critical_batch_size_error": self.critical_batch_size_error}
+        if self.bound and self.bound_batch_size is not None:
+            return {"critical_bound": (self.bound, self.bound_batch_size)}
+        return {}
 
     @property
     def measurable(self) -> bool:

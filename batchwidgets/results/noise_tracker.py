@@ -108,14 +108,11 @@ class NoiseTrackerReport:
         """The batch size to use from here and its learning-rate factor (NOTE [ The batch-size
         schedule ]), bounded by the tracker's ``max_batch_size``; ``fits_batch_size`` says
         whether it needs accumulation."""
-        measured = self.measured_critical
         return plan_batch(self.b_simple, self.b_simple_error,
                           micro_batch_size=self.micro_batch_size, steps=self.n_micro or 1,
                           max_batch_size=self.max_batch_size,
                           fits_batch_size=self.fits_batch_size, reason=self.reason,
-                          critical_batch_size=measured.critical_batch_size if measured else None,
-                          critical_batch_size_error=(measured.critical_batch_size_error
-                                                     if measured else None))
+                          **(self.critical.schedule_options() if self.critical else {}))
 
     @property
     def measured_critical(self) -> CriticalBatchReport | None:

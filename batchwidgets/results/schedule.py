@@ -61,7 +61,9 @@ class BatchSchedule:
     # the critical batch measured by critical_batch, when one was given (samples)
     critical_batch_size: float | None = None
     critical_batch_size_error: float | None = None
-    source: str = "b_simple"  # the number the batch follows: "critical_batch", "b_simple", "none"
+    # the number the batch follows: "critical_batch" (measured), "critical_batch_bound" (B_simple
+    # held to the side of the ladder critical_batch found it on), "b_simple", "none"
+    source: str = "b_simple"
 
     @property
     def changes(self) -> bool:
@@ -91,6 +93,7 @@ class BatchSchedule:
             ("learning-rate factor", number(self.lr_factor)),
             ("current batch size", self.current_batch_size or "-"),
             ("follows", {"critical_batch": "the measured critical batch",
+                         "critical_batch_bound": "B_simple within critical_batch's bound",
                          "b_simple": "B_simple (the noise scale)"}.get(self.source,
                                                                         "nothing measured")),
             ("critical batch (measured)", _html.format_estimate(
@@ -131,11 +134,14 @@ def plan_batch(b_simple: float | None, b_simple_error: float | None, *,
                micro_batch_size: int | None, steps: int, max_batch_size: int | None = None,
                fits_batch_size: int | None = None, min_steps: int = 1,
                reason: str = "", critical_batch_size: float | None = None,
-               critical_batch_size_error: float | None = None) -> BatchSchedule:
+               critical_batch_size_error: float | None = None,
+               critical_bound: tuple[str, float] | None = None) -> BatchSchedule:
     """The schedule's batch from here (see NOTE [ The batch-size schedule ]): for a loop that
     feeds micro-batches of ``micro_batch_size`` (None: sizes in micro-batches) ``steps`` at a
     time, B_simple in the same unit. ``reason``: why B_simple is None, if it is. A measured
-    ``critical_batch_size`` (samples) is followed instead of B_simple when given."""
+    ``critical_batch_size`` (samples) is followed instead of B_simple when given; a
+    ``critical_bound`` (``("above", 512)``: critical_batch found it past its ladder) bounds
+    B_simple (or stands for it)."""
     micro = micro_batch_size or 1
     unit = "samples" if micro_batch_size is not None else "micro-batches"
     current = micro * steps
@@ -148,11 +154,20 @@ def plan_batch(b_simple: float | None, b_simple_error: float | None, *,
     number = _html.format_number
     measured = critical_batch_size is not None and math.isfinite(critical_batch_size) and (
         critical_batch_size > 0)
+    has_b_simple = b_simple is not None and math.isfinite(b_simple) and b_simple > 0
     if measured and micro_batch_size is not None:
         b_noise, source = critical_batch_size, "critical_batch"
         why = (f"the measured critical batch ≈ "
                f"{_html.format_estimate(critical_batch_size, critical_batch_size_error)} "
                f"samples (critical_batch)")
+    elif critical_bound is not None and micro_batch_size is not None:
+        side, edge = critical_bound
+        pick = max if side == "above" else min
+        b_noise = pick(b_simple, edge) if has_b_simple else edge
+        source = "critical_batch_bound"
+        why = (f"critical_batch found the critical batch {side} {number(edge)} samples"
+               + (f"; B_simple ≈ {number(b_simple)} {unit}" if has_b_simple else "")
+               + (f", so {number(b_noise)}" if b_noise == edge else ", within it"))
     elif b_simple is None or not math.isfinite(b_simple) or b_simple <= 0:
         unknown = (" (a measured critical batch is in samples: pass model= to accumulate so "
                    "the micro-batch size is known)" if measured else "")

@@ -421,12 +421,15 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                   f"{len(branches)} branches did): no S_min (1 + B_noise / B) to fit; "
                   f"try a larger max_steps or a higher target_loss")
     critical = error = s_min = e_min = None
+    bound, bound_batch = "", None
     if fits and statistics.fmean(b for _, b in fits) > BEYOND * max(ladder):
+        bound, bound_batch = "above", BEYOND * max(ladder)
         reason = (f"the steps still fall as fast as the batch grows up to the largest batch "
                   f"tried ({max(ladder)}): the critical batch is above it; try larger "
                   f"batch_sizes (with accumulation past what fits)")
         fits = []
     elif fits and statistics.fmean(b for _, b in fits) < min(ladder) / BEYOND:
+        bound, bound_batch = "below", min(ladder) / BEYOND
         reason = (f"the steps hardly fall as the batch grows from the smallest batch tried "
                   f"({min(ladder)}): the critical batch is below it; try smaller batch_sizes")
         fits = []
@@ -445,4 +448,4 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         b_simple_error=b_simple_error, extra_memory_bytes=extra, seeds_fitted=len(fits),
         examples_noise=noise_examples, fits_batch_size=fits_batch_size, criterion=criterion,
         loss_criterion_batch_size=loss_batch, loss_tolerance=loss_tolerance,
-        loss_ladder=loss_rows)
+        loss_ladder=loss_rows, bound=bound, bound_batch_size=bound_batch)

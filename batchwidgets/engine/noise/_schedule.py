@@ -99,15 +99,11 @@ class AutoSteps:
             return self.steps
         b_simple, error, reason = self.tracker._estimate()
         critical = self.tracker.critical
-        measured = critical is not None and critical.measurable
         schedule = plan_batch(b_simple, error, micro_batch_size=micro_batch_size,
                               steps=self.steps, max_batch_size=self.tracker.max_batch_size,
                               fits_batch_size=self.tracker.fits_batch_size,
                               min_steps=self.MIN_STEPS, reason=reason,
-                              critical_batch_size=critical.critical_batch_size if measured
-                              else None,
-                              critical_batch_size_error=critical.critical_batch_size_error
-                              if measured else None)
+                              **(critical.schedule_options() if critical else {}))
         if schedule.steps <= self.steps:  # a ramp: only up
             return self.steps
         self.lr_factor *= schedule.lr_factor
