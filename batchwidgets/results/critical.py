@@ -82,6 +82,7 @@ class CriticalBatchReport:
     # not measurable because B_noise lies past the ladder: "above" or "below" bound_batch_size
     bound: str = ""
     bound_batch_size: float | None = None
+    warnings: tuple[str, ...] = ()  # what makes the number less exact (e.g. S_min of a step)
 
     def schedule_options(self) -> dict[str, object]:
         """What ``plan_batch`` takes from this report: the measured batch, or the bound."""
@@ -116,13 +117,14 @@ class CriticalBatchReport:
         merrill = (f"; loss within {number(100 * self.loss_tolerance)}% of the base's at equal "
                    f"examples up to batch {self.loss_criterion_batch_size}"
                    if self.loss_criterion_batch_size is not None else "")
+        warned = "".join(f"; warning: {w}" for w in self.warnings)
         return (f"critical batch {estimate} samples {target}, "
                 f"measured from {len(self.ladder)} branches, {self.seeds_fitted} seed(s) fitted "
-                f"({self.examples} examples){noise}{merrill}")
+                f"({self.examples} examples){noise}{merrill}{warned}")
 
     def rows(self) -> list[tuple[str, object]]:
         number = _html.format_number
-        return [
+        rows: list[tuple[str, object]] = [
             ("critical batch (B_noise)", "not measurable: " + self.reason if not self.measurable
              else _html.format_estimate(self.critical_batch_size,
                                         self.critical_batch_size_error)),
@@ -132,12 +134,17 @@ class CriticalBatchReport:
             ("B_simple at these weights", number(self.b_simple) if self.b_simple else "-"),
             ("examples spent", self.examples),
             ("learning rate", f"{self.lr_scaling} scaling from batch {self.base_batch_size}"),
-        ] + ([("accumulation", f"batches above {self.fits_batch_size} (what fits) accumulate "
-                               f"micro-batches")] if self.fits_batch_size else []) + (
-            [(f"largest batch within {number(100 * self.loss_tolerance)}% of the base's loss at "
-              f"equal examples (Merrill et al. 2025)",
-              self.loss_criterion_batch_size if self.loss_criterion_batch_size is not None
-              else "-")] if self.criterion == "loss" else [])
+            *[("warning", w) for w in self.warnings],
+        ]
+        if self.fits_batch_size:
+            rows.append(("accumulation", f"batches above {self.fits_batch_size} (what fits) "
+                                         f"accumulate micro-batches"))
+        if self.criterion == "loss":
+            rows.append((f"largest batch within {number(100 * self.loss_tolerance)}% of the "
+                         f"base's loss at equal examples (Merrill et al. 2025)",
+                         self.loss_criterion_batch_size
+                         if self.loss_criterion_batch_size is not None else "-"))
+        return rows
 
     def _repr_html_(self) -> str:
         header = ("batch", "lr", "steps", "examples", "last loss", "seed")

@@ -27,37 +27,57 @@ LossFn = Callable[..., torch.Tensor]
 ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
             "Adafactor", "SparseAdam")
 MAX_BACKOFFS = 4  # a diverging branch runs again at half the learning rate, this many times
+UPWARD = 3  # a branch that reached the target at its first rate tries twice it, this many times
 BLOWUP = 2.0  # a branch whose evaluated loss passes BLOWUP x the starting loss has diverged
 TARGET_SHARE = 0.9  # the default target: this share of the way to the base's loss after its run
 BEYOND = 2.0  # a fitted B_noise past the ladder by this factor is a bound, not a measurement
 FIT_GRID = 2000  # points of the log grid B_noise is fitted on (0.5% apart over 10^4 x ladder)
-EVALS_PER_DOUBLING = 16  # the loss is evaluated at every step up to 16, then every step // 16
+EVALS_PER_DOUBLING = 8  # the loss is evaluated at every step up to 8, then every step // 8
+TAIL = 8  # the base's run that sets the target: the mean and spread of its last TAIL losses
+NOISE_SIGMAS = 3.0  # ... whose descent must pass this many spreads, else it runs longer
+LONGER = 4  # ... up to this many times base_steps
+DEFAULT_RUNGS = 6  # the default ladder: the base times 1, 2, 4, ... 32
+FEW_STEPS = 2.0  # a fitted S_min below this many steps is resolved coarsely: said in warnings
+EXTRA_RUNGS = 3  # a B_noise past the default ladder adds a rung at twice the top, this many times
 
 # NOTE [ The critical batch, measured ]
 # McCandlish et al. (2018): the steps and examples to reach a loss follow S = S_min (1 + B_noise
 # / B) and E = E_min (1 + B / B_noise); the critical batch B_noise needs twice the fewest steps
 # and twice the fewest examples. Measured here by that definition, from the current weights:
-# - the base batch runs ``base_steps`` steps with the optimizer's learning rate; 90% of the way
-#   from the starting loss to the loss it reaches (on a fixed evaluation sample of the data) is
-#   the target, unless one is given: a target inside the descent, not on a plateau where
-#   reaching it is a matter of the noise;
-# - each batch of a ladder (the base times 1, 2, 4, ...) runs from the same weights and
-#   optimizer state (restored between branches: one copy, the TrainingState snapshot) with its
-#   learning rate scaled by the optimizer's rule (linear for SGD, square root for the Adam
-#   family) until the evaluated loss reaches the target; a branch that blows up runs again at
-#   half the learning rate (the stability edge moves down as the batch grows less than the
-#   rule says), and so does one that took more steps than the batch below it (with a learning
-#   rate tuned per batch, steps never grow with the batch: more is a rate past the edge that
-#   oscillates without blowing up); the fewest steps of its tries count;
+# - the target, unless one is given: the base batch runs ``base_steps`` steps with the
+#   optimizer's learning rate (halved while it blows up or does not descend); the loss at its
+#   last TAIL steps (on a fixed evaluation sample of the data, in eval mode: no dropout masks)
+#   gives where it got (their mean)
+#   and how much the loss wanders there (their spread). 90% of the way from the start to that
+#   mean is the target, a point inside the descent. A descent within NOISE_SIGMAS spreads is
+#   noise, not progress (late in training, on a plateau, branches reach such a target by luck):
+#   the base runs twice as long, up to LONGER x base_steps, then it is said, with no number;
+# - each batch of a ladder (the base times 1, 2, 4, ... 32) runs from the same weights and
+#   optimizer state (restored between branches: one copy, the TrainingState snapshot) until the
+#   evaluated loss reaches the target. Its first learning rate is the one that counted at the
+#   batch below, scaled by the optimizer's rule (linear for SGD, square root for the Adam
+#   family); the definition assumes the best rate at every batch, and neither the user's rate
+#   nor the rule is it, so each rate is searched from there: halved while it blows up (the
+#   stability edge moves down as the batch grows less than the rule says) or takes more steps
+#   than the batch below (with a rate tuned per batch, steps never grow with the batch: more is
+#   a rate past the edge that oscillates without blowing up), stopping when a halving is slower
+#   still; doubled, from a first rate that reached the target, while that takes fewer steps (up
+#   to UPWARD times, each try cut off at the steps it has to beat). A rate only lowered biases
+#   B_noise up: with AdamW 4x below its best, the small batches ran far from their best rate
+#   and the large ones near it, and B_noise came out 2.6x the tuned curves'. The fewest steps
+#   of its tries count;
 # - S(B) = S_min (1 + B_noise / B) is fitted by least squares in log S (B_noise on a log grid,
 #   S_min the geometric mean of the rest), each batch's steps being the interpolated point
 #   where the loss crossed the target between its last two evaluations (at large batches the
 #   steps are few: counted in whole steps they would be off by up to one); over seeds
-#   (different draws of the batches) the mean and its standard error. A B_noise past the
-#   ladder (twice its largest batch, half its smallest) is reported as that bound with
-#   critical_batch_size None: no number is made from an extrapolation.
-#   The loss is evaluated at every step up to the 16th, then every step // 16 steps: steps to
-#   the target are counted to about 6%, whatever the batch, at 16 evaluations per doubling.
+#   (different draws of the batches) the mean and its standard error. While the fit lands past
+#   the top of the default ladder, a rung at twice the top is added (EXTRA_RUNGS at most, as
+#   far as the data goes); a B_noise still past the ladder (twice its largest batch, half its
+#   smallest) is reported as that bound with critical_batch_size None: no number is made from
+#   an extrapolation. S_min under FEW_STEPS is said in warnings (coarse at the top).
+#   The loss is evaluated at every step up to the 8th, then every step // 8 steps, and
+#   interpolated between evaluations: the evaluations (forward passes of eval_examples) are
+#   most of the examples spent, so no more of them than the interpolation needs.
 # - criterion="loss" adds Merrill et al.'s (2025) answer: every batch of the ladder trains on
 #   the base's examples (base_steps x base) at the learning rate its branch above used; the
 #   largest batch from the base up whose loss (mean over seeds) stays within loss_tolerance of
@@ -94,14 +114,16 @@ class _Outcome(NamedTuple):
     at: float | None  # the steps to the target, interpolated between the last two evaluations
     loss: float  # the last loss evaluated
     diverged: bool
+    tail: tuple[float, ...] = ()  # the losses at the last steps, when asked for
 
 
 class _Runner:
     """Branches from one snapshot: train at a batch and learning rate until a target loss."""
 
     def __init__(self, model, optimizer, loss_fn, scheduler, items, eval_items, device,
-                 collate, fits):
+                 collate, fits, restore):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.restore = restore  # back to the snapshot every branch starts from
         self.scheduler, self.items, self.device = scheduler, items, device
         self.collate, self.fits = collate, fits
         chunk = min(256, fits or 256)
@@ -112,10 +134,19 @@ class _Runner:
         self.examples = 0
 
     def loss(self) -> float:
+        """The mean loss on the evaluation sample, in eval mode (dropout off: a loss that does
+        not wander with its masks), the modules' modes put back after."""
         self.examples += self.eval_size
-        with torch.no_grad():
-            total = sum(float(forward_and_loss(self.model, batch, self.loss_fn, surrogate=False))
-                        * batch_length(batch) for batch in self.eval_batches)
+        modes = [(module, module.training) for module in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                total = sum(float(forward_and_loss(self.model, batch, self.loss_fn,
+                                                   surrogate=False)) * batch_length(batch)
+                            for batch in self.eval_batches)
+        finally:
+            for module, training in modes:
+                module.training = training
         return total / self.eval_size
 
     def micro_batches(self, batch_size: int) -> int:
@@ -136,14 +167,24 @@ class _Runner:
             (loss * (len(part) / len(picked)) if parts > 1 else loss).backward()
         return True
 
+    def descend(self, batch_size: int, scale: float, seed: int, steps: int,
+                start: float) -> tuple[float, ...] | None:
+        """The losses evaluated at the last ``TAIL`` of ``steps`` steps (None: it blew up)."""
+        outcome = self.run(batch_size, scale, seed, steps, 0, None, start, tail=TAIL)
+        return None if outcome.diverged else outcome.tail
+
     def run(self, batch_size: int, scale: float, seed: int, max_steps: int, every: int,
-            target: float | None, start: float) -> _Outcome:
-        """Train from the restored state until the evaluated loss reaches ``target``."""
+            target: float | None, start: float, tail: int = 0) -> _Outcome:
+        """Train from the restored state until the evaluated loss reaches ``target``; the loss
+        is evaluated at every step up to ``every``, then every step // every (every=0: at the
+        end only), and at each of the last ``tail`` steps."""
+        self.restore()
         for group, lr in zip(self.optimizer.param_groups, self.lrs):
             group["lr"] = lr * scale
         generator = torch.Generator().manual_seed(seed)
         order: list[int] = []
         last, before = start, (0, start)  # the last evaluation, and the one before it
+        losses: list[float] = []
         for step in range(1, max_steps + 1):
             if len(order) < batch_size:
                 order += torch.randperm(len(self.items), generator=generator).tolist()
@@ -155,19 +196,20 @@ class _Runner:
             if self.scheduler is not None:
                 self.scheduler.step()
             self.examples += batch_size
-            # every step up to ``every``, then every step // every (about 1/every resolution);
-            # every=0: only at the end
-            if (every and step % max(1, step // every) == 0) or step == max_steps:
+            if ((every and step % max(1, step // every) == 0) or step == max_steps
+                    or step > max_steps - tail):
                 last = self.loss()
                 if not math.isfinite(last) or last > BLOWUP * start:
                     return _Outcome(None, None, last, True)
+                if step > max_steps - tail:
+                    losses.append(last)
                 if target is not None and last <= target:
                     # where the line between the last two evaluations crosses the target
                     (p, loss_p), drop = before, before[1] - last
                     at = p + (step - p) * (loss_p - target) / drop if drop > 0 else step
                     return _Outcome(step, at, last, False)
                 before = (step, last)
-        return _Outcome(None, None, last, False)
+        return _Outcome(None, None, last, False, tuple(losses))
 
 
 def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
@@ -190,7 +232,73 @@ def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
     return best[2], best[1]
 
 
-def _loss_criterion(runner: _Runner, state: TrainingState, ladder: Sequence[int], base: int,
+def _default_target(runner: _Runner, base: int, base_steps: int,
+                    start: float) -> tuple[float | None, float, str]:
+    """(the target, the base's learning-rate scale, why there is none): 90% of the way to the
+    mean of the base's last ``TAIL`` losses after ``base_steps``, at the optimizer's rate
+    halved while it blows up or does not descend, and run longer (up to ``LONGER`` times)
+    while the descent is within ``NOISE_SIGMAS`` of the losses' spread (NOTE [ The critical
+    batch, measured ])."""
+    scale, steps = 1.0, base_steps
+    for _ in range(MAX_BACKOFFS + 1):
+        tail = runner.descend(base, scale, 0, steps, start)
+        if tail is None or not statistics.fmean(tail) < start:
+            scale /= 2
+            continue
+        reached, spread = statistics.fmean(tail), statistics.stdev(tail)
+        if start - reached > NOISE_SIGMAS * spread:
+            return reached + (1 - TARGET_SHARE) * (start - reached), scale, ""
+        if steps >= LONGER * base_steps:
+            return None, scale, (
+                f"the base batch's loss after {steps} steps ({reached:.4g} ± {spread:.2g} over "
+                f"its last {TAIL} steps) is within the noise of the start ({start:.4g}): no "
+                f"target to measure against; give target_loss= below it, or a larger "
+                f"base_steps")
+        steps *= 2
+    return None, scale, (f"the base batch did not lower the loss at any learning rate tried "
+                         f"(down to {runner.lrs[0] * scale * 2:.3g})")
+
+
+def _rung(runner: _Runner, branches: list[Branch], batch: int, scale: float, seed: int,
+          max_steps: int, target: float, start: float, below: float | None
+          ) -> tuple[tuple[float, float] | None, float | None]:
+    """One batch of the ladder: ((steps to target, scale) of its fastest try or None, the
+    scale of its last try that did not blow up). Halved while it blows up or takes more steps
+    than the batch below (``below``); from a first try that reached the target, doubled while
+    that takes fewer steps (NOTE [ The critical batch, measured ])."""
+    best: tuple[float, float] | None = None
+    calm = None
+
+    def attempt(rate: float, limit: int = max_steps) -> _Outcome:
+        outcome = runner.run(batch, rate, seed, limit, EVALS_PER_DOUBLING, target, start)
+        branches.append(Branch(batch, runner.lrs[0] * rate, outcome.steps,
+                               outcome.steps * batch if outcome.steps else None,
+                               outcome.diverged, seed, runner.micro_batches(batch),
+                               None if outcome.diverged else outcome.loss, outcome.at))
+        return outcome
+
+    initial = scale
+    for _ in range(MAX_BACKOFFS + 1):
+        outcome = attempt(scale)
+        calm = scale if not outcome.diverged else calm
+        if outcome.at is not None and (best is None or outcome.at < best[0]):
+            best = (outcome.at, scale)
+        slower = below is not None and outcome.at is not None and outcome.at > below
+        if not outcome.diverged and not slower:
+            break
+        if slower and best is not None and outcome.at > best[0]:  # halving made it slower
+            break
+        scale /= 2
+    if best is not None and best[1] == initial:  # reached at its first rate: is twice faster?
+        for _ in range(UPWARD):
+            outcome = attempt(best[1] * 2, math.ceil(best[0]))  # only to beat it
+            if outcome.diverged or outcome.at is None or outcome.at >= best[0]:
+                break
+            best = (outcome.at, best[1] * 2)
+    return best, calm
+
+
+def _loss_criterion(runner: _Runner, ladder: Sequence[int], base: int,
                     examples: int, used: dict[tuple[int, int], float], seeds: int, start: float,
                     tolerance: float) -> tuple[int | None, tuple[Branch, ...]]:
     """Merrill et al.'s answer (NOTE [ The critical batch, measured ]): every batch of the
@@ -204,7 +312,6 @@ def _loss_criterion(runner: _Runner, state: TrainingState, ladder: Sequence[int]
             if (seed, batch) not in used:
                 continue
             lr = used[(seed, batch)]
-            state.restore()
             steps = max(1, round(examples / batch))
             outcome = runner.run(batch, lr / runner.lrs[0], seed, steps, 0, None, start)
             loss, diverged = outcome.loss, outcome.diverged
@@ -315,7 +422,7 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         for value in batch_sizes:
             check_int("batch_sizes", value, 1, hint="; e.g. batch_sizes=[8, 16, 32, 64]")
     ladder = sorted(set(batch_sizes)) if batch_sizes is not None else [
-        base * 2**k for k in range(6) if base * 2**k <= len(items)]
+        base * 2**k for k in range(DEFAULT_RUNGS) if base * 2**k <= len(items)]
     if len(ladder) < 3:
         raise ValueError(f"data should hold enough examples for a ladder of at least 3 batch "
                          f"sizes, but {len(items)} examples allow {ladder} from "
@@ -343,77 +450,54 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         if measured.measurable:
             b_simple, b_simple_error = measured.b_simple, measured.b_simple_error
     runner = _Runner(model, optimizer, loss_fn, scheduler, items, eval_items, device, collate,
-                     fits_batch_size)
+                     fits_batch_size, state.restore)
     branches: list[Branch] = []
-    fits: list[tuple[float, float]] = []
     used: dict[tuple[int, int], float] = {}  # (seed, batch) -> the learning rate that counted
+    points: list[list[tuple[int, float]]] = [[] for _ in range(seeds)]  # (batch, steps) a seed
+    carried: list[tuple[int, float] | None] = [None] * seeds  # the rung below's (batch, scale)
+    fits: list[tuple[float, float]] = []
     reason = ""
     loss_batch: int | None = None
     loss_rows: tuple[Branch, ...] = ()
     try:
         with torch.enable_grad(), own_steps():  # inside an accumulate block: not its micro-steps
             start = runner.loss()
-            target = target_loss
-            stable = 1.0  # the base's learning rate, halved while its run does not descend
-            for seed in range(seeds):
-                points = []
-                for batch in ladder:
-                    scale = stable * scale_of(batch / base)
-                    best = None  # (steps to target, scale) of the fewest steps
-                    calm = None  # the scale of the last try that did not blow up
-                    for _ in range(MAX_BACKOFFS + 1):
-                        state.restore()
-                        if target is None:  # the base branch sets the target
-                            first = runner.run(batch, scale, seed, base_steps, 0, None, start)
-                            if first.diverged or not first.loss < start:
-                                stable /= 2
-                                outcome = first._replace(diverged=True)
-                            else:  # 90% of its way: not on a plateau's noise
-                                target = first.loss + (1 - TARGET_SHARE) * (start - first.loss)
-                                state.restore()
-                                outcome = runner.run(batch, scale, seed, max_steps,
-                                                     EVALS_PER_DOUBLING, target, start)
-                        else:
-                            outcome = runner.run(batch, scale, seed, max_steps,
-                                                 EVALS_PER_DOUBLING, target, start)
-                        branches.append(Branch(
-                            batch, runner.lrs[0] * scale, outcome.steps,
-                            outcome.steps * batch if outcome.steps else None, outcome.diverged,
-                            seed, runner.micro_batches(batch),
-                            None if outcome.diverged else outcome.loss, outcome.at))
-                        calm = scale if not outcome.diverged else calm
-                        if outcome.at is not None and (best is None or outcome.at < best[0]):
-                            best = (outcome.at, scale)
-                        # more steps than the batch below: past the edge (see NOTE)
-                        slower = bool(points) and outcome.at is not None and (
-                            outcome.at > points[-1][1])
-                        if not outcome.diverged and not slower:
-                            break
-                        if slower and outcome.at > best[0]:  # halving made it slower still
-                            break
-                        scale /= 2
-                    if best is not None:
-                        points.append((batch, best[0]))
-                        used[(seed, batch)] = runner.lrs[0] * best[1]
-                    elif calm is not None:  # no target reached: its calm rate, for "loss"
-                        used[(seed, batch)] = runner.lrs[0] * calm
-                if target is None:
-                    reason = (f"the base batch did not lower the loss at any learning rate "
-                              f"tried (down to {runner.lrs[0] * stable * 2:.3g})")
-                    break
-                fitted = _fit(points)
-                if fitted is not None:
-                    fits.append(fitted)
+            target, first = target_loss, 1.0
+            if target is None:
+                target, first, reason = _default_target(runner, base, base_steps, start)
+            rungs = list(ladder) if target is not None else []
+            while rungs:
+                for seed in range(seeds):
+                    for batch in rungs:
+                        below = carried[seed]
+                        scale = (first * scale_of(batch / base) if below is None else
+                                 below[1] * scale_of(batch / base) / scale_of(below[0] / base))
+                        best, calm = _rung(runner, branches, batch, scale, seed, max_steps,
+                                           target, start,
+                                           points[seed][-1][1] if points[seed] else None)
+                        if best is not None:
+                            points[seed].append((batch, best[0]))
+                            used[(seed, batch)] = runner.lrs[0] * best[1]
+                            carried[seed] = (batch, best[1])
+                        elif calm is not None:  # no target reached: its calm rate, for "loss"
+                            used[(seed, batch)] = runner.lrs[0] * calm
+                fits = [f for f in map(_fit, points) if f is not None]
+                rungs = []
+                top = max(ladder)
+                if (batch_sizes is None and fits and len(ladder) < DEFAULT_RUNGS + EXTRA_RUNGS
+                        and statistics.fmean(b for _, b in fits) > BEYOND * top
+                        and 2 * top <= len(items)):
+                    rungs = [2 * top]  # past the ladder: one rung more, and fit again
+                    ladder.append(2 * top)
             if criterion == "loss" and target is not None:
                 loss_batch, loss_rows = _loss_criterion(
-                    runner, state, ladder, base, base_steps * base, used, seeds, start,
+                    runner, ladder, base, base_steps * base, used, seeds, start,
                     loss_tolerance)
     finally:
         state.restore()
     if target is not None and target >= start:
-        reason = (f"the base batch did not lower the loss in {base_steps} steps (from "
-                  f"{start:.4g} to {target:.4g}): nothing to reach; give target_loss= or more "
-                  f"base_steps")
+        reason = (f"target_loss={target:.4g} is not below the loss at the current weights "
+                  f"({start:.4g}): nothing to reach; give a lower target_loss")
         fits = []
     elif not fits and not reason:
         reached = sum(b.steps is not None for b in branches)
@@ -422,6 +506,7 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                   f"try a larger max_steps or a higher target_loss")
     critical = error = s_min = e_min = None
     bound, bound_batch = "", None
+    warnings: list[str] = []
     if fits and statistics.fmean(b for _, b in fits) > BEYOND * max(ladder):
         bound, bound_batch = "above", BEYOND * max(ladder)
         reason = (f"the steps still fall as fast as the batch grows up to the largest batch "
@@ -439,6 +524,11 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         error = statistics.stdev(noises) / math.sqrt(len(noises)) if len(noises) > 1 else None
         s_min = statistics.fmean(s for s, _ in fits)
         e_min = s_min * critical
+        if s_min < FEW_STEPS:
+            warnings.append(f"the fewest steps to the target are {s_min:.2g}: the largest "
+                            f"batches reach it in a step or two, where whole steps count "
+                            f"coarsely; a target further away (a lower target_loss, or more "
+                            f"base_steps) measures it better")
     return CriticalBatchReport(
         critical_batch_size=critical, critical_batch_size_error=error,
         target_loss=target if target is not None else math.nan, start_loss=start,
@@ -448,4 +538,5 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         b_simple_error=b_simple_error, extra_memory_bytes=extra, seeds_fitted=len(fits),
         examples_noise=noise_examples, fits_batch_size=fits_batch_size, criterion=criterion,
         loss_criterion_batch_size=loss_batch, loss_tolerance=loss_tolerance,
-        loss_ladder=loss_rows, bound=bound, bound_batch_size=bound_batch)
+        loss_ladder=loss_rows, bound=bound, bound_batch_size=bound_batch,
+        warnings=tuple(warnings))
