@@ -323,6 +323,30 @@ def test_steps_auto_ramps_to_a_critical_batch_measured_at_a_checkpoint():
                           critical_batch_size=report.critical_batch_size)
     assert change.batch_size == expected.batch_size
     assert "measured critical batch" in str(acc.report.rows())
+    # the factor no faster than the rate critical_batch found fastest (stable) at that batch
+    assert change.lr_factor <= report.lr_scale_at(change.batch_size) + 1e-12
+    assert change.lr_factor == pytest.approx(min(
+        lr_scale(report.critical_batch_size, 2 * micro, change.batch_size),
+        report.lr_scale_at(change.batch_size)))
+
+
+def test_lr_scale_at_is_the_fastest_rate_of_the_rung_below_the_lowest_over_seeds():
+    import dataclasses
+
+    from batchwidgets.results import Branch
+
+    ladder = (Branch(8, 0.1, 40, 320, False, 0, steps_to_target=39.5),
+              Branch(8, 0.2, 30, 240, False, 0, steps_to_target=29.5),  # fastest at 8, seed 0
+              Branch(8, 0.2, 33, 264, False, 1, steps_to_target=32.0),
+              Branch(16, 0.4, None, None, True, 0),  # blew up: not a rate that reached
+              Branch(16, 0.2, 14, 224, False, 0, steps_to_target=13.2),
+              Branch(16, 0.4, 12, 192, False, 1, steps_to_target=11.9))
+    report = dataclasses.replace(measured(12.0), ladder=ladder, optimizer_lr=0.1)
+    assert report.lr_scale_at(8) == pytest.approx(2.0)
+    assert report.lr_scale_at(12) == pytest.approx(2.0)  # the rung below
+    assert report.lr_scale_at(64) == pytest.approx(2.0)  # 16: 0.2 (seed 0) and 0.4: the lower
+    assert report.lr_scale_at(4) == pytest.approx(2.0)  # below the ladder: its first rung
+    assert dataclasses.replace(report, optimizer_lr=None).lr_scale_at(8) is None
 
 
 def test_a_critical_batch_past_the_ladder_bounds_b_simple():

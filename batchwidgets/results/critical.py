@@ -83,6 +83,27 @@ class CriticalBatchReport:
     bound: str = ""
     bound_batch_size: float | None = None
     warnings: tuple[str, ...] = ()  # what makes the number less exact (e.g. S_min of a step)
+    optimizer_lr: float | None = None  # the optimizer's (first group's) rate it started from
+
+    def lr_scale_at(self, batch_size: float) -> float | None:
+        """The learning rate that reached the target fastest at the largest batch of the ladder
+        not above ``batch_size`` (the smallest, below them all), the lowest over seeds, as a
+        multiple of ``optimizer_lr``: a rate measured stable there, which a schedule going to
+        that batch should not exceed. None without a branch that reached the target."""
+        if not self.optimizer_lr:
+            return None
+        fastest: dict[tuple[int, int], Branch] = {}
+        for branch in self.ladder:
+            key = (branch.seed, branch.batch_size)
+            if branch.steps_to_target is not None and (
+                    key not in fastest
+                    or branch.steps_to_target < fastest[key].steps_to_target):
+                fastest[key] = branch
+        if not fastest:
+            return None
+        sizes = sorted({size for _, size in fastest})
+        rung = max((size for size in sizes if size <= batch_size), default=sizes[0])
+        return min(b.lr for (_, size), b in fastest.items() if size == rung) / self.optimizer_lr
 
     def schedule_options(self) -> dict[str, object]:
         """What ``plan_batch`` takes from this report: the measured batch, or the bound."""

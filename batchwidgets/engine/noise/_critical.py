@@ -539,4 +539,4 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         examples_noise=noise_examples, fits_batch_size=fits_batch_size, criterion=criterion,
         loss_criterion_batch_size=loss_batch, loss_tolerance=loss_tolerance,
         loss_ladder=loss_rows, bound=bound, bound_batch_size=bound_batch,
-        warnings=tuple(warnings))
+        warnings=tuple(warnings), optimizer_lr=runner.lrs[0])

@@ -84,7 +84,9 @@ class AutoSteps:
     """``accumulate(steps="auto")``: after every ``check_every`` updates, read the tracker and
     ramp the micro-batches per update up to its schedule (NOTE [ The batch-size schedule ]),
     with the learning-rate factor of the rule; every change is kept, with the number it
-    followed (the tracker's measured ``critical`` batch when it has one, else B_simple)."""
+    followed (the tracker's measured ``critical`` batch when it has one, else B_simple). Following
+    a measured batch, the factor is capped by the rate ``critical_batch`` found fastest at that
+    batch (``lr_scale_at``): the rule's factor knows nothing of the stability edge."""
 
     MIN_STEPS = 2  # the fewest micro-batches that measure the noise
 
@@ -107,6 +109,11 @@ class AutoSteps:
         if schedule.steps <= self.steps:  # a ramp: only up
             return self.steps
         self.lr_factor *= schedule.lr_factor
+        measured = (critical.lr_scale_at(schedule.batch_size)
+                    if critical is not None and schedule.source.startswith("critical_batch")
+                    else None)
+        if measured is not None:  # no faster than critical_batch found stable at that batch
+            self.lr_factor = min(self.lr_factor, measured)
         self.changes.append(ScheduleChange(
             update=updates, steps_before=self.steps, steps_after=schedule.steps,
             batch_size=schedule.batch_size if micro_batch_size is not None else None,
