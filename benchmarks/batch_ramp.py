@@ -46,7 +46,6 @@ import json
 import math
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -223,27 +222,6 @@ def run_fixed(task: Task, split: Split, seed: int, batch: int, lr: float,
     return curve.result(time.perf_counter() - started)
 
 
-def in_another_thread(function: Callable, *args, **kwargs):
-    """``function(*args, **kwargs)`` on a thread of its own, waited for. An accumulate block
-    intercepts optimizer.step() and backward() on the thread that entered it, critical_batch's
-    too (it is not marked as the package's own steps, as find_batch's probe is): called in the
-    block, its branches would be counted as micro-steps. Calls from other threads pass."""
-    box: dict = {}
-
-    def target() -> None:
-        try:
-            box["value"] = function(*args, **kwargs)
-        except BaseException as error:  # re-raised on the caller's thread
-            box["error"] = error
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def run_ramp(task: Task, split: Split, seed: int, lr: float, max_updates: int,
              measuring: dict) -> dict:
     train, held = split
@@ -268,7 +246,7 @@ def run_ramp(task: Task, split: Split, seed: int, lr: float, max_updates: int,
             group["lr"] = lr * factor
         began = time.perf_counter()
         try:
-            report = in_another_thread(bw.critical_batch, model, train, optimizer=optimizer,
+            report = bw.critical_batch(model, train, optimizer=optimizer,
                                        loss_fn=task.loss_fn, base_batch_size=batch,
                                        **measuring)
         finally:
@@ -549,10 +527,11 @@ def markdown(data: dict) -> str:
         "`bw.critical_batch(model, train_set, optimizer=optimizer, loss_fn=..., "
         "base_batch_size=<the ramp's current batch>, noise=False)` from the current weights at "
         "the ramp's current learning rate (the block's factor put on the optimizer for the "
-        "measurement), run on another thread (see the note below), then "
+        "measurement), inside the block (its branches are not the block's micro-steps), then "
         "`tracker.critical = report`; accumulate ramps up to the measured critical batch "
-        f"rounded to {MICRO} x a power of two and multiplies the rate by the schedule's factor "
-        "(where a report is not measurable, the schedule falls back to the tracker's B_simple). "
+        f"rounded to {MICRO} x a power of two and multiplies the rate by the schedule's factor, "
+        "capped by the rate critical_batch found fastest at that batch (where a report is not "
+        "measurable, the schedule follows the tracker's B_simple, held to the side of a bound). "
         "Measurement examples: `report.examples` summed (critical_batch's branches: training and "
         "its own loss evaluations, which it counts as examples too); a checkpoint whose ladder "
         "(base x 1, 2, 4) would not fit in the training set is skipped.",
@@ -629,10 +608,7 @@ def markdown(data: dict) -> str:
                 lines.append(f"- {r['task']}, {name}: " + "; ".join(
                     f"{lr}: {v}" for lr, v in arm["grid"].items())
                     + f" (tuning: {arm['tuning_examples']:,} training examples)")
-    lines += ["", "Note: `critical_batch` is called on another thread because inside an "
-              "`accumulate` block the block intercepts the entering thread's `optimizer.step()` "
-              "and `backward()`, critical_batch's branches included.", "",
-              "![held-out loss against steps and examples](batch_ramp_cpu.png)", ""]
+    lines += ["", "![held-out loss against steps and examples](batch_ramp_cpu.png)", ""]
     return "\n".join(lines)
 
 

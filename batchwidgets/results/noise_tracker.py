@@ -278,8 +278,9 @@ class NoiseTrackerReport:
                                "fewest steps and examples to a loss), measured by training, at "
                                "the weights and target it names; it grows as the loss falls, so "
                                "measure it again at checkpoints. B_simple follows training for "
-                               "a few percent of its time, but only estimates it (2-3x off "
-                               "either way on our benchmarks): a direction, not a number"),
+                               "a few percent of its time, but only estimates it (within 2x "
+                               "early in training on our benchmarks, 2-6x off on plateaus): a "
+                               "direction, not a number"),
         ]
 
     def summary(self) -> str:
