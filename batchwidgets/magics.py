@@ -140,6 +140,11 @@ def _steps_or_auto(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
 
+# NOTE [ The magics, a long module ]
+# Every magic is a method of one Magics class (IPython registers them per class, and they share
+# its panels and the reports %find_batch made), and each one's flags, with their help, are its
+# manual (%critical_batch?): the argument lists are most of the module. The notebook lookups
+# they share live in _notebook.py.
 @magics_class
 class BatchMagics(Magics):
     """``%find_batch``, ``%%accumulate`` and ``%critical_batch``; registered by

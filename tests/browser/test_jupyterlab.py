@@ -40,9 +40,9 @@ TUTORIALS = {
     "01_find_batch.ipynb": {"probe": 2, "static_reports": 1},
     # acc.report and the two %%accumulate cells
     "02_accumulate.ipynb": {"static_reports": 3},
-    # the live NoisePanel and %%accumulate --noise's; the measure_noise report and the
-    # %%accumulate cell's report
-    "03_batch_noise.ipynb": {"noise": 2, "static_reports": 2},
+    # the live NoisePanel, %%accumulate --noise's and the one showing what batch to train at;
+    # the measure_noise report and the %%accumulate cell's report
+    "03_batch_noise.ipynb": {"noise": 3, "static_reports": 2},
     # the LoaderPanel and LoaderPanel(live); tune_loader's report and live.report()
     "04_dataloader.ipynb": {"loader": 2, "static_reports": 2},
 }

@@ -270,3 +270,13 @@ def split_sq_norms(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.T
             for buffer, saved in zip(model.buffers(), buffers):
                 buffer.copy_(saved)
     return values[:-1], values[-1]
+
+
+def merge_moments(moments: tuple[int, float, float], n: int, mean: float,
+                  m2: float) -> tuple[int, float, float]:
+    """(count, mean, sum of squared deviations) of two groups merged (Chan et al. 1979, the
+    pairwise form of Welford's update: no cancellation over long runs)."""
+    n_a, mean_a, m2_a = moments
+    total = n_a + n
+    delta = mean - mean_a
+    return total, mean_a + delta * n / total, m2_a + m2 + delta**2 * n_a * n / total

@@ -34,6 +34,7 @@ from ._estimate import (
     b_simple_of,
     check_measure,
     estimate,
+    merge_moments,
     split_sq_norms,
     uneven_loader_warning,
     unshuffled_loader_warning,
@@ -103,10 +104,8 @@ class NoiseTracker:
         tracker, so that it takes at most this share of the training time (default 2%); None
         measures every update. See NOTE [ Sampling updates to keep the tracker cheap ].
     critical : CriticalBatchReport, optional
-        A critical batch measured by ``critical_batch``: ``report.schedule`` (and
-        ``accumulate(steps="auto")``) follow it instead of B_simple while it is measurable, and
-        say so. Set ``tracker.critical = bw.critical_batch(...)`` again at a checkpoint to
-        ramp the batch from a new measurement.
+        ``critical_batch``'s: ``report.schedule`` and ``steps="auto"`` follow it, not B_simple;
+        ``tracker.critical = bw.critical_batch(...)`` again at a checkpoint ramps the batch.
 
     Examples
     --------
@@ -132,11 +131,9 @@ class NoiseTracker:
         check_number("flush_interval_s", flush_interval_s, lambda v: v >= 0, "a number >= 0",
                      "; e.g. 1.0")
         check_int("max_batch_size", max_batch_size, 1, optional=True, hint="; e.g. 4096")
-        if isinstance(fits, BatchSizeReport):
-            fits = fits.recommended_batch_size
-        if fits is not None and (isinstance(fits, bool) or not isinstance(fits, int) or fits < 1):
-            raise ValueError(f"fits should be a find_batch report or an int >= 1, but got "
-                             f"fits={fits!r}; e.g. fits=bw.find_batch(model, make_batch).")
+        fits = fits.recommended_batch_size if isinstance(fits, BatchSizeReport) else fits
+        check_int("fits", fits, 1, optional=True, hint="; a find_batch report or an int, e.g. "
+                  "fits=bw.find_batch(model, make_batch)")
         if overhead_target is not None:
             check_number("overhead_target", overhead_target, lambda v: 0 < v < 1,
                          "None or a share in (0, 1)", "; e.g. 0.02 for 2%")
@@ -203,7 +200,7 @@ class NoiseTracker:
             mean = values.mean()
             value, m2 = torch.stack([mean, (values - mean).square().sum()]).tolist()
             with self._lock:
-                self._add_examples(values.numel(), value, m2)
+                self._examples = merge_moments(self._examples, values.numel(), value, m2)
         else:
             value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         with self._lock:
@@ -227,14 +224,6 @@ class NoiseTracker:
         with self._lock:
             self.flush()
             return self._b_simple()
-
-    def _add_examples(self, n: int, mean: float, m2: float) -> None:
-        """Merge a batch's per-example count, mean and sum of squared deviations (Chan et al.
-        1979, the pairwise form of Welford's update: no cancellation over long runs)."""
-        n_a, mean_a, m2_a = self._examples
-        total = n_a + n
-        delta = mean - mean_a
-        self._examples = (total, mean_a + delta * n / total, m2_a + m2 + delta**2 * n_a * n / total)
 
     def update(self, *, small_sq_norms: Sequence[float], big_sq_norm: float,
                micro_batch_size: int | None, n_micro: int) -> None:
@@ -379,7 +368,7 @@ class NoiseTracker:
             raise TypeError(f"critical should be a CriticalBatchReport (bw.critical_batch(...)) "
                             f"or None, but got critical={report!r}.")
         self._critical = report
-        self._notify()
+        self._notify()  # a panel shows it
 
     def _report(self) -> NoiseTrackerReport:
         b_simple, error, reason = self._b_simple()
