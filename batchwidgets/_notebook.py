@@ -8,7 +8,7 @@ import difflib
 import functools
 import re
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,12 +324,13 @@ def _check(model: Any, make_batch: Any, options: dict[str, Any]) -> None:
         check_arguments(model, make_batch, **{name: options[name] for name in _CHECKED
                                               if name in options})
     except (TypeError, ValueError) as error:
-        raise UsageError(_flags(str(error))) from None
+        raise UsageError(flags(str(error))) from None
 
 
-def _flags(message: str) -> str:
-    """An engine message in the magic's words: max_batch_size=4 -> --max-batch-size 4."""
-    for name in _VALUE_OPTIONS:
+def flags(message: str, names: Iterable[str] = _VALUE_OPTIONS) -> str:
+    """An engine message in the magic's words: max_batch_size=4 -> --max-batch-size 4, for
+    the options ``names``."""
+    for name in names:
         flag = "--" + name.replace("_", "-")
         message = message.replace(f"{name}=", f"{flag} ")
         if "_" in name:  # a plain word (device, budget) stays a word past the first one

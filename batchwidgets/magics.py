@@ -31,6 +31,7 @@ from ._notebook import (
     device_name,
     example_shape,
     find_one,
+    flags,
     fraction,
     gpu_target,
     lengths,
@@ -416,9 +417,7 @@ class BatchMagics(Magics):
             named = [name for name in options if message.startswith(f"{name} should")]
             if "\n" in message or not named:  # not about a flag: the engine's own error
                 raise
-            flag = f"--{named[0].replace('_', '-')}"
-            message = message.replace(f"{named[0]}=", f"{flag} ")
-            raise UsageError(flag + message[len(named[0]):]) from None
+            raise UsageError(flags(message, named)) from None
         if tracker is not None:
             tracker.critical = report
         return None if silenced else report
