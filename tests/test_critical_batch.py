@@ -58,24 +58,32 @@ def test_the_critical_batch_is_measured_and_everything_is_put_back():
 
 def check_the_learning_rates(report, rule):
     """Each batch starts at the rate that counted at the batch below, scaled by the rule; a
-    try that blew up (or was slower than the batch below) runs again at half its rate, and a
-    first try that reached the target at twice its rate while that is faster."""
+    try that blew up (or was slower than the batch below) runs again at half its rate; a
+    first try that reached the target runs at twice the rate while that is faster, where the
+    batch below's rate went up too (or at the base); at the base, then at half while faster."""
     for seed in {b.seed for b in report.ladder}:
         rows = [b for b in report.ladder if b.seed == seed]
         sizes = sorted({b.batch_size for b in rows})
-        counted = {}
+        counted, raised = {}, {}
         for size in sizes:
             tries = [b for b in rows if b.batch_size == size]
             reached = [b for b in tries if b.steps_to_target is not None]
             if reached:
                 counted[size] = min(reached, key=lambda b: b.steps_to_target).lr
+                raised[size] = counted[size] > tries[0].lr
             below = [s for s in sizes if s < size and s in counted]
             if below:
                 assert tries[0].lr == pytest.approx(counted[below[-1]] * rule(size / below[-1]))
-            for a, b in itertools.pairwise(tries):
-                up = not a.diverged and a.steps_to_target is not None and (
-                    a is tries[0] or a.lr > tries[0].lr)
-                assert b.lr == pytest.approx(a.lr * 2 if up and b.lr > a.lr else a.lr / 2)
+            for i, (a, b) in enumerate(itertools.pairwise(tries), 1):
+                done = [t for t in tries[:i] if t.steps_to_target is not None]
+                best = min(done, key=lambda t: t.steps_to_target).lr if done else None
+                if b.lr > a.lr:  # up: from the best so far, where climbing pays
+                    assert b.lr == pytest.approx(2 * best)
+                    assert not below or raised[below[-1]]
+                elif best is not None and b.lr == pytest.approx(best / 2) and size == sizes[0]:
+                    pass  # down at the base, from the best so far
+                else:  # backing off from a try that blew up or was slower
+                    assert b.lr == pytest.approx(a.lr / 2)
 
 
 def test_the_adam_family_scales_the_learning_rate_by_the_square_root():
@@ -268,7 +276,7 @@ class Wandering(nn.Module):
         self.linear = nn.Linear(16, 1)
 
     def forward(self, x):
-        return self.linear(x) + 0.5 * torch.randn(())
+        return self.linear(x) + 0.3 * torch.randn(())
 
 
 def test_a_target_within_the_noise_runs_the_base_longer_then_says_so():
@@ -301,3 +309,38 @@ def test_the_loss_is_evaluated_without_dropout_and_the_modes_are_put_back():
     assert False in seen  # evaluated without
     assert model.training
     assert model[2].training
+
+
+def test_evaluations_start_late_without_changing_a_step(monkeypatch):
+    """A rung starts evaluating at a quarter of the steps the batch below took (a doubled batch
+    at most halves them); a branch already at the target there runs again, evaluated from step
+    1. Fewer evaluations, the same branches as evaluating every run from its first step."""
+    from batchwidgets.engine.noise import _branches
+
+    def measure():
+        model, optimizer = model_and_sgd(0.01)
+        return bw.critical_batch(model, regression(), optimizer=optimizer,
+                                 loss_fn=nn.functional.mse_loss, base_batch_size=4, noise=False)
+
+    late = measure()
+    monkeypatch.setattr(_branches, "FASTEST", math.inf)  # every run evaluated from step 1
+    early = measure()
+    assert late.ladder == early.ladder
+    assert late.critical_batch_size == early.critical_batch_size
+    assert late.examples < 0.9 * early.examples, (late.examples, early.examples)
+
+
+def test_the_base_rate_is_also_searched_downward():
+    """At the base nothing below says a rate is too fast: after twice its rate fails, half of
+    it runs, and counts where it reaches the target sooner (a rate near the edge oscillates)."""
+    model, optimizer = model_and_sgd(0.5)
+    report = bw.critical_batch(model, regression(), optimizer=optimizer,
+                               loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1,
+                               noise=False)
+    base = [b for b in report.ladder if b.batch_size == 4]
+    first, up, down = base[:3]
+    assert (up.lr, down.lr) == (2 * first.lr, first.lr / 2)
+    assert up.diverged
+    assert down.steps_to_target < first.steps_to_target
+    assert report.lr_scale_at(4) == pytest.approx(down.lr / 0.5)  # the rate that counted
+    check_the_learning_rates(report, rule=lambda ratio: ratio)

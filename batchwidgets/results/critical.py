@@ -84,6 +84,9 @@ class CriticalBatchReport:
     bound_batch_size: float | None = None
     warnings: tuple[str, ...] = ()  # what makes the number less exact (e.g. S_min of a step)
     optimizer_lr: float | None = None  # the optimizer's (first group's) rate it started from
+    # the base batch's steps that set the default target (base_steps, or more where its descent
+    # was within the noise of the start); None for a target_loss given
+    target_steps: int | None = None
 
     def lr_scale_at(self, batch_size: float) -> float | None:
         """The learning rate that reached the target fastest at the largest batch of the ladder

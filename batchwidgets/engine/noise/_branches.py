@@ -26,6 +26,8 @@ EVALS_PER_DOUBLING = 4  # the loss is evaluated at every step up to 4, then ever
 TAIL = 8  # the base's run that sets the target: the mean and spread of its last TAIL losses
 NOISE_SIGMAS = 3.0  # ... whose descent must pass this many spreads, else it runs longer
 LONGER = 4  # ... up to this many times base_steps
+FASTEST = 4  # doubling the batch or the rate divides the steps by 2 at most: evaluations start
+# at the steps of the batch below (or of the rate below) / FASTEST, a margin of 2
 
 
 class _Outcome(NamedTuple):
@@ -34,6 +36,7 @@ class _Outcome(NamedTuple):
     loss: float  # the last loss evaluated
     diverged: bool
     tail: tuple[float, ...] = ()  # the losses at the last steps, when asked for
+    early: bool = False  # reached at the first evaluation after a floor: where is not known
 
 
 class _Runner:
@@ -51,6 +54,7 @@ class _Runner:
         self.eval_size = len(eval_items)
         self.lrs = [group["lr"] for group in optimizer.param_groups]
         self.examples = 0
+        self.rng_devices = [device.index or 0] if device.type == "cuda" else []
 
     def loss(self) -> float:
         """The mean loss on the evaluation sample, in eval mode (dropout off: a loss that does
@@ -58,8 +62,8 @@ class _Runner:
         self.examples += self.eval_size
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
-        try:
-            with torch.no_grad():
+        try:  # draws nothing from the training's generators: a run is the same, however looked at
+            with torch.no_grad(), torch.random.fork_rng(self.rng_devices):
                 total = sum(float(forward_and_loss(self.model, batch, self.loss_fn,
                                                    surrogate=False)) * batch_length(batch)
                             for batch in self.eval_batches)
@@ -71,20 +75,23 @@ class _Runner:
     def micro_batches(self, batch_size: int) -> int:
         return -(-batch_size // self.fits) if self.fits else 1
 
-    def step(self, picked: list[int]) -> bool:
+    def step(self, picked: list[int]) -> float:
         """The gradient of the batch ``picked`` into ``.grad``, in micro-batches of at most
-        ``fits`` (each loss weighted by its share of the batch, as ``accumulate`` does); False
-        when the loss is not finite."""
+        ``fits`` (each loss weighted by its share of the batch, as ``accumulate`` does); its
+        loss (inf when not finite: the rest is not run)."""
         parts = self.micro_batches(len(picked))
         size = -(-len(picked) // parts)
+        total = 0.0
         for start in range(0, len(picked), size):
             part = picked[start:start + size]
             batch = to_device(self.collate([self.items[i] for i in part]), self.device)
             loss = forward_and_loss(self.model, batch, self.loss_fn, surrogate=False)
-            if not torch.isfinite(loss):
-                return False
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                return math.inf
+            total += value * len(part) / len(picked)
             (loss * (len(part) / len(picked)) if parts > 1 else loss).backward()
-        return True
+        return total
 
     def descend(self, batch_size: int, scale: float, seed: int, steps: int,
                 start: float) -> tuple[float, ...] | None:
@@ -93,14 +100,15 @@ class _Runner:
         return None if outcome.diverged else outcome.tail
 
     def run(self, batch_size: int, scale: float, seed: int, max_steps: int, every: int,
-            target: float | None, start: float, tail: int = 0) -> _Outcome:
+            target: float | None, start: float, tail: int = 0, floor: int = 0) -> _Outcome:
         """Train from the restored state until the evaluated loss reaches ``target``; the loss
         is evaluated at every step up to ``every``, then every step // every (every=0: at the
-        end only), and at each of the last ``tail`` steps."""
+        end only), from step ``floor`` on, and at each of the last ``tail`` steps."""
         self.restore()
         for group, lr in zip(self.optimizer.param_groups, self.lrs):
             group["lr"] = lr * scale
         generator = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)  # dropout's masks too: a run again is the same run
         order: list[int] = []
         last, before = start, (0, start)  # the last evaluation, and the one before it
         losses: list[float] = []
@@ -109,14 +117,16 @@ class _Runner:
                 order += torch.randperm(len(self.items), generator=generator).tolist()
             picked, order = order[:batch_size], order[batch_size:]
             self.optimizer.zero_grad(set_to_none=True)
-            if not self.step(picked):
+            trained = self.step(picked)  # the batch's loss before this step: free
+            if not math.isfinite(trained):
                 return _Outcome(None, None, math.inf, True)
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
             self.examples += batch_size
-            if ((every and step % max(1, step // every) == 0) or step == max_steps
-                    or step > max_steps - tail):
+            if ((every and step >= floor and step % max(1, step // every) == 0)
+                    or step == max_steps or step > max_steps - tail
+                    or (every and trained > BLOWUP * start)):  # blowing up? look now
                 last = self.loss()
                 if not math.isfinite(last) or last > BLOWUP * start:
                     return _Outcome(None, None, last, True)
@@ -126,7 +136,7 @@ class _Runner:
                     # where the line between the last two evaluations crosses the target
                     (p, loss_p), drop = before, before[1] - last
                     at = p + (step - p) * (loss_p - target) / drop if drop > 0 else step
-                    return _Outcome(step, at, last, False)
+                    return _Outcome(step, at, last, False, early=p == 0 and step > 1)
                 before = (step, last)
         return _Outcome(None, None, last, False, tuple(losses))
 
@@ -151,13 +161,13 @@ def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
     return best[2], best[1]
 
 
-def _default_target(runner: _Runner, base: int, base_steps: int,
-                    start: float) -> tuple[float | None, float, str]:
-    """(the target, the base's learning-rate scale, why there is none): 90% of the way to the
-    mean of the base's last ``TAIL`` losses after ``base_steps``, at the optimizer's rate
-    halved while it blows up or does not descend, and run longer (up to ``LONGER`` times)
-    while the descent is within ``NOISE_SIGMAS`` of the losses' spread (NOTE [ The critical
-    batch, measured ])."""
+def _default_target(runner: _Runner, base: int, base_steps: int, start: float,
+                    longest: int) -> tuple[float | None, float, str, int]:
+    """(the target, the base's learning-rate scale, why there is none, the base's steps that
+    set it): 90% of the way to the mean of the base's last ``TAIL`` losses after
+    ``base_steps``, at the optimizer's rate halved while it blows up or does not descend, and
+    run twice as long (up to ``longest`` steps) while the descent is within ``NOISE_SIGMAS`` of
+    the losses' spread (NOTE [ The critical batch, measured ])."""
     scale, steps = 1.0, base_steps
     for _ in range(MAX_BACKOFFS + 1):
         tail = runner.descend(base, scale, 0, steps, start)
@@ -166,20 +176,21 @@ def _default_target(runner: _Runner, base: int, base_steps: int,
             continue
         reached, spread = statistics.fmean(tail), statistics.stdev(tail)
         if start - reached > NOISE_SIGMAS * spread:
-            return reached + (1 - TARGET_SHARE) * (start - reached), scale, ""
-        if steps >= LONGER * base_steps:
+            return reached + (1 - TARGET_SHARE) * (start - reached), scale, "", steps
+        if steps >= longest:
             return None, scale, (
                 f"the base batch's loss after {steps} steps ({reached:.4g} ± {spread:.2g} over "
                 f"its last {TAIL} steps) is within the noise of the start ({start:.4g}): no "
                 f"target to measure against; give target_loss= below it, or a larger "
-                f"base_steps")
+                f"base_steps"), steps
         steps *= 2
     return None, scale, (f"the base batch did not lower the loss at any learning rate tried "
-                         f"(down to {runner.lrs[0] * scale * 2:.3g})")
+                         f"(down to {runner.lrs[0] * scale * 2:.3g})"), steps
 
 
 def _rung(runner: _Runner, branches: list[Branch], batch: int, scale: float, seed: int,
-          max_steps: int, target: float, start: float, below: float | None
+          max_steps: int, target: float, start: float, below: float | None,
+          climb: bool = True, like: float | None = None
           ) -> tuple[tuple[float, float] | None, float | None]:
     """One batch of the ladder: ((steps to target, scale) of its fastest try or None, the
     scale of its last try that did not blow up). Halved while it blows up or takes more steps
@@ -188,17 +199,22 @@ def _rung(runner: _Runner, branches: list[Branch], batch: int, scale: float, see
     best: tuple[float, float] | None = None
     calm = None
 
-    def attempt(rate: float, limit: int = max_steps) -> _Outcome:
-        outcome = runner.run(batch, rate, seed, limit, EVALS_PER_DOUBLING, target, start)
+    def attempt(rate: float, limit: int = max_steps, floor: int = 0) -> _Outcome:
+        outcome = runner.run(batch, rate, seed, limit, EVALS_PER_DOUBLING, target, start,
+                             floor=floor)
+        if outcome.early:  # reached before the floor's first evaluation: again, from step 1
+            outcome = runner.run(batch, rate, seed, limit, EVALS_PER_DOUBLING, target, start)
         branches.append(Branch(batch, runner.lrs[0] * rate, outcome.steps,
                                outcome.steps * batch if outcome.steps else None,
                                outcome.diverged, seed, runner.micro_batches(batch),
                                None if outcome.diverged else outcome.loss, outcome.at))
         return outcome
 
+    known = below if below is not None else like  # steps this one is unlikely to beat by 2x
+    floor = int(known / FASTEST) if known is not None else 0
     initial = scale
     for _ in range(MAX_BACKOFFS + 1):
-        outcome = attempt(scale)
+        outcome = attempt(scale, max_steps, floor)
         calm = scale if not outcome.diverged else calm
         if outcome.at is not None and (best is None or outcome.at < best[0]):
             best = (outcome.at, scale)
@@ -208,12 +224,18 @@ def _rung(runner: _Runner, branches: list[Branch], batch: int, scale: float, see
         if slower and best is not None and outcome.at > best[0]:  # halving made it slower
             break
         scale /= 2
-    if best is not None and best[1] == initial:  # reached at its first rate: is twice faster?
+    if climb and best is not None and best[1] == initial:  # reached at its first: twice faster?
         for _ in range(UPWARD):
-            outcome = attempt(best[1] * 2, math.ceil(best[0]))  # only to beat it
+            outcome = attempt(best[1] * 2, math.ceil(best[0]), int(best[0] / FASTEST))
             if outcome.diverged or outcome.at is None or outcome.at >= best[0]:
                 break
             best = (outcome.at, best[1] * 2)
+    if below is None and best is not None and best[1] == initial:  # the base: is half faster?
+        for _ in range(MAX_BACKOFFS):
+            outcome = attempt(best[1] / 2, math.ceil(best[0]), int(best[0] / FASTEST))
+            if outcome.diverged or outcome.at is None or outcome.at >= best[0]:
+                break
+            best = (outcome.at, best[1] / 2)
     return best, calm
 
 

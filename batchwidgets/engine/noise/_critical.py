@@ -20,7 +20,7 @@ from ...results import BatchSizeReport, Branch, CriticalBatchReport
 from .._own_steps import own_steps
 from .._state import TrainingState
 from .._util import check_int, check_number
-from ._branches import _default_target, _fit, _loss_criterion, _rung, _Runner
+from ._branches import LONGER, _default_target, _fit, _loss_criterion, _rung, _Runner
 from ._measure import measure_noise
 
 LossFn = Callable[..., torch.Tensor]
@@ -53,10 +53,16 @@ EXTRA_RUNGS = 3  # a B_noise past the default ladder adds a rung at twice the to
 #   than the batch below (with a rate tuned per batch, steps never grow with the batch: more is
 #   a rate past the edge that oscillates without blowing up), stopping when a halving is slower
 #   still; doubled, from a first rate that reached the target, while that takes fewer steps (up
-#   to UPWARD times, each try cut off at the steps it has to beat). A rate only lowered biases
-#   B_noise up: with AdamW 4x below its best, the small batches ran far from their best rate
-#   and the large ones near it, and B_noise came out 2.6x the tuned curves'. The fewest steps
-#   of its tries count;
+#   to UPWARD times, each try cut off at the steps it has to beat), at the base and wherever the
+#   rung below went up too (where it did not, the rule's rate was already as fast as twice it:
+#   on the benchmark no such second try ever won, and each cost a run); at the base, where no
+#   batch below says a rate oscillates, then halved while that takes fewer steps. A rate only
+#   lowered biases B_noise up: with AdamW 4x below its best, the small batches ran far from
+#   their best rate and the large ones near it, and B_noise came out 2.6x the tuned curves';
+#   a base rate only raised does too (on the LM's plateau the user's rate was 4x past the best
+#   at the base: 5.6x before the base was searched down, 0.62x after). The fewest steps of its
+#   tries count. A run is seeded (its batches and the global generator: dropout's masks), and
+#   evaluations draw nothing from it: a run again is the same run;
 # - S(B) = S_min (1 + B_noise / B) is fitted by least squares in log S (B_noise on a log grid,
 #   S_min the geometric mean of the rest), each batch's steps being the interpolated point
 #   where the loss crossed the target between its last two evaluations (at large batches the
@@ -68,8 +74,15 @@ EXTRA_RUNGS = 3  # a B_noise past the default ladder adds a rung at twice the to
 #   an extrapolation. S_min under FEW_STEPS is said in warnings (coarse at the top).
 #   The loss is evaluated at every step up to the 4th, then every step // 4 steps, and
 #   interpolated between evaluations: the evaluations (forward passes of eval_examples) are
-#   most of the examples spent, so no more of them than the interpolation needs (on the
-#   benchmark 4 per doubling gave the same answers as 8 and 16 for 15% fewer examples).
+#   most of the examples spent (80% on the benchmark), so no more of them than the
+#   interpolation needs (4 per doubling gave the same answers as 8 and 16 for 15% fewer
+#   examples), and none before they can matter: a doubled batch (or rate) at most halves the
+#   steps, so a rung's evaluations start at a quarter of the steps of the batch below (of the
+#   rate below, of an earlier seed at the same batch); a run already at the target at its
+#   first evaluation runs again from step 1. A blow-up between evaluations shows in the
+#   training batch's loss (free): past BLOWUP x the start it is evaluated there and then.
+#   The same branches as evaluating every run from its first step (tested), for 20-35% fewer
+#   examples on the benchmark with the rate search above.
 # - criterion="loss" adds Merrill et al.'s (2025) answer: every batch of the ladder trains on
 #   the base's examples (base_steps x base) at the learning rate its branch above used; the
 #   largest batch from the base up whose loss (mean over seeds) stays within loss_tolerance of
@@ -78,6 +91,50 @@ EXTRA_RUNGS = 3  # a B_noise past the default ladder adds a rung at twice the to
 # - Batches above fits_batch_size accumulate micro-batches of at most that size: the same
 #   gradient (each micro-batch's loss weighted by its share), the memory of what fits.
 # Nothing of the user's changes: weights, optimizer state, scheduler and RNGs are restored.
+
+
+def _climb(runner: _Runner, ladder: list[int], seeds: int, first: float,
+           scale_of: Callable[[int], float], target: float, start: float, max_steps: int,
+           extend_to: int) -> tuple[list[Branch], dict[tuple[int, int], float],
+                                    list[tuple[float, float]]]:
+    """Every rung of ``ladder`` for every seed, each to ``target`` (NOTE [ The critical batch,
+    measured ]); rungs at twice the top are appended to ``ladder`` while the fit lands past it
+    (up to ``extend_to`` examples, 0: never). (The branches, (seed, batch) -> the learning
+    rate that counted, the (S_min, B_noise) fits of the seeds.)"""
+    branches: list[Branch] = []
+    used: dict[tuple[int, int], float] = {}
+    points: list[list[tuple[int, float]]] = [[] for _ in range(seeds)]  # (batch, steps) a seed
+    carried: list[tuple[int, float] | None] = [None] * seeds  # the rung below's (batch, scale)
+    climbing = [True] * seeds  # whether the rung below's rate was raised above its first
+    rungs = list(ladder)
+    while True:
+        for seed in range(seeds):
+            for batch in rungs:
+                below = carried[seed]
+                scale = (first * scale_of(batch) if below is None else
+                         below[1] * scale_of(batch) / scale_of(below[0]))
+                best, calm = _rung(runner, branches, batch, scale, seed, max_steps, target, start,
+                                   points[seed][-1][1] if points[seed] else None,
+                                   climbing[seed], _steps_at(points, batch))
+                climbing[seed] = best is not None and best[1] > scale
+                if best is not None:
+                    points[seed].append((batch, best[0]))
+                    used[(seed, batch)] = runner.lrs[0] * best[1]
+                    carried[seed] = (batch, best[1])
+                elif calm is not None:  # no target reached: its calm rate, for "loss"
+                    used[(seed, batch)] = runner.lrs[0] * calm
+        fits = [f for f in map(_fit, points) if f is not None]
+        top = max(ladder)
+        if not (fits and len(ladder) < DEFAULT_RUNGS + EXTRA_RUNGS and 2 * top <= extend_to
+                and statistics.fmean(b for _, b in fits) > BEYOND * top):
+            return branches, used, fits
+        rungs = [2 * top]  # past the ladder: one rung more, and fit again
+        ladder.append(2 * top)
+
+
+def _steps_at(points: list[list[tuple[int, float]]], batch: int) -> float | None:
+    """The steps an earlier seed took at ``batch`` (None: none has run it)."""
+    return next((s for seed in points for b, s in seed if b == batch), None)
 
 
 def _items(data: Dataset | DataLoader) -> list:
@@ -204,7 +261,6 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                          f"got {max(ladder)}; pass more data or smaller batch_sizes.")
     base = ladder[0] if batch_sizes is not None else base
     scale_of, rule = _scaling(optimizer, lr_scaling)
-    max_steps = max_steps or 4 * base_steps
     device = torch.device(device) if device is not None else next(model.parameters()).device
     eval_items = [items[i * len(items) // min(eval_examples, len(items))]
                   for i in range(min(eval_examples, len(items)))]
@@ -224,42 +280,23 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                      fits_batch_size, state.restore)
     branches: list[Branch] = []
     used: dict[tuple[int, int], float] = {}  # (seed, batch) -> the learning rate that counted
-    points: list[list[tuple[int, float]]] = [[] for _ in range(seeds)]  # (batch, steps) a seed
-    carried: list[tuple[int, float] | None] = [None] * seeds  # the rung below's (batch, scale)
     fits: list[tuple[float, float]] = []
     reason = ""
     loss_batch: int | None = None
     loss_rows: tuple[Branch, ...] = ()
+    target_steps = None
     try:
         with torch.enable_grad(), own_steps():  # inside an accumulate block: not its micro-steps
             start = runner.loss()
             target, first = target_loss, 1.0
             if target is None:
-                target, first, reason = _default_target(runner, base, base_steps, start)
-            rungs = list(ladder) if target is not None else []
-            while rungs:
-                for seed in range(seeds):
-                    for batch in rungs:
-                        below = carried[seed]
-                        scale = (first * scale_of(batch / base) if below is None else
-                                 below[1] * scale_of(batch / base) / scale_of(below[0] / base))
-                        best, calm = _rung(runner, branches, batch, scale, seed, max_steps,
-                                           target, start,
-                                           points[seed][-1][1] if points[seed] else None)
-                        if best is not None:
-                            points[seed].append((batch, best[0]))
-                            used[(seed, batch)] = runner.lrs[0] * best[1]
-                            carried[seed] = (batch, best[1])
-                        elif calm is not None:  # no target reached: its calm rate, for "loss"
-                            used[(seed, batch)] = runner.lrs[0] * calm
-                fits = [f for f in map(_fit, points) if f is not None]
-                rungs = []
-                top = max(ladder)
-                if (batch_sizes is None and fits and len(ladder) < DEFAULT_RUNGS + EXTRA_RUNGS
-                        and statistics.fmean(b for _, b in fits) > BEYOND * top
-                        and 2 * top <= len(items)):
-                    rungs = [2 * top]  # past the ladder: one rung more, and fit again
-                    ladder.append(2 * top)
+                target, first, reason, target_steps = _default_target(
+                    runner, base, base_steps, start, LONGER * base_steps)
+            if target is not None:
+                branches, used, fits = _climb(
+                    runner, ladder, seeds, first, lambda b: scale_of(b / base), target, start,
+                    max_steps or 4 * (target_steps or base_steps),
+                    len(items) if batch_sizes is None else 0)
             if criterion == "loss" and target is not None:
                 loss_batch, loss_rows = _loss_criterion(
                     runner, ladder, base, base_steps * base, used, seeds, start,
@@ -310,4 +347,4 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         examples_noise=noise_examples, fits_batch_size=fits_batch_size, criterion=criterion,
         loss_criterion_batch_size=loss_batch, loss_tolerance=loss_tolerance,
         loss_ladder=loss_rows, bound=bound, bound_batch_size=bound_batch,
-        warnings=tuple(warnings), optimizer_lr=runner.lrs[0])
+        warnings=tuple(warnings), optimizer_lr=runner.lrs[0], target_steps=target_steps)
