@@ -50,6 +50,9 @@ def test_the_critical_batch_is_measured_and_everything_is_put_back():
     assert report.lr_scaling == "linear"  # SGD
     spent = sum(b.examples or 0 for b in report.ladder)
     assert report.examples > spent  # training and the loss evaluations
+    assert report.examples_noise == 512
+    assert 0 < report.examples_eval <= report.examples - report.examples_noise - spent
+    assert report.examples_eval % 256 == 0  # forward passes of the 256-example sample
     assert report.ratio == pytest.approx(report.critical_batch_size / report.b_simple)
     check_the_learning_rates(report, rule=lambda ratio: ratio)
     assert "critical batch" in report.summary()

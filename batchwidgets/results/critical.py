@@ -50,8 +50,9 @@ class CriticalBatchReport:
     ``critical_batch_size`` is B_noise (the mean over seeds) with ``critical_batch_size_error``
     its standard error over seeds, None with the ``reason`` when it is not measurable.
     ``examples`` counts every example spent: training in every branch, the loss evaluations
-    and the examples ``measure_noise`` read (``examples_noise``). ``b_simple`` is the gradient
-    noise scale measured at the same weights, for comparison: ``ratio`` = critical / B_simple.
+    (``examples_eval``, forward passes only) and the examples ``measure_noise`` read
+    (``examples_noise``). ``b_simple`` is the gradient noise scale measured at the same
+    weights, for comparison: ``ratio`` = critical / B_simple.
 
     With ``criterion="loss"``, ``loss_criterion_batch_size`` is Merrill et al.'s (2025) answer
     to another question: the largest batch whose loss after the base's examples stays within
@@ -74,6 +75,7 @@ class CriticalBatchReport:
     extra_memory_bytes: int = 0  # the copy of weights and optimizer state the branches start from
     seeds_fitted: int = 0  # seeds whose steps fell with the batch (the error needs two)
     examples_noise: int = 0  # of ``examples``: those measure_noise read for b_simple
+    examples_eval: int = 0  # of ``examples``: the loss evaluations' (forward passes only)
     fits_batch_size: int | None = None  # larger batches accumulated micro-batches of this size
     criterion: str = "steps"  # "loss": also Merrill et al.'s loss-tolerance batch
     loss_criterion_batch_size: int | None = None  # the largest batch within loss_tolerance

@@ -53,13 +53,14 @@ class _Runner:
                              for i in range(0, len(eval_items), chunk)]
         self.eval_size = len(eval_items)
         self.lrs = [group["lr"] for group in optimizer.param_groups]
-        self.examples = 0
+        self.examples = self.examples_eval = 0  # all spent, and of them the evaluations'
         self.rng_devices = [device.index or 0] if device.type == "cuda" else []
 
     def loss(self) -> float:
         """The mean loss on the evaluation sample, in eval mode (dropout off: a loss that does
         not wander with its masks), the modules' modes put back after."""
         self.examples += self.eval_size
+        self.examples_eval += self.eval_size
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
         try:  # draws nothing from the training's generators: a run is the same, however looked at
