@@ -60,12 +60,13 @@ SKIPPED = pytest.StashKey[str]()
 SCREENSHOTS = pytest.StashKey[Path]()
 
 
-def _missing() -> str | None:
-    """Why the browser tests cannot run here, or None."""
+def _missing(server: str = "jupyterlab", name: str = "JupyterLab") -> str | None:
+    """Why the browser tests on ``server`` (a package: jupyterlab, marimo) cannot run here, or
+    None."""
     if importlib.util.find_spec("playwright") is None:
         return 'Playwright is not installed (pip install -e ".[test]")'
-    if importlib.util.find_spec("jupyterlab") is None:
-        return 'JupyterLab is not installed (pip install -e ".[test]")'
+    if importlib.util.find_spec(server) is None:
+        return f'{name} is not installed (pip install -e ".[test]")'
     if not os.access(CHROMIUM, os.X_OK):
         return (f"no Chromium at {CHROMIUM} (apt-get install -y chromium, or set "
                 f"BATCHWIDGETS_CHROMIUM)")
@@ -131,13 +132,61 @@ def _kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-class LabServer:
+class Server:
+    """A server process of a test's own (JupyterLab, marimo): its log, when it answers, and its
+    end, with every process below it."""
+
+    name = "the server"
+
+    def __init__(self, process: subprocess.Popen, log: Path) -> None:
+        self.process, self.log = process, log
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n_chars:]
+
+    def answers(self) -> bool:
+        """One request to the server: True when it is up."""
+        raise NotImplementedError
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n"
+                                   f"{self.log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                if self.answers():
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} did not answer within {SERVER_START_S} s:\n"
+                           f"{self.log_tail()}")
+
+    def ask_to_stop(self) -> None:
+        self.process.terminate()
+
+    def stop(self) -> None:
+        """``ask_to_stop``, then make sure: SIGKILL after SERVER_STOP_S, and SIGKILL for any
+        process of it left behind (kernels, loader workers)."""
+        below = _children(self.process.pid)
+        if self.process.poll() is None:
+            self.ask_to_stop()
+            try:
+                self.process.wait(SERVER_STOP_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(SERVER_STOP_S)
+        _kill(below)
+
+
+class LabServer(Server):
     """A running ``jupyter lab``: ``url(path)`` adds the token; ``api`` calls its REST API."""
+
+    name = "jupyter lab"
 
     def __init__(self, process: subprocess.Popen, port: int, token: str, root_dir: Path,
                  log: Path) -> None:
-        self.process, self.port, self.token, self.root_dir, self.log = (
-            process, port, token, root_dir, log)
+        super().__init__(process, log)
+        self.port, self.token, self.root_dir = port, token, root_dir
         self.base_url = f"http://127.0.0.1:{port}"
 
     def url(self, path: str, **query: str) -> str:
@@ -152,9 +201,6 @@ class LabServer:
             body = response.read()
         return json.loads(body) if body else None
 
-    def log_tail(self, n_chars: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-n_chars:]
-
     def shutdown_kernels(self) -> None:
         """End every session and its kernel, so the next notebook has the CPU to itself."""
         for session in self.api("GET", "sessions"):
@@ -162,35 +208,16 @@ class LabServer:
         for kernel in self.api("GET", "kernels"):
             self.api("DELETE", f"kernels/{kernel['id']}", timeout=30)
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + SERVER_START_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited with {self.process.returncode}:\n"
-                                   f"{self.log_tail()}")
-            try:
-                self.api("GET", "status", timeout=5)
-                return
-            except (OSError, urllib.error.URLError):
-                time.sleep(0.5)
-        raise TimeoutError(f"jupyter lab did not answer within {SERVER_START_S} s:\n"
-                           f"{self.log_tail()}")
+    def answers(self) -> bool:
+        self.api("GET", "status", timeout=5)
+        return True
 
-    def stop(self) -> None:
-        """Shut the server down through its API (it ends its kernels), then make sure: SIGTERM,
-        SIGKILL, and SIGKILL for any kernel left behind."""
-        below = _children(self.process.pid)
-        if self.process.poll() is None:
-            try:
-                self.api("POST", "shutdown", timeout=SERVER_STOP_S)
-            except (OSError, urllib.error.URLError):
-                self.process.terminate()
-            try:
-                self.process.wait(SERVER_STOP_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(SERVER_STOP_S)
-        _kill(below)
+    def ask_to_stop(self) -> None:
+        """Through its API: it ends its kernels."""
+        try:
+            self.api("POST", "shutdown", timeout=SERVER_STOP_S)
+        except (OSError, urllib.error.URLError):
+            self.process.terminate()
 
 
 def _jupyter_dirs(base: Path) -> dict[str, str]:

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -31,13 +29,11 @@ from conftest import (
     CHROMIUM,
     CHROMIUM_ARGS,
     ROOT,
-    SERVER_START_S,
-    SERVER_STOP_S,
     SKIPPED,
     VIEWPORT,
-    _children,
+    Server,
     _free_port,
-    _kill,
+    _missing,
 )
 from test_jupyterlab import check_loader_panel, samples_per_s, screenshot, wait_until
 
@@ -88,54 +84,18 @@ if __name__ == "__main__":
 DISPLAYS = {"mo.ui.anywidget": (0, 3), "direct": (1, 4)}
 
 
-def _missing() -> str | None:
-    """Why this test cannot run here, or None."""
-    if importlib.util.find_spec("playwright") is None:
-        return 'Playwright is not installed (pip install -e ".[test]")'
-    if importlib.util.find_spec("marimo") is None:
-        return 'marimo is not installed (pip install -e ".[test]")'
-    if not os.access(CHROMIUM, os.X_OK):
-        return (f"no Chromium at {CHROMIUM} (apt-get install -y chromium, or set "
-                f"BATCHWIDGETS_CHROMIUM)")
-    return None
-
-
-class MarimoApp:
+class MarimoApp(Server):
     """A running ``marimo run`` app: its address and its log."""
 
+    name = "marimo"
+
     def __init__(self, process: subprocess.Popen, url: str, log: Path) -> None:
-        self.process, self.url, self.log = process, url, log
+        super().__init__(process, log)
+        self.url = url
 
-    def log_tail(self, n_chars: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-n_chars:]
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + SERVER_START_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"marimo exited with {self.process.returncode}:\n"
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"marimo did not answer within {SERVER_START_S} s:\n"
-                           f"{self.log_tail()}")
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL; and SIGKILL for any process of it left (loader workers)."""
-        below = _children(self.process.pid)
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(SERVER_STOP_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(SERVER_STOP_S)
-        _kill(below)
+    def answers(self) -> bool:
+        with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+            return response.status == 200
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +103,7 @@ def marimo_app(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarimoApp]:
     """``marimo run`` of NOTEBOOK on a free 127.0.0.1 port, with marimo's config, state and
     cache folders of its own (nothing of the user's setup leaks in) and no update check."""
-    reason = _missing()
+    reason = _missing("marimo", "marimo")
     if reason is not None:
         request.config.stash[SKIPPED] = reason
         pytest.skip(f"browser tests: {reason}")
