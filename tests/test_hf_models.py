@@ -4,6 +4,7 @@ GPT-2 ``(input_ids, labels)`` tuple whose labels must be used (issue 13)."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -278,6 +279,85 @@ def test_tune_loader_measures_a_loader_of_dict_batches():
     report = bw.tune_loader(loader, "cpu", max_workers=0, duration_s=0.05)
     assert report.best.samples_per_s > 0
     assert report.best.batch_size == 4
+
+
+# ---- critical_batch on variable-length text ------------------------------------------------------
+
+def text_items(n: int) -> Items:
+    """Token sequences of 4 to SEQ - 1 tokens (no padding: the collate_fn pads), labelled by
+    their first token, as a tokenized dataset gives them."""
+    generator = torch.Generator().manual_seed(3)
+    items = []
+    for i in range(n):
+        ids = torch.randint(1, VOCAB, (4 + i % (SEQ - 4),), generator=generator)
+        items.append({"input_ids": ids, "labels": ids[0] % 3})
+    return Items(items)
+
+
+def pad(batch: list[dict]) -> dict:
+    """DataCollatorWithPadding's batches without a tokenizer: ids padded with 0, a mask."""
+    longest = max(len(item["input_ids"]) for item in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros(len(batch), longest, dtype=torch.long)
+    for row, item in enumerate(batch):
+        ids[row, :len(item["input_ids"])] = item["input_ids"]
+        mask[row, :len(item["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask,
+            "labels": torch.stack([item["labels"] for item in batch])}
+
+
+def test_critical_batch_measures_bert_on_padded_text_and_puts_everything_back():
+    """The user's case: a BERT in train mode (dropout), AdamW with its state, a DataLoader whose
+    collate_fn pads variable-length text. The branches and the noise scale beside them
+    (measure_noise, per-example gradients) batch the items the way the loop does."""
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(bert_config())  # train mode
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(text_items(256), batch_size=8, shuffle=True, collate_fn=pad)
+    for batch in itertools.islice(loader, 2):  # AdamW state to put back
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = [p.detach().clone() for p in model.parameters()]
+    moments = [s["exp_avg"].clone() for s in optimizer.state.values()]
+    rng = torch.get_rng_state()
+    report = bw.critical_batch(model, loader, optimizer=optimizer, seeds=1, base_steps=16)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(optimizer.state.values(), moments))
+    assert all(m.training for m in model.modules())  # the model and every module
+    assert report.examples_noise == 256  # measure_noise read every item, padded by pad()
+    direct = bw.measure_noise(model, loader, batch_sizes=(1,), max_examples=512)  # same weights
+    assert report.b_simple == (direct.b_simple if direct.measurable else None)
+    assert report.target_loss < report.start_loss
+    assert any(b.steps_to_target is not None for b in report.ladder)
+    assert report.lr_scaling == "sqrt"
+
+
+def test_measure_noise_pads_by_the_loaders_collate_fn_without_changing_an_example():
+    """Chunks of 8 padded to their longest item (BERT masks the padding) give the per-example
+    gradients of each item alone (chunks of one: nothing padded)."""
+    model = bert_classifier()
+    loader = DataLoader(text_items(16), batch_size=4, shuffle=True, collate_fn=pad)
+    padded = bw.measure_noise(model, loader, batch_sizes=(1, 4), chunk_size=8)
+    alone = bw.measure_noise(model, loader, batch_sizes=(1, 4), chunk_size=1, method="loop")
+    assert padded.n_examples == alone.n_examples == 16
+    assert padded.trace_cov == pytest.approx(alone.trace_cov, rel=1e-4)
+    assert padded.grad_norm_sq == pytest.approx(alone.grad_norm_sq, rel=1e-4)
+    assert padded.loss_mean == pytest.approx(alone.loss_mean, rel=1e-5)
+
+
+def test_variable_length_text_without_its_collate_fn_is_a_one_line_error():
+    model = bert_classifier()
+    with pytest.raises(ValueError, match=r"^data should give items of one shape.*DataLoader"
+                       ) as measured:
+        bw.measure_noise(model, text_items(16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"^data should give items of one shape.*critical_batch"
+                       ) as branched:
+        bw.critical_batch(model, text_items(64), optimizer=optimizer, noise=False)
+    for error in (measured, branched):
+        assert "\n" not in str(error.value)
 
 
 # ---- a vision model -----------------------------------------------------------------------------

@@ -120,6 +120,28 @@ def _dataset_maker(dataset: Dataset, collate: Callable) -> Callable[[int], Any]:
     return make
 
 
+def collate_of(data: Any) -> Callable[[list], Any]:
+    """How ``data``'s loop batches its items: a DataLoader's ``collate_fn`` (padding, dict
+    batches), else ``default_collate``."""
+    if isinstance(data, DataLoader) and data.collate_fn is not None:
+        return data.collate_fn
+    return _default_collate
+
+
+def collate_items(collate: Callable[[list], Any], items: list, user: str) -> Any:
+    """``collate(items)``; items of different shapes under ``default_collate`` (variable-length
+    text in a bare Dataset) are a one-line error saying to pass the loop's DataLoader."""
+    try:
+        return collate(items)
+    except RuntimeError as error:
+        if collate is not _default_collate or "equal size" not in str(error):
+            raise
+        raise ValueError(f"data should give items of one shape, or be the DataLoader whose "
+                         f"collate_fn pads them, but default_collate says: {error}; pass "
+                         f"{user}(..., DataLoader(dataset, batch_size=..., collate_fn=...)) as "
+                         f"your loop uses (e.g. DataCollatorWithPadding(tokenizer)).") from None
+
+
 def as_batch_maker(make_batch: Any) -> Callable[[int], Any]:
     """A ``make(batch_size) -> batch`` callable from any accepted form of ``make_batch``."""
     if isinstance(make_batch, torch.Tensor):

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ...results import Branch
-from .._batches import batch_length, forward_and_loss
+from .._batches import batch_length, collate_items, forward_and_loss
 from .._util import to_device
 
 MAX_BACKOFFS = 4  # a diverging branch runs again at half the learning rate, this many times
@@ -49,7 +49,8 @@ class _Runner:
         self.scheduler, self.items, self.device = scheduler, items, device
         self.collate, self.fits = collate, fits
         chunk = min(256, fits or 256)
-        self.eval_batches = [to_device(collate(eval_items[i:i + chunk]), device)
+        self.eval_batches = [to_device(collate_items(collate, eval_items[i:i + chunk],
+                                                     "critical_batch"), device)
                              for i in range(0, len(eval_items), chunk)]
         self.eval_size = len(eval_items)
         self.lrs = [group["lr"] for group in optimizer.param_groups]

@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ...results import BatchSizeReport, Branch, CriticalBatchReport
+from .._batches import collate_of
 from .._own_steps import own_steps
 from .._state import TrainingState
 from .._util import check_int, check_number
@@ -242,8 +243,7 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         check_number("target_loss", target_loss, math.isfinite, "a finite number",
                      "; e.g. target_loss=0.5, or None for the base batch's")
     items = _items(data)
-    collate = (data.collate_fn if isinstance(data, DataLoader) and data.collate_fn is not None
-               else default_collate)
+    collate = collate_of(data)
     base = base_batch_size or (data.batch_size if isinstance(data, DataLoader)
                                and data.batch_size else 8)
     if batch_sizes is not None:

@@ -23,11 +23,18 @@ from typing import Any, NoReturn
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..._warnings import BatchwidgetsWarning
 from ...results import NoiseReport
-from .._batches import as_keywords, batch_length, forward_and_loss, slice_batch
+from .._batches import (
+    as_keywords,
+    batch_length,
+    collate_items,
+    collate_of,
+    forward_and_loss,
+    slice_batch,
+)
 from .._grads import is_sharded
 from .._state import TrainingState
 from .._types import NOISE_METHODS, NoiseMethod
@@ -209,7 +216,8 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
     data : Dataset or DataLoader
         Items ``(input, ..., target)``, dicts (e.g. ``{"input_ids", "attention_mask",
         "labels"}``) or tensors, fed by the batch convention of ``find_batch`` (see "Batches
-        and losses" in docs/find_batch.md); a DataLoader's dataset is read item by item. Inputs
+        and losses" in docs/find_batch.md); a DataLoader's dataset is read item by item and
+        batched by its ``collate_fn`` (padded variable-length text, as the loop sees it). Inputs
         are moved to the model's device. A DataLoader's ``batch_size`` is the one the advice is
         given at; one that does not shuffle gives a ``BatchwidgetsWarning`` (its batches are not
         the random ones these numbers describe), kept in ``report.warnings``.
@@ -282,7 +290,8 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
         with torch.enable_grad():
             for module in batchnorm:
                 module.eval()
-            moments, used = _accumulate(model, items, loss_fn, chunk_size, method)
+            moments, used = _accumulate(model, items, loss_fn, chunk_size, method,
+                                        collate_of(data))
     finally:
         state.restore()
     report = _report(moments, n_available, batch_sizes, replacement, used, bool(batchnorm))
@@ -292,12 +301,13 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
 
 
 def _accumulate(model: torch.nn.Module, items: list, loss_fn: LossFn | None, chunk_size: int,
-                method: str) -> tuple[Moments, str]:
+                method: str, collate: Callable[[list], Any]) -> tuple[Moments, str]:
     device = next(model.parameters(), torch.empty(0)).device
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     moments, slow_ops, skipped = Moments(len(items)), set(), 0
     for start in range(0, len(items), chunk_size):
-        batch = to_device(_plain(default_collate(items[start:start + chunk_size])), device)
+        batch = to_device(_plain(collate_items(collate, items[start:start + chunk_size],
+                                               "measure_noise")), device)
         if method in ("auto", "vmap"):
             try:
                 grads, losses = _quiet_vmap(
