@@ -57,6 +57,7 @@ def test_the_critical_batch_is_measured_and_everything_is_put_back():
     check_the_learning_rates(report, rule=lambda ratio: ratio)
     assert "critical batch" in report.summary()
     assert "branches" in report._repr_html_()
+    assert f"loss evaluations {report.examples_eval:,}" in report._repr_html_()
 
 
 def check_the_learning_rates(report, rule):

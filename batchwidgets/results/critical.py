@@ -158,7 +158,9 @@ class CriticalBatchReport:
             ("S_min, E_min", f"{number(self.s_min)} steps, {number(self.e_min)} examples"
              if self.s_min is not None else "-"),
             ("B_simple at these weights", number(self.b_simple) if self.b_simple else "-"),
-            ("examples spent", self.examples),
+            ("examples spent", f"{self.examples:,} (loss evaluations {self.examples_eval:,}, "
+                               f"measure_noise {self.examples_noise:,})"
+             if self.examples_eval or self.examples_noise else self.examples),
             ("learning rate", f"{self.lr_scaling} scaling from batch {self.base_batch_size}"),
             *[("warning", w) for w in self.warnings],
         ]
