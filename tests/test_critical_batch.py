@@ -143,6 +143,7 @@ def test_a_target_no_branch_reaches_is_not_measurable_and_says_why():
     ({"target_loss": float("nan")}, "target_loss should be a finite number"),
     ({"batch_sizes": [4, 8, 0]}, "batch_sizes should be"),
     ({"max_steps": 2.5}, "max_steps should be"),
+    ({"scheduler": 0.1}, "scheduler should be the optimizer's learning-rate scheduler"),
 ])
 def test_bad_input_is_a_one_line_error_naming_the_argument(options, message):
     model, optimizer = model_and_sgd(0.1)
@@ -348,3 +349,44 @@ def test_the_base_rate_is_also_searched_downward():
     assert down.steps_to_target < first.steps_to_target
     assert report.lr_scale_at(4) == pytest.approx(down.lr / 0.5)  # the rate that counted
     check_the_learning_rates(report, rule=lambda ratio: ratio)
+
+
+def test_the_users_schedule_runs_in_the_branches_at_each_branchs_rates():
+    """A scheduler steps with the branches, at each branch's scale of every rate it computes
+    from: a LambdaLR of constant 1 (it sets the rate from base_lrs at every step) changes no
+    branch; a warm-up and a one-cycle schedule run, and every state is put back."""
+    def measure(make_scheduler=None):
+        model, optimizer = model_and_sgd(0.02)
+        scheduler = make_scheduler(optimizer) if make_scheduler else None
+        if scheduler is not None:
+            optimizer.step()
+            scheduler.step()  # one step into the schedule, as a checkpoint mid-training is
+        saved = (scheduler.state_dict() if scheduler else None,
+                 [dict(g, params=None) for g in optimizer.param_groups])
+        report = bw.critical_batch(model, regression(1024), optimizer=optimizer,
+                                   loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1,
+                                   scheduler=scheduler, noise=False)
+        assert (scheduler.state_dict() if scheduler else None) == saved[0]
+        assert [dict(g, params=None) for g in optimizer.param_groups] == saved[1]
+        return report
+
+    plain = measure()
+    constant = measure(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0))
+    assert constant.ladder == plain.ladder
+    assert len({b.lr for b in plain.ladder}) > 2  # the rates searched did differ
+    warmup = measure(lambda o: torch.optim.lr_scheduler.LambdaLR(
+        o, lambda step: min(1.0, (step + 1) / 100)))
+    assert warmup.ladder != plain.ladder
+    one_cycle = measure(lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.05, total_steps=10_000))
+    assert any(b.steps_to_target is not None for b in one_cycle.ladder)
+
+
+def test_a_scheduler_stepped_on_a_metric_is_refused_in_one_line():
+    model, optimizer = model_and_sgd(0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    with pytest.raises(TypeError, match="^scheduler should be stepped once per optimizer step"
+                       ) as caught:
+        bw.critical_batch(model, regression(256), optimizer=optimizer,
+                          loss_fn=nn.functional.mse_loss, scheduler=plateau)
+    assert "\n" not in str(caught.value)

@@ -30,6 +30,31 @@ FASTEST = 4  # doubling the batch or the rate divides the steps by 2 at most: ev
 # at the steps of the batch below (or of the rate below) / FASTEST, a margin of 2
 
 
+# What PyTorch's schedulers compute a rate from: in the param groups (OneCycleLR: initial_lr,
+# max_lr, min_lr) and on the scheduler (LambdaLR and Hugging Face's warm-ups: base_lrs; CyclicLR:
+# max_lrs), through SequentialLR and ChainedScheduler to the schedulers inside.
+GROUP_RATES = ("lr", "initial_lr", "max_lr", "min_lr")
+SCHEDULER_RATES = ("base_lrs", "max_lrs")
+
+
+def _scale_rates(optimizer: torch.optim.Optimizer, scheduler, scale: float) -> None:
+    """Every rate the optimizer and its schedule compute from, times ``scale``: a branch runs
+    the user's schedule at ``scale`` x its rates (a LambdaLR scaled in its lr alone would put the
+    user's rate back at its first step)."""
+    for group in optimizer.param_groups:
+        for key in GROUP_RATES:
+            if isinstance(group.get(key), (float, int, torch.Tensor)):
+                group[key] = group[key] * scale
+    pending = [scheduler] if scheduler is not None else []
+    while pending:
+        current = pending.pop()
+        pending += getattr(current, "_schedulers", [])
+        for name in SCHEDULER_RATES:
+            values = getattr(current, name, None)
+            if isinstance(values, list):
+                setattr(current, name, [v * scale for v in values])
+
+
 class _Outcome(NamedTuple):
     steps: int | None  # the step whose evaluation first reached the target; None: not reached
     at: float | None  # the steps to the target, interpolated between the last two evaluations
@@ -107,8 +132,7 @@ class _Runner:
         is evaluated at every step up to ``every``, then every step // every (every=0: at the
         end only), from step ``floor`` on, and at each of the last ``tail`` steps."""
         self.restore()
-        for group, lr in zip(self.optimizer.param_groups, self.lrs):
-            group["lr"] = lr * scale
+        _scale_rates(self.optimizer, self.scheduler, scale)
         generator = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)  # dropout's masks too: a run again is the same run
         order: list[int] = []

@@ -91,6 +91,11 @@ EXTRA_RUNGS = 3  # a B_noise past the default ladder adds a rung at twice the to
 #   examples buys less loss) and moves with the base batch and the budget.
 # - Batches above fits_batch_size accumulate micro-batches of at most that size: the same
 #   gradient (each micro-batch's loss weighted by its share), the memory of what fits.
+# - scheduler= steps with every branch, at the branch's scale of every rate it computes from
+#   (param groups' lr, initial_lr, max_lr, min_lr; the schedulers' base_lrs, max_lrs): LambdaLR
+#   (Hugging Face's warm-ups) sets the rate from base_lrs at each step, so scaling lr alone
+#   would put the user's rate back at the first step (tested: a LambdaLR of 1 changes no
+#   branch). ReduceLROnPlateau steps on a metric: refused, in one line.
 # Nothing of the user's changes: weights, optimizer state, scheduler and RNGs are restored.
 
 
@@ -176,6 +181,9 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
     ----------
     model, optimizer : the model and its optimizer, at the point of training to measure from;
         both (and ``scheduler``, and the RNGs) are as they were afterwards.
+    scheduler : LR scheduler, optional
+        Stepped once per step in every branch, every rate it computes from scaled by the
+        branch's (a LambdaLR warm-up, OneCycleLR, SequentialLR); not ReduceLROnPlateau.
     data : Dataset or DataLoader over one (map-style): batches are drawn from it at random
         (with the DataLoader's ``collate_fn`` when it is one: dict batches, padded text).
     loss_fn : ``loss_fn(model(x), y)``; None for models whose output has ``.loss``.
@@ -239,6 +247,15 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
         fits_batch_size = fits_batch_size.recommended_batch_size
     check_int("fits_batch_size", fits_batch_size, 1, optional=True,
               hint="; e.g. fits_batch_size=bw.find_batch(model, make_batch)")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError("scheduler should be stepped once per optimizer step without arguments "
+                        "(LambdaLR, OneCycleLR, a Hugging Face warm-up), but got "
+                        "ReduceLROnPlateau, which steps on a metric; leave it out "
+                        "(scheduler=None): its rate holds within the short branches.")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"scheduler should be the optimizer's learning-rate scheduler (with "
+                        f".step()), but got {type(scheduler).__name__}; e.g. "
+                        f"scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup).")
     if target_loss is not None:
         check_number("target_loss", target_loss, math.isfinite, "a finite number",
                      "; e.g. target_loss=0.5, or None for the base batch's")
