@@ -385,7 +385,7 @@ def test_the_users_schedule_runs_in_the_branches_at_each_branchs_rates():
 def test_a_scheduler_stepped_on_a_metric_is_refused_in_one_line():
     model, optimizer = model_and_sgd(0.1)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
-    with pytest.raises(TypeError, match="^scheduler should be stepped once per optimizer step"
+    with pytest.raises(TypeError, match=r"^scheduler should be stepped once per optimizer step"
                        ) as caught:
         bw.critical_batch(model, regression(256), optimizer=optimizer,
                           loss_fn=nn.functional.mse_loss, scheduler=plateau)
