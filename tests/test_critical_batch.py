@@ -390,3 +390,37 @@ def test_a_scheduler_stepped_on_a_metric_is_refused_in_one_line():
         bw.critical_batch(model, regression(256), optimizer=optimizer,
                           loss_fn=nn.functional.mse_loss, scheduler=plateau)
     assert "\n" not in str(caught.value)
+
+
+class NanAbove(nn.Module):
+    """A linear model whose loss is NaN on batches larger than ``limit`` (an overflow that
+    only large batches reach)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.linear, self.limit = nn.Linear(16, 1), limit
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out * math.nan if len(x) > self.limit and self.training else out
+
+
+def test_a_nan_at_a_branch_is_a_diverged_row_never_a_number():
+    torch.manual_seed(0)
+    model = NanAbove(limit=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    report = bw.critical_batch(model, regression(1024), optimizer=optimizer,
+                               loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1,
+                               noise=False)
+    above = [b for b in report.ladder if b.batch_size > 16]
+    assert above
+    assert all(b.diverged and b.steps is None and b.loss is None for b in above)
+    assert report.measurable or report.bound  # a number or a bound, from 4, 8 and 16 alone
+    assert max(b.batch_size for b in report.ladder if b.steps is not None) == 16
+    model = NanAbove(limit=4)  # only the base batch trains: nothing to fit
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    report = bw.critical_batch(model, regression(1024), optimizer=optimizer,
+                               loss_fn=nn.functional.mse_loss, base_batch_size=4, seeds=1,
+                               noise=False)
+    assert not report.measurable
+    assert "fewer than two batch sizes reached the target" in report.reason
