@@ -1,4 +1,5 @@
-"""Oracles the tests share: what a fresh device says about one batch size."""
+"""Oracles the tests share: what a fresh device says about one batch size; a critical_batch
+report as it gives one."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from batchwidgets.engine.memory._simulated import ProbeMeter
+from batchwidgets.results import CriticalBatchReport
 
 
 def fits_on_a_fresh_device(build, make_batch, batch_size: int, budget: int) -> bool:
@@ -26,3 +28,15 @@ def fits_on_a_fresh_device(build, make_batch, batch_size: int, budget: int) -> b
     except torch.OutOfMemoryError:
         return False
     return True
+
+
+def critical_report(critical: float | None, error: float | None = None, reason: str | None = None,
+                    examples: int = 1000) -> CriticalBatchReport:
+    """A CriticalBatchReport as critical_batch gives one, to loss 0.5 from 1 (critical None: not
+    measurable, with ``reason``)."""
+    if reason is None:
+        reason = "" if critical else "the steps did not fall"
+    return CriticalBatchReport(critical_batch_size=critical, critical_batch_size_error=error,
+                               target_loss=0.5, start_loss=1.0, examples=examples, ladder=(),
+                               base_batch_size=8, s_min=10.0, e_min=None, lr_scaling="linear",
+                               reason=reason)

@@ -8,6 +8,7 @@ import re
 import matplotlib
 import pytest
 import torch
+from _oracles import critical_report
 from matplotlib.figure import Figure
 from torch import nn
 
@@ -302,15 +303,6 @@ def test_the_panel_says_when_accumulating_does_not_pay_and_shows_the_schedule():
     panel.close()
 
 
-def critical_report(critical, error=None, reason=""):
-    from batchwidgets.results import CriticalBatchReport
-
-    return CriticalBatchReport(critical_batch_size=critical, critical_batch_size_error=error,
-                               target_loss=0.5, start_loss=1.0, examples=12_345, ladder=(),
-                               base_batch_size=8, s_min=10.0, e_min=None, lr_scaling="linear",
-                               reason=reason)
-
-
 def test_the_batch_section_shows_both_numbers_and_follows_a_measured_one():
     tracker = bw.NoiseTracker(overhead_target=None, warmup_updates=3, flush_every=1)
     panel = NoisePanel(tracker, min_interval_s=0, clock=FakeClock())
@@ -319,7 +311,7 @@ def test_the_batch_section_shows_both_numbers_and_follows_a_measured_one():
     train(tracker, updates=8)
     assert "B_simple ≈" in panel.choice.value  # the schedule follows B_simple meanwhile
     # a measurement set on the tracker (as %critical_batch --noise does) redraws the panel
-    tracker.critical = critical_report(300.0, 25.0)
+    tracker.critical = critical_report(300.0, 25.0, examples=12_345)
     choice = panel.choice.value
     assert "300 ± 25 samples, to loss 0.5 from 1 (12345 examples spent)" in choice
     assert "the measured critical batch ≈ 300 ± 25 samples" in choice  # what the schedule used

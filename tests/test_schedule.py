@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _oracles import critical_report
 from torch import nn
 
 import batchwidgets as bw
@@ -256,18 +257,8 @@ def test_the_noise_scale_plot_marks_the_schedule():
     assert "current batch 32" in labels
 
 
-def measured(critical, error=None):
-    """A CriticalBatchReport as critical_batch gives one (None: not measurable)."""
-    from batchwidgets.results import CriticalBatchReport
-
-    return CriticalBatchReport(critical_batch_size=critical, critical_batch_size_error=error,
-                               target_loss=0.5, start_loss=1.0, examples=1000, ladder=(),
-                               base_batch_size=8, s_min=10.0, e_min=None, lr_scaling="linear",
-                               reason="" if critical else "the steps did not fall")
-
-
 def test_a_measured_critical_batch_takes_b_simples_place_and_is_named():
-    tracker = exact_tracker(64.0, critical=measured(250.0, 20.0))
+    tracker = exact_tracker(64.0, critical=critical_report(250.0, 20.0))
     schedule = tracker.report.schedule
     assert schedule.source == "critical_batch"
     assert (schedule.batch_size, schedule.steps) == (256, 32)  # 250 / 8 -> 32 micro-batches
@@ -278,12 +269,12 @@ def test_a_measured_critical_batch_takes_b_simples_place_and_is_named():
     assert "Measured (critical_batch)" in report.advice
     assert "250 ± 20" in str(report.rows())
     # not measurable: B_simple again, and said
-    tracker.critical = measured(None)
+    tracker.critical = critical_report(None)
     assert tracker.report.schedule.source == "b_simple"
     assert tracker.report.schedule.batch_size == 64
     assert "B_simple ≈ 64" in tracker.report.schedule.summary()
     # before B_simple is measurable, the measured batch alone sets the schedule
-    early = bw.NoiseTracker(critical=measured(100.0))
+    early = bw.NoiseTracker(critical=critical_report(100.0))
     early.update(small_sq_norms=[2.0, 2.0], big_sq_norm=1.5, micro_batch_size=8, n_micro=2)
     assert not early.report.measurable
     assert early.report.schedule.source == "critical_batch"
@@ -341,7 +332,7 @@ def test_lr_scale_at_is_the_fastest_rate_of_the_rung_below_the_lowest_over_seeds
               Branch(16, 0.4, None, None, True, 0),  # blew up: not a rate that reached
               Branch(16, 0.2, 14, 224, False, 0, steps_to_target=13.2),
               Branch(16, 0.4, 12, 192, False, 1, steps_to_target=11.9))
-    report = dataclasses.replace(measured(12.0), ladder=ladder, optimizer_lr=0.1)
+    report = dataclasses.replace(critical_report(12.0), ladder=ladder, optimizer_lr=0.1)
     assert report.lr_scale_at(8) == pytest.approx(2.0)
     assert report.lr_scale_at(12) == pytest.approx(2.0)  # the rung below
     assert report.lr_scale_at(64) == pytest.approx(2.0)  # 16: 0.2 (seed 0) and 0.4: the lower
@@ -354,12 +345,12 @@ def test_a_critical_batch_past_the_ladder_bounds_b_simple():
     growing the batch, "above 512" lifts a small one."""
     import dataclasses
 
-    below = dataclasses.replace(measured(None), bound="below", bound_batch_size=4.0)
+    below = dataclasses.replace(critical_report(None), bound="below", bound_batch_size=4.0)
     schedule = exact_tracker(64.0, critical=below).report.schedule
     assert schedule.source == "critical_batch_bound"
     assert schedule.batch_size == 8  # the micro-batch: B_simple 64 held to at most 4
     assert "critical batch below 4 samples" in schedule.reason
-    above = dataclasses.replace(measured(None), bound="above", bound_batch_size=512.0)
+    above = dataclasses.replace(critical_report(None), bound="above", bound_batch_size=512.0)
     schedule = exact_tracker(64.0, critical=above).report.schedule
     assert (schedule.source, schedule.batch_size) == ("critical_batch_bound", 512)
     # within the bound, B_simple as it is
