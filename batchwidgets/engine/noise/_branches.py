@@ -221,7 +221,9 @@ def _rung(runner: _Runner, branches: list[Branch], batch: int, scale: float, see
     """One batch of the ladder: ((steps to target, scale) of its fastest try or None, the
     scale of its last try that did not blow up). Halved while it blows up or takes more steps
     than the batch below (``below``); from a first try that reached the target, doubled while
-    that takes fewer steps (NOTE [ The critical batch, measured ])."""
+    that takes fewer steps where ``climb`` (the rung below went up too, or the base), and at the
+    base then halved while that takes fewer. Evaluations start at a quarter of ``below`` (or of
+    ``like``, an earlier seed's steps at this batch). NOTE [ The critical batch, measured ]."""
     best: tuple[float, float] | None = None
     calm = None
 
