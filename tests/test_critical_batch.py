@@ -206,42 +206,58 @@ def test_the_loss_criterion_is_a_second_number_on_equal_examples():
     assert report.examples > training
 
 
-def test_a_dataloaders_collate_fn_builds_the_branches_batches():
-    """Dict batches through the user's collate_fn (variable-length items padded), as a
-    DataLoader over text gives them."""
+def padded_text(n: int = 1024) -> list:
+    """Variable-length sequences of 2 to 6 vectors, each labelled by its mean projection."""
     generator = torch.Generator().manual_seed(0)
     w = torch.randn(8, generator=generator)
     items = []
-    for i in range(1024):
-        length = 2 + i % 5
-        x = torch.randn(length, 8, generator=generator)
+    for i in range(n):
+        x = torch.randn(2 + i % 5, 8, generator=generator)
         items.append((x, (x @ w).mean() + 0.5 * torch.randn((), generator=generator)))
+    return items
 
-    def pad(batch):
-        longest = max(len(x) for x, _ in batch)
-        x = torch.zeros(len(batch), longest, 8)
-        mask = torch.zeros(len(batch), longest)
-        for row, (tokens, _) in enumerate(batch):
-            x[row, :len(tokens)], mask[row, :len(tokens)] = tokens, 1
-        return {"x": x, "mask": mask, "labels": torch.stack([y for _, y in batch])}
 
-    class Pooled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(8, 1)
+def pad(batch):
+    """A padding collate_fn giving dict batches, as a DataLoader over text does."""
+    longest = max(len(x) for x, _ in batch)
+    x = torch.zeros(len(batch), longest, 8)
+    mask = torch.zeros(len(batch), longest)
+    for row, (tokens, _) in enumerate(batch):
+        x[row, :len(tokens)], mask[row, :len(tokens)] = tokens, 1
+    return {"x": x, "mask": mask, "labels": torch.stack([y for _, y in batch])}
 
-        def forward(self, x, mask, labels):
-            pooled = (self.linear(x).squeeze(-1) * mask).sum(1) / mask.sum(1)
-            return {"loss": nn.functional.mse_loss(pooled, labels)}
 
-    torch.manual_seed(0)
-    model = Pooled()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    loader = torch.utils.data.DataLoader(items, batch_size=4, shuffle=True, collate_fn=pad)
-    report = bw.critical_batch(model, loader, optimizer=optimizer, seeds=1, noise=False)
-    assert report.base_batch_size == 4
-    assert report.start_loss > report.target_loss
-    assert any(b.steps for b in report.ladder)
+class Pooled(nn.Module):
+    """The masked mean of a projection: padding changes nothing; returns its loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x, mask, labels):
+        pooled = (self.linear(x).squeeze(-1) * mask).sum(1) / mask.sum(1)
+        return {"loss": nn.functional.mse_loss(pooled, labels)}
+
+
+def test_a_dataloaders_collate_fn_builds_the_branches_batches():
+    """Dict batches through the user's collate_fn (variable-length items padded), as a
+    DataLoader over text gives them; past what fits, micro-batches padded each to its own
+    longest item take the steps of the whole batch."""
+    reports = []
+    for fits in (None, 8):
+        torch.manual_seed(0)
+        model = Pooled()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        loader = torch.utils.data.DataLoader(padded_text(), batch_size=4, shuffle=True,
+                                             collate_fn=pad)
+        reports.append(bw.critical_batch(model, loader, optimizer=optimizer, seeds=1,
+                                         noise=False, fits_batch_size=fits))
+    whole, parts = reports
+    assert whole.base_batch_size == 4
+    assert whole.start_loss > whole.target_loss
+    assert any(b.steps for b in whole.ladder)
+    assert [b.steps for b in whole.ladder] == [b.steps for b in parts.ladder]
+    assert max(b.micro_batches for b in parts.ladder) > 1
 
 
 def test_inside_an_accumulate_block_it_is_not_the_blocks_micro_steps():
