@@ -440,3 +440,38 @@ def test_a_nan_at_a_branch_is_a_diverged_row_never_a_number():
                                noise=False)
     assert not report.measurable
     assert "fewer than two batch sizes reached the target" in report.reason
+
+
+class NoisyInTraining(nn.Module):
+    """A linear model whose outputs carry noise in train mode only (as dropout adds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 1)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out + 3 * torch.randn_like(out) if self.training else out
+
+
+def test_a_training_loss_above_the_evaluated_one_is_not_taken_for_a_blow_up():
+    """Train-mode noise puts every training batch's loss far above the evaluated (eval mode)
+    start: the look between evaluations is against the first batch's loss, so the branches are
+    not evaluated at every step (a few per doubling of the steps, as without the noise)."""
+    torch.manual_seed(0)
+    data = regression(2048)
+    x, y = data.tensors
+    solution = torch.linalg.lstsq(torch.cat([x, torch.ones(len(x), 1)], 1), y).solution
+    model = NoisyInTraining()
+    with torch.no_grad():  # part of the way to the optimum: a descent left, the noise above it
+        model.linear.weight.copy_(0.7 * solution[:16].T)
+        model.linear.bias.copy_(0.7 * solution[16])
+        evaluated = nn.functional.mse_loss(model.eval()(x), y).item()
+        trained = nn.functional.mse_loss(model.train()(x), y).item()
+    assert trained > 2 * evaluated  # every training batch would look like a blow-up
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.002)
+    report = bw.critical_batch(model, data, optimizer=optimizer, loss_fn=nn.functional.mse_loss,
+                               base_batch_size=4, seeds=1, noise=False)
+    assert report.target_loss < report.start_loss
+    steps = sum(b.steps or 0 for b in report.ladder)
+    assert report.examples_eval < 0.7 * steps * 256  # at every step: about 0.9

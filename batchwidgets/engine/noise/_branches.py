@@ -146,13 +146,15 @@ class _Runner:
             trained = self.step(picked)  # the batch's loss before this step: free
             if not math.isfinite(trained):
                 return _Outcome(None, None, math.inf, True)
+            if step == 1:  # in train mode (dropout) the batches' loss may sit above start's
+                usual = max(start, trained)
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
             self.examples += batch_size
             if ((every and step >= floor and step % max(1, step // every) == 0)
                     or step == max_steps or step > max_steps - tail
-                    or (every and trained > BLOWUP * start)):  # blowing up? look now
+                    or (every and trained > BLOWUP * usual)):  # blowing up? look now
                 last = self.loss()
                 if not math.isfinite(last) or last > BLOWUP * start:
                     return _Outcome(None, None, last, True)

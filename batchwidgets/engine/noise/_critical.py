@@ -81,7 +81,9 @@ EXTRA_RUNGS = 3  # a B_noise past the default ladder adds a rung at twice the to
 #   steps, so a rung's evaluations start at a quarter of the steps of the batch below (of the
 #   rate below, of an earlier seed at the same batch); a run already at the target at its
 #   first evaluation runs again from step 1. A blow-up between evaluations shows in the
-#   training batch's loss (free): past BLOWUP x the start it is evaluated there and then.
+#   training batch's loss (free): past BLOWUP x the start's (or the first batch's, if higher:
+#   dropout or train-mode noise can keep every batch above the evaluated start, and would
+#   otherwise make every step an evaluation; tested) it is evaluated there and then.
 #   The same branches as evaluating every run from its first step (tested), for 20-35% fewer
 #   examples on the benchmark with the rate search above.
 # - criterion="loss" adds Merrill et al.'s (2025) answer: every batch of the ladder trains on
