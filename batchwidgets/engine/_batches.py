@@ -152,7 +152,7 @@ def as_batch_maker(make_batch: Any) -> Callable[[int], Any]:
 
         return repeat
     if isinstance(make_batch, DataLoader):
-        return _dataset_maker(make_batch.dataset, make_batch.collate_fn or _default_collate)
+        return _dataset_maker(make_batch.dataset, collate_of(make_batch))
     if isinstance(make_batch, Dataset) or (hasattr(make_batch, "__getitem__")
                                            and hasattr(make_batch, "__len__")
                                            and not callable(make_batch)):

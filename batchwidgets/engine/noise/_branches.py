@@ -189,12 +189,12 @@ def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
     return best[2], best[1]
 
 
-def _default_target(runner: _Runner, base: int, base_steps: int, start: float,
-                    longest: int) -> tuple[float | None, float, str, int]:
+def _default_target(runner: _Runner, base: int, base_steps: int,
+                    start: float) -> tuple[float | None, float, str, int]:
     """(the target, the base's learning-rate scale, why there is none, the base's steps that
     set it): 90% of the way to the mean of the base's last ``TAIL`` losses after
     ``base_steps``, at the optimizer's rate halved while it blows up or does not descend, and
-    run twice as long (up to ``longest`` steps) while the descent is within ``NOISE_SIGMAS`` of
+    run twice as long (up to ``LONGER`` times) while the descent is within ``NOISE_SIGMAS`` of
     the losses' spread (NOTE [ The critical batch, measured ])."""
     scale, steps = 1.0, base_steps
     for _ in range(MAX_BACKOFFS + 1):
@@ -205,7 +205,7 @@ def _default_target(runner: _Runner, base: int, base_steps: int, start: float,
         reached, spread = statistics.fmean(tail), statistics.stdev(tail)
         if start - reached > NOISE_SIGMAS * spread:
             return reached + (1 - TARGET_SHARE) * (start - reached), scale, "", steps
-        if steps >= longest:
+        if steps >= LONGER * base_steps:
             return None, scale, (
                 f"the base batch's loss after {steps} steps ({reached:.4g} ± {spread:.2g} over "
                 f"its last {TAIL} steps) is within the noise of the start ({start:.4g}): no "

@@ -21,7 +21,7 @@ from .._batches import collate_of
 from .._own_steps import own_steps
 from .._state import TrainingState
 from .._util import check_int, check_number
-from ._branches import LONGER, _default_target, _fit, _loss_criterion, _rung, _Runner
+from ._branches import _default_target, _fit, _loss_criterion, _rung, _Runner
 from ._measure import measure_noise
 
 LossFn = Callable[..., torch.Tensor]
@@ -309,8 +309,8 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
             start = runner.loss()
             target, first = target_loss, 1.0
             if target is None:
-                target, first, reason, target_steps = _default_target(
-                    runner, base, base_steps, start, LONGER * base_steps)
+                target, first, reason, target_steps = _default_target(runner, base,
+                                                                      base_steps, start)
             if target is not None:
                 branches, used, fits = _climb(
                     runner, ladder, seeds, first, lambda b: scale_of(b / base), target, start,
