@@ -280,7 +280,8 @@ _VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "h
 _NAMED_OPTIONS = {"loss_fn": "--loss-fn", "optimizer": "--optimizer",
                   "scheduler": "--scheduler", "scaler": "--scaler", "step": "--step"}
 _CHECKED = ("step", "seq_len", "amp", "max_batch_size", "multiple_of", "headroom",
-            "steps_per_trial", "start", "optimizer", "target", "trace")  # check_arguments' keywords
+            "steps_per_trial", "start", "optimizer", "target", "trace",
+            "parallel")  # check_arguments' keywords
 
 
 def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:
@@ -333,8 +334,9 @@ def flags(message: str, names: Iterable[str] = _VALUE_OPTIONS) -> str:
     for name in names:
         flag = "--" + name.replace("_", "-")
         message = message.replace(f"{name}=", f"{flag} ")
-        if "_" in name:  # a plain word (device, budget) stays a word past the first one
-            message = re.sub(rf"(?<![\w-]){name}\b", flag, message)
+        if "_" in name:  # a plain word (device, budget) stays a word past the first one;
+            # a parameter in code, make_batch(batch_size, seq_len), stays as written
+            message = re.sub(rf"(?<![\w-]){name}(?![\w)]| parameter)", flag, message)
         elif message.startswith(f"{name} "):
             message = flag + message[len(name):]
     return message

@@ -98,6 +98,10 @@ def test_seq_len_target_and_what_if_flags_equal_the_function(ip):
     for flags, fragment in [("--seq-len 0,4", "--seq-len"), ("--target TPU", "--target")]:
         with pytest.raises(UsageError, match=fragment):
             ip.run_line_magic("find_batch", f"model make_batch {flags} -q")
+    with pytest.raises(UsageError) as error:  # flags in the words, the code sample as written
+        ip.run_line_magic("find_batch", "model make_batch --seq-len 4,8 -q")
+    assert "with --seq-len" in str(error.value)
+    assert "def make_batch(batch_size, seq_len)." in str(error.value)
     ip.user_ns.pop("sequences")
     ip.user_ns.pop("per_token_loss")
 
@@ -521,5 +525,7 @@ def test_target_with_a_count_and_parallel_flags_equal_the_function(ip):
     assert (by_magic.world_size, by_magic.parallel) == (4, "fsdp")
     assert by_magic.max_batch_size == by_function.max_batch_size > 0
     assert by_magic.global_batch_size == 4 * by_magic.max_batch_size
-    with pytest.raises(UsageError, match="--parallel"):
-        ip.run_line_magic("find_batch", "meta_mlp one_example --target 4x1GiB --parallel tp -q")
+    for flags in ("--target 4x1GiB --parallel tp", "--target 1GiB --parallel fsdp"):
+        with pytest.raises(UsageError, match="--parallel") as error:
+            ip.run_line_magic("find_batch", f"meta_mlp one_example {flags} -q")
+        assert "\n" not in str(error.value)

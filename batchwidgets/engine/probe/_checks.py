@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..._warnings import BatchwidgetsWarning
+from .. import memory
 from .._types import AMP_NAMES, TRACES
 from .._util import check_int
 from ._parallel import PARALLEL
@@ -54,10 +55,15 @@ def check_arguments(model: Any, make_batch: Any = None, *, step: Any = None, seq
                     amp: str | None = None, max_batch_size: int | None = None,
                     multiple_of: int = 1, headroom: float = 0.9, steps_per_trial: int = 2,
                     start: int | None = None, optimizer: Any = None, scaler: Any = None,
-                    scheduler: Any = None, target: Any = None, trace: str | None = None) -> None:
+                    scheduler: Any = None, target: Any = None, trace: str | None = None,
+                    parallel: str | None = None) -> None:
     """Every rule find_batch has for its arguments, one ``if`` each; a one-line TypeError or
     ValueError naming the argument and the fix."""
     _check_trace(model, target, trace, step)
+    if parallel is not None:
+        count = memory.parse_gpus(target)[0] if target is not None else 1
+        check_parallel(parallel, target, count,
+                       step is None and isinstance(model, torch.nn.Module))
     if step is not None:
         _check_step(model, make_batch, step, seq_len)
         model = step

@@ -134,7 +134,8 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     check_arguments(model, make_batch, step=step, seq_len=seq_len, amp=amp,
                     max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom,
                     steps_per_trial=steps_per_trial, start=start, optimizer=optimizer,
-                    scaler=scaler, scheduler=scheduler, target=target, trace=trace)
+                    scaler=scaler, scheduler=scheduler, target=target, trace=trace,
+                    parallel=parallel)
     owner = model if step is not None or isinstance(model, torch.nn.Module) else None
     bare = model if step is None and owner is None else step  # a step(batch_size), or None
     is_module = bare is None
