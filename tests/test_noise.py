@@ -269,6 +269,14 @@ def test_larger_data_is_measured_on_a_stated_evenly_spaced_sample():
     assert report.grad_norm_sq == subset.grad_norm_sq
 
 
+def test_a_list_of_examples_is_measured_as_the_dataset_of_them():
+    # what a user holds without a Dataset class: a list of (x, y) pairs (or of dicts, or a
+    # Hugging Face datasets.Dataset: anything with len() and [i])
+    data = make_data(10)
+    as_list = bw.measure_noise(make_mlp(), [data[i] for i in range(10)], loss_fn)
+    assert as_list == bw.measure_noise(make_mlp(), data, loss_fn)
+
+
 @pytest.mark.parametrize(("kwargs", "error", "name"), [
     ({"model": "model"}, TypeError, "model"),
     ({"data": torch.zeros(4, 5)}, TypeError, "data"),
@@ -283,7 +291,7 @@ def test_larger_data_is_measured_on_a_stated_evenly_spaced_sample():
     ({"chunk_size": 0}, ValueError, "chunk_size"),
     ({"method": "jacobian"}, ValueError, "method"),
     ({"data": make_data(1)}, ValueError, "data"),
-    ({"data": [torch.zeros(5), torch.zeros(5)]}, TypeError, "data"),
+    ({"data": {"x": torch.zeros(4, 5)}}, TypeError, "data"),  # columns, not examples
 ])
 def test_bad_arguments_raise_one_line_errors_naming_the_argument(kwargs, error, name):
     arguments = {"model": make_mlp(), "data": make_data(10), "loss_fn": loss_fn,

@@ -18,6 +18,7 @@ Shared pieces beside them, which import none of the rooms:
 - ``_background.py`` a panel's background probe: private RNG, a copy or a held model
 - ``_own_steps.py``  batchwidgets' own steps, which an accumulate block lets through
 - ``_grads.py``      fused gradient norms on the device; a GradScaler's scale
+- ``_unsharded.py``  an FSDP2 model's replica with its full weights (per-example gradients)
 
 And ``noise_tracker.py``: NoiseTracker's documented import path.
 

@@ -17,7 +17,6 @@ from .._batches import batch_length, forward_and_loss, slice_batch
 from .._grads import (
     grad_norms,
     group_by_device_and_dtype,
-    is_sharded,
     loss_scale,
     sum_of_squares,
     unscale_divisor,
@@ -218,11 +217,6 @@ def check_measure(model: Any, loss_fn: Any, batch: Any, parts: Any) -> int:
     """NoiseTracker.measure's arguments checked: the batch's number of examples."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
-    if is_sharded(list(model.parameters())):
-        raise ValueError("model should hold its full weights for NoiseTracker.measure, but got a "
-                         "model sharded by fully_shard (FSDP2); under FSDP2 let accumulate "
-                         "measure the sharded gradients: accumulate(optimizer, steps=k, "
-                         "noise=tracker).")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn should be a callable loss_fn(output, target) -> scalar or "
                         f"None (the output's .loss), but got loss_fn={loss_fn!r}; e.g. "

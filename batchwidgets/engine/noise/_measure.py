@@ -17,7 +17,7 @@ import itertools
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -35,9 +35,9 @@ from .._batches import (
     forward_and_loss,
     slice_batch,
 )
-from .._grads import is_sharded
 from .._state import TrainingState
 from .._types import NOISE_METHODS, NoiseMethod
+from .._unsharded import unsharded
 from .._util import check_int, to_device
 from ._moments import Moments
 from ._tracker import unshuffled_loader_warning
@@ -53,15 +53,12 @@ def _check_arguments(model: Any, data: Any, loss_fn: Any, batch_sizes: Any, max_
                      chunk_size: Any, method: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
-    if is_sharded(list(model.parameters())):
-        raise ValueError("model should hold its full weights for measure_noise (per-example "
-                         "gradients), but got a model sharded by fully_shard (FSDP2); call "
-                         "measure_noise before fully_shard or on an unsharded copy, or track the "
-                         "noise in training: accumulate(optimizer, steps=k, noise=NoiseTracker()).")
     if isinstance(data, Iterator):
         raise TypeError(f"data should be a torch Dataset or DataLoader, but got an iterator "
                         f"({type(data).__name__}); pass the DataLoader itself, not iter(loader).")
-    if not isinstance(data, (Dataset, DataLoader)):
+    sized = hasattr(data, "__getitem__") and hasattr(data, "__len__")  # a list, HF datasets
+    if isinstance(data, (torch.Tensor, Mapping)) or not (
+            isinstance(data, (Dataset, DataLoader)) or sized):
         raise TypeError(f"data should be a torch Dataset or DataLoader of examples ((x, y) "
                         f"pairs or dicts), but got data={type(data).__name__}; wrap tensors as "
                         f"torch.utils.data.TensorDataset(x, y).")
@@ -213,7 +210,7 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
         Measured in its current train/eval mode, except BatchNorm layers in train mode: a
         one-example batch has no batch statistics, so they use their running statistics
         (with a ``BatchwidgetsWarning``).
-    data : Dataset or DataLoader
+    data : Dataset, DataLoader, or a list of items (anything with len() and [i])
         Items ``(input, ..., target)``, dicts (e.g. ``{"input_ids", "attention_mask",
         "labels"}``) or tensors, fed by the batch convention of ``find_batch`` (see "Batches
         and losses" in docs/find_batch.md); a DataLoader's dataset is read item by item and
@@ -221,6 +218,8 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
         are moved to the model's device. A DataLoader's ``batch_size`` is the one the advice is
         given at; one that does not shuffle gives a ``BatchwidgetsWarning`` (its batches are not
         the random ones these numbers describe), kept in ``report.warnings``.
+        On every rank of an FSDP2 job (``fully_shard``), each rank measures its own items on a
+        replica holding the full weights (NOTE [ An unsharded replica ]).
     loss_fn : callable, optional
         ``loss_fn(output, target) -> scalar``, called on one-example batches (``output`` and
         ``target`` keep a leading dimension of 1), so a mean reduction gives the example's loss.
@@ -261,6 +260,7 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
     """
     _check_arguments(model, data, loss_fn, batch_sizes, max_examples, chunk_size, method)
     batch_sizes = tuple(batch_sizes)
+    model = unsharded(model)  # FSDP2: see NOTE [ An unsharded replica ]
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"model should have trainable parameters (requires_grad=True), but got "
                          f"none in {type(model).__name__}; measure_noise measures their "

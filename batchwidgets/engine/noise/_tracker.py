@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport, CriticalBatchReport, NoisePoint, NoiseTrackerReport
+from .._unsharded import unsharded
 from .._util import check_int, check_number
 from ._estimate import (
     DeferredUpdate,
@@ -341,6 +342,7 @@ class NoiseTracker:
             return False
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
+        model = unsharded(model)  # FSDP2: see NOTE [ An unsharded replica ]
         small, big = split_sq_norms(model, loss_fn, batch, parts)
         self._measured_by = "split batches"
         self.update(small_sq_norms=small, big_sq_norm=big, micro_batch_size=size // parts,
