@@ -21,7 +21,7 @@ X = torch.zeros(2048)
 
 def plan(target: str, parallel: str | None, model: nn.Module | None = None):
     return bw.find_batch(model or wide_mlp(), X, target=target, parallel=parallel,
-                         max_batch_size=4096)
+                         max_batch_size=2**16)
 
 
 def test_sharding_more_state_fits_a_larger_batch_per_rank():

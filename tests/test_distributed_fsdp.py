@@ -167,6 +167,25 @@ WORKER = textwrap.dedent("""
                           ("ddp_low", (1024 * KIB, 1024 * KIB))):
         model = nn.parallel.DistributedDataParallel(mlp())
         probe(name, model, trained(model), make_batch, budgets[rank])
+    model = nn.parallel.DistributedDataParallel(mlp())
+    results["ddp_plan_in_job"] = dataclasses.asdict(bw.find_batch(
+        model, make_batch, loss_fn=nn.functional.cross_entropy, optimizer=trained(model),
+        target="1GiB"))
+
+    # a plan for a target from inside the job: a meta replica of the full model, planned under
+    # FSDP2 over the job's ranks; the shards and the optimizer untouched, and training goes on
+    model = sharded(mlp())
+    optimizer = trained(model)
+    before = snapshot(model, optimizer)
+    report = bw.find_batch(model, make_batch, loss_fn=nn.functional.cross_entropy,
+                           optimizer=optimizer, target="1GiB")
+    results["plan_in_job"] = {**dataclasses.asdict(report),
+                              "restored": same(before, snapshot(model, optimizer))}
+    x, y = make_batch(8)
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    results["plan_in_job_trains"] = all(bool(torch.isfinite(local(p)).all())
+                                        for p in model.parameters())
 
     # accumulate and the NoiseTracker under FSDP2: the full gradient's quantities
     torch.manual_seed(100 + rank)
@@ -459,3 +478,29 @@ def test_measure_noise_and_tracker_measure_under_fsdp2_equal_the_unsharded_model
         assert rank["sharded_noise_restored"]
         assert rank["sharded_noise_trains"] < 1e-6
     assert job[0]["sharded_noise"]["plain"] != job[1]["sharded_noise"]["plain"]  # own texts
+
+
+@pytest.mark.slow
+def test_a_target_plan_inside_the_job_plans_the_jobs_strategy_over_its_ranks(job):
+    import torch
+    from torch import nn
+
+    import batchwidgets as bw
+
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                             nn.Linear(128, 8))
+    outside = bw.find_batch(meta, lambda n: (torch.randn(n, 32), torch.randint(0, 8, (n,))),
+                            loss_fn=nn.functional.cross_entropy, target="2x1GiB",
+                            parallel="fsdp")
+    ddp = bw.find_batch(meta, lambda n: (torch.randn(n, 32), torch.randint(0, 8, (n,))),
+                        loss_fn=nn.functional.cross_entropy, target="2x1GiB", parallel="ddp")
+    for rank in job:
+        plan = rank["ddp_plan_in_job"]  # a DDP model: DDP over the job's ranks
+        assert (plan["parallel"], plan["world_size"]) == ("ddp", 2)
+        assert plan["max_batch_size"] == ddp.max_batch_size > 0
+        plan = rank["plan_in_job"]
+        assert (plan["parallel"], plan["world_size"], plan["trace"]) == ("fsdp", 2, "fake")
+        assert plan["max_batch_size"] == outside.max_batch_size > 0
+        assert plan["restored"]
+        assert rank["plan_in_job_trains"]

@@ -227,6 +227,22 @@ def test_a_meta_model_needs_a_target_and_a_fake_trace():
         bw.find_batch(model, vectors, loss_fn=CE, target="T4", trace="real")
 
 
+@pytest.mark.parametrize("parallel", [None, "fsdp", "compare"])
+def test_a_plan_stays_within_max_batch_size_and_says_when_it_decided(parallel):
+    # a small model fits the ceiling on an 80 GB target; the user's cap is the answer then
+    with torch.device("meta"):
+        model = mlp()
+    target = "A100-80GB" if parallel is None else "4xA100-80GB"
+    capped = bw.find_batch(model, vectors, loss_fn=CE, target=target, parallel=parallel,
+                           max_batch_size=1000)
+    assert capped.max_batch_size == 1000
+    assert capped.stop_reason.endswith("max_batch_size reached")
+    assert all(row.max_batch_size <= 1000 for row in capped.parallel_plans or ())
+    free = bw.find_batch(model, vectors, loss_fn=CE, target=target, parallel=parallel,
+                         max_batch_size=2**20)
+    assert free.max_batch_size > 1000
+
+
 @pytest.mark.parametrize("trace", ["fake", "real"])
 def test_a_target_reports_predicted_peak_is_the_targets_and_agrees_with_its_answer(trace):
     """predict_peak_bytes on a target plan is the replay's peak on the target: under the usable

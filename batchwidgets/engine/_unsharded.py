@@ -9,6 +9,9 @@ Usage (on every rank, as the gathers are collectives):
 
 from __future__ import annotations
 
+import collections
+import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,13 +36,48 @@ def unsharded(model: torch.nn.Module) -> torch.nn.Module:
     (NOTE [ An unsharded replica ]); call it on every rank."""
     if not is_sharded(list(model.parameters())):
         return model
+    return _replica(model, lambda param: param.full_tensor() if hasattr(param, "full_tensor")
+                    else param)[0]
+
+
+def meta_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+    """A sharded model's replica on the meta device, of its full shapes (a DTensor's shape is the
+    global one), and its optimizer over the replica, its state on meta too: what a plan for a
+    target traces (fake tensors need shapes only). No collective, nothing copied."""
+    replica, twins = _replica(model, lambda param: torch.empty(param.shape, dtype=param.dtype,
+                                                               device="meta"))
+    if optimizer is None:
+        return replica, None
+    twin = copy.copy(optimizer)  # the same class, hyperparameters and hooks
+    twin.param_groups = [dict(group, params=[twins.get(id(p), p) for p in group["params"]])
+                         for group in optimizer.param_groups]
+    twin.state = collections.defaultdict(dict)
+    for param, state in optimizer.state.items():
+        twin.state[twins.get(id(param), param)] = {key: _meta_state(value)
+                                                   for key, value in state.items()}
+    return replica, twin
+
+
+def _meta_state(value: Any) -> Any:
+    """An optimizer state value on meta at its global shape; a host scalar (Adam's ``step``)
+    stays as it is, as the step reads it back."""
+    if not isinstance(value, torch.Tensor) or (value.numel() == 1 and not hasattr(
+            value, "full_tensor") and value.device.type == "cpu"):
+        return value
+    return torch.empty(value.shape, dtype=value.dtype, device="meta")
+
+
+def _replica(model: torch.nn.Module, whole: Callable[[torch.Tensor], torch.Tensor]
+             ) -> tuple[torch.nn.Module, dict[int, torch.nn.Parameter]]:
+    """The replica of ``model`` whose parameters are ``whole(param)``, each once, in module
+    order; and each parameter's replica by the original's id."""
     gathered: dict[int, torch.nn.Parameter] = {}
     replicas: dict[int, torch.nn.Module] = {}
 
     def full(param: torch.Tensor) -> torch.nn.Parameter:
         if id(param) not in gathered:
-            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-            gathered[id(param)] = torch.nn.Parameter(tensor.detach(),
+            gathered[id(param)] = torch.nn.Parameter(whole(param).detach(),
                                                      requires_grad=param.requires_grad)
         return gathered[id(param)]
 
@@ -47,17 +85,23 @@ def unsharded(model: torch.nn.Module) -> torch.nn.Module:
         if id(module) in replicas:  # a module used twice stays one module
             return replicas[id(module)]
         cls = _original_class(type(module))
-        copy = cls.__new__(cls)
-        copy.__dict__.update(module.__dict__)
-        replicas[id(module)] = copy
-        copy.__dict__["_parameters"] = {name: None if p is None else full(p)
-                                        for name, p in module._parameters.items()}
-        copy.__dict__["_modules"] = {name: None if m is None else replica(m)
-                                     for name, m in module._modules.items()}
-        _drop_fsdp_hooks(copy)
-        return copy
+        clone = cls.__new__(cls)
+        clone.__dict__.update({key: value for key, value in module.__dict__.items()
+                               if not key.startswith(_COMPOSABLE)})
+        replicas[id(module)] = clone
+        clone.__dict__["_parameters"] = {name: None if p is None else full(p)
+                                         for name, p in module._parameters.items()}
+        clone.__dict__["_modules"] = {name: None if m is None else replica(m)
+                                      for name, m in module._modules.items()}
+        _drop_fsdp_hooks(clone)
+        return clone
 
-    return replica(model)
+    return replica(model), gathered
+
+
+# fully_shard's registry and state in a module's __dict__ (torch.distributed._composable.contract):
+# a replica is no composable module, so fully_shard can wrap it (or its meta copy) anew
+_COMPOSABLE = "__composable_api_state_key"
 
 
 def _original_class(cls: type) -> type:

@@ -98,6 +98,15 @@ def check_sharded(owner: torch.nn.Module | None, device: torch.device) -> None:
                          f"(FSDP2), but got device={str(device)!r}; leave device out.")
 
 
+def check_sharded_plan(trace: str | None) -> None:
+    """A plan for a target from inside an FSDP2 job traces a meta replica of the full model."""
+    if trace == "real":
+        raise ValueError("trace should be 'fake' (or left out) for a target plan of a model "
+                         "sharded by fully_shard (FSDP2), but got trace='real': the plan traces "
+                         "a meta replica of its full shapes, and no rank holds its weights; leave "
+                         "trace out, or leave target out to probe this job's real steps.")
+
+
 def has_meta_tensors(model: Any) -> bool:
     """A model built on the meta device (any of its parameters or buffers)."""
     return isinstance(model, torch.nn.Module) and any(

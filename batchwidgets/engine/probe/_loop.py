@@ -58,23 +58,30 @@ def planned(report: BatchSizeReport, search: Search, name: str, usable_bytes: in
                            f"{[a.batch_size for a in report.attempts]}); the step's shapes depend "
                            f"on its data. Probe on a GPU instead.")
     if not search.replays:
-        return _planned_in_tensors(report, pair, name, usable_bytes)
+        return _planned_in_tensors(report, pair, name, usable_bytes, search.ceiling)
     (small, b_small), (large, b_large) = pair
     predict = functools.partial(memory.largest_batch_size, multiple_of=report.multiple_of,
-                                ceiling=SEARCH_CEILING, preallocated=large.preallocated)
+                                ceiling=search.ceiling, preallocated=large.preallocated)
     low = predict(small.events, b_small, large.events, b_large, usable_bytes)
     tensors_only = [[e for e in t.events if e[0] != "workspace"] for t in (small, large)]
     high = predict(tensors_only[0], b_small, tensors_only[1], b_large, usable_bytes)
     return dataclasses.replace(
         report, max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
-        budget_bytes=None, stop_reason=f"predicted for {name}: not run", target=name,
+        budget_bytes=None, stop_reason=_stop(name, low, search.ceiling), target=name,
         target_band=(_evidence_low(low, report.multiple_of), max(low, high)),
         target_peaks=_target_peaks(pair, usable_bytes, low, report.multiple_of),
         method=report.method.replace("then verified", "then replayed for the target"))
 
 
+def _stop(name: str, found: int, ceiling: int) -> str:
+    """A plan's stop reason: predicted, and where max_batch_size (or the ceiling) decided."""
+    capped = ("" if found < ceiling else "; max_batch_size reached" if ceiling < SEARCH_CEILING
+              else "; ceiling reached")
+    return f"predicted for {name}: not run{capped}"
+
+
 def _planned_in_tensors(report: BatchSizeReport, pair: Pair, name: str,
-                        budget_bytes: int) -> BatchSizeReport:
+                        budget_bytes: int, ceiling: int) -> BatchSizeReport:
     """CPU processes under a budget (``target="4xCPU"``): what runs out there is the step's
     tensor bytes, as the budget meter counts them in a real job, so the per-op model of the pair
     decides, with no allocator."""
@@ -85,10 +92,10 @@ def _planned_in_tensors(report: BatchSizeReport, pair: Pair, name: str,
                            f"{b_large} to predict for {name}; this is a bug in batchwidgets; "
                            f"please report it with the report above")
     found = model.largest_batch_size(budget_bytes, multiple_of=report.multiple_of,
-                                     ceiling=SEARCH_CEILING)
+                                     ceiling=ceiling)
     return dataclasses.replace(
         report, max_batch_size=found, first_oom_batch_size=None, limit_bytes=budget_bytes,
-        budget_bytes=budget_bytes, stop_reason=f"predicted for {name}: not run", target=name,
+        budget_bytes=budget_bytes, stop_reason=_stop(name, found, ceiling), target=name,
         target_band=(found, found), target_peaks=tuple(
             (size, model.peak_bytes(size)) for size in _peak_sizes(found, report.multiple_of)),
         method=report.method.replace("then verified", "then predicted under the budget"))

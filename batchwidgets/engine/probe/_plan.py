@@ -12,10 +12,19 @@ import torch
 
 from .. import memory
 from .._batches import as_batch_maker
+from .._grads import is_sharded
 from .._state import RngState
 from .._types import OnProgress, ProbeStep, ShouldStop
+from .._unsharded import meta_replica
 from .._util import default_device, usable_device
-from ._checks import check_amp, check_arguments, check_parallel, check_sharded, notes_on
+from ._checks import (
+    check_amp,
+    check_arguments,
+    check_parallel,
+    check_sharded,
+    check_sharded_plan,
+    notes_on,
+)
 
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
 
@@ -146,6 +155,15 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     planned = _target(gpu, budget_bytes) if target is not None else None
     if planned is None:
         check_sharded(owner, resolved)
+    elif is_module and is_sharded(list(model.parameters())):  # a plan inside an FSDP2 job
+        check_sharded_plan(trace)
+        model, optimizer = meta_replica(model, optimizer)
+        owner = model
+        if parallel is None:  # as the job runs: FSDP2 over its ranks, or the target's count
+            parallel = "fsdp"
+            world_size = count if count > 1 else torch.distributed.get_world_size()
+    elif parallel is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        parallel, world_size = "ddp", torch.distributed.get_world_size()  # the job's, as it runs
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
         resolved, budget_bytes = torch.device("cpu"), None
     check_amp(amp, resolved)
