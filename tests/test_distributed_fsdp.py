@@ -172,6 +172,26 @@ WORKER = textwrap.dedent("""
         model, make_batch, loss_fn=nn.functional.cross_entropy, optimizer=trained(model),
         target="1GiB"))
 
+    # critical_batch on every rank (the same dataset): the sharded model's answer is one
+    # process's on the same model, and its shards come back
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(512, 16, generator=generator)
+    tasks = torch.utils.data.TensorDataset(features, features[:, :4].argmax(1))
+    critical = {}
+    for name in ("plain", "sharded"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+        if name == "sharded":
+            for module in (net[0], net[2], net):
+                fully_shard(module, mesh=mesh)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        before = snapshot(net, optimizer)
+        report = bw.critical_batch(net, tasks, optimizer=optimizer,
+                                   loss_fn=nn.functional.cross_entropy, max_steps=60)
+        critical[name] = [report.critical_batch_size, report.examples,
+                          same(before, snapshot(net, optimizer))]
+    results["critical"] = critical
+
     # a plan for a target from inside the job: a meta replica of the full model, planned under
     # FSDP2 over the job's ranks; the shards and the optimizer untouched, and training goes on
     model = sharded(mlp())
@@ -504,3 +524,12 @@ def test_a_target_plan_inside_the_job_plans_the_jobs_strategy_over_its_ranks(job
         assert plan["max_batch_size"] == outside.max_batch_size > 0
         assert plan["restored"]
         assert rank["plan_in_job_trains"]
+
+
+@pytest.mark.slow
+def test_critical_batch_on_a_sharded_model_is_one_processs_answer(job):
+    for rank in job:
+        plain, sharded = rank["critical"]["plain"], rank["critical"]["sharded"]
+        assert sharded[:2] == pytest.approx(plain[:2], rel=1e-6)
+        assert plain[0] > 0
+        assert sharded[2]
