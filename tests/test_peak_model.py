@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import random
+import re
 
 import pytest
 import torch
@@ -355,8 +356,13 @@ def test_through_a_padding_dataloader_the_probe_sizes_for_the_longest_sample_and
     assert sum(not a.fits for a in real_sizes(report)) == 1
     assert "index 17" in report.worst_case
 
+    # the longest sample in every slot but one, which takes the shortest: padding, as the loop's
+    # batches have it (a mask of all ones would be dropped by the model)
+    shortest = int(re.search(r"the smallest \(index (\d+)\) once", report.worst_case)[1])
+    assert Sequences().lengths[shortest] == min(Sequences().lengths)
+
     def worst(batch_size: int) -> dict:
-        return pad([Sequences()[17]] * batch_size)
+        return pad([Sequences()[17]] * (batch_size - 1) + [Sequences()[shortest]])
 
     assert fits_oracle(model, worst, report.max_batch_size, budget)
     assert not fits_oracle(model, worst, report.max_batch_size + 1, budget)

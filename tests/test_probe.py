@@ -173,6 +173,7 @@ def test_a_dataset_of_variable_size_samples_is_probed_with_its_largest_sample(n)
                   budget=64 * KIB, max_batch_size=8)
     lengths = {shape[1] for shape in model.shapes}
     assert lengths == {n}  # every sample is read: the longest of all, not of a few spread ones
+    # default_collate cannot stack the shortest beside it: the longest alone, repeated
 
 
 def test_one_example_tensor_is_repeated_into_batches_and_the_output_mean_is_the_loss():

@@ -59,6 +59,11 @@ class _PrivateGenerators(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def private_generators(modes: Any) -> list[TorchDispatchMode]:
+    """The private RNG's mode among ``modes`` (what ``_disable_current_modes`` set aside)."""
+    return [mode for mode in modes if isinstance(mode, _PrivateGenerators)]
+
+
 def rng_is_private() -> bool:
     """True on a thread inside ``private_rng()``: probes leave the global generators alone."""
     return getattr(_PRIVATE, "active", False)

@@ -73,7 +73,11 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
 # bytes), repeated: through the DataLoader's own collate_fn that is the largest padded batch the
 # loader can make. Every sample is read, in an order that spreads the first reads over the whole
 # set, until SCAN_SECONDS have passed; the report says which sample it used and how many were
-# read.
+# read. One slot of each batch takes the smallest sample instead, where the collate_fn takes
+# the two together: a padded batch then has padding, as the loop's batches have, and a model
+# that branches on it (Hugging Face drops an attention mask of all ones, and materialises a
+# batch x 1 x L x L mask otherwise) runs the branch training runs. Padded to the longest, the
+# shapes stay those of the largest sample; packed (concatenated), they stay affine in the size.
 SCAN_SECONDS = 5.0
 
 
@@ -93,7 +97,7 @@ def _dataset_maker(dataset: Dataset, collate: Callable) -> Callable[[int], Any]:
     if n == 0:
         raise ValueError("make_batch should be a non-empty Dataset, but got one of length 0.")
     started = time.perf_counter()
-    samples, sizes, largest, read = [], [], None, 0
+    samples, sizes, largest, smallest, read = [], [], None, None, 0
     for index in _scan_order(n):  # see NOTE [ The worst case of varying inputs ]
         sample = dataset[index]
         size = nbytes(sample)
@@ -103,21 +107,40 @@ def _dataset_maker(dataset: Dataset, collate: Callable) -> Callable[[int], Any]:
             sizes.append(size)
         if largest is None or size > largest[1]:
             largest = (index, size, sample)
+        if smallest is None or size < smallest[1]:
+            smallest = (index, size, sample)
         if read >= N_SAMPLES_SCANNED and time.perf_counter() - started > SCAN_SECONDS:
             break
     scanned = "all" if read == n else f"{read} of {n} (time limit)"
-    if largest[1] > min(sizes):  # variable-size samples: the largest is the worst case
+    last = None  # the one slot of a batch that takes the smallest sample
+    if largest[1] > smallest[1]:  # variable-size samples: the largest is the worst case
         samples = [largest[2]]
         description = (f"the largest sample, index {largest[0]} ({largest[1]:,} bytes of "
                        f"tensors; {scanned} samples read), repeated")
+        if _collates(collate, [largest[2], smallest[2]]):
+            last = smallest[2]
+            description += f", with the smallest (index {smallest[0]}) once, as padding"
     else:
         description = f"{len(samples)} samples of one size ({scanned} samples read)"
 
     def make(batch_size: int) -> Any:
-        return collate([samples[i % len(samples)] for i in range(batch_size)])
+        items = [samples[i % len(samples)] for i in range(batch_size)]
+        if last is not None and batch_size > 1:
+            items[-1] = last
+        return collate(items)
 
     make.description = description
     return make
+
+
+def _collates(collate: Callable[[list], Any], items: list) -> bool:
+    """Whether ``collate`` batches these samples together (default_collate does not stack
+    samples of different shapes; a padding collate_fn does)."""
+    try:
+        collate(items)
+    except Exception:  # the collate's own message would be about samples we chose
+        return False
+    return True
 
 
 def collate_of(data: Any) -> Callable[[list], Any]:

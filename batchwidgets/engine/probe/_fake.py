@@ -6,6 +6,7 @@ parameters and buffers are swapped for fake ones by ``functional_call`` while a 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import gc
 from collections.abc import Callable, Iterator
@@ -16,7 +17,11 @@ import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map_only
 
+from .._background import private_generators
+from .._batches import as_keywords
 from ._optimizer_shapes import StandIn, StateRule
 from ._trials import model_step
 
@@ -155,14 +160,34 @@ def fake_step(world: FakeWorld, make: Callable[[int], Any], loss_fn: Callable | 
     """The model form's training step on ``world``'s twins (under its fake mode, which the
     Trainer enters). Without a GradScaler: scaling changes no storage's size, and its inf check
     reads a value back."""
-    step = model_step(world.model, make, loss_fn, world.optimizer, torch.device("cpu"), amp,
-                      None, meter, call=world.call)
+    step = model_step(world.model, _made_real(make), loss_fn, world.optimizer,
+                      torch.device("cpu"), amp, None, meter, call=world.call)
 
     def traced(batch_size: int) -> None:
         with _where_it_failed(meter):
             step(batch_size)
 
     return traced
+
+
+# NOTE [ The batch is made on real tensors ]
+# Under the fake mode, a collate_fn that pads samples one by one (ids[i, :n] = sample) mixes the
+# samples' real tensors into fake ops: each one becomes a fake constant, an allocation per sample,
+# so two sizes' traces differ in their events and no pair of them lines up for the target's
+# allocator (a BERT on padded text planned for a T4 doubled to its ceiling). So make(batch_size)
+# runs outside every mode but a panel's private RNG, on real tensors, and each tensor of the
+# batch enters the step as one fake of its shape, strides and dtype: the batch's memory,
+# allocated once per tensor.
+def _made_real(make: Callable[[int], Any]) -> Callable[[int], Any]:
+    def made(batch_size: int) -> Any:
+        with _disable_current_modes() as modes, contextlib.ExitStack() as kept:
+            for mode in private_generators(modes):  # a panel's probe keeps its private RNG
+                kept.enter_context(mode)
+            batch = make(batch_size)
+        keywords = as_keywords(batch)  # a BatchEncoding is fed as the dict it is
+        return tree_map_only(torch.Tensor, _fake_like, batch if keywords is None else keywords)
+
+    return made
 
 
 # What fake tensors cannot do: read a value back, make a shape from data, an op without a meta
