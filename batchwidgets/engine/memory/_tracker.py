@@ -219,11 +219,33 @@ class TensorMemoryTracker(TorchDispatchMode):
 # silent hang. Not run on a GPU yet: the logic is the CPU budget path's, tested over gloo.
 
 
+# NOTE [ Module tracking under activation checkpointing ]
+# PyTorch's ModuleTracker hooks the gradients of every module's inputs and outputs to see where
+# backward is, and keeps each hook's handle until it exits. Under activation checkpointing the
+# forward runs again inside backward, and the handles of the hooks on that recomputation keep
+# its graph, and so every recomputed activation, alive: a BERT step with checkpointing held 64 MB
+# instead of 19 MB (more than the 33 MB without checkpointing), and the probe answered half the
+# batch that fits. A forward that runs inside backward is a recomputation: its modules still
+# enter ``parents`` (the ops are named), but no gradient hook is left on its tensors.
+class _Modules(ModuleTracker):
+    def _fw_pre_hook(self, mod, input) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            return super()._fw_pre_hook(mod, input)
+        self._get_append_fn(self._get_mod_name(mod), False)()
+        return None
+
+    def _fw_post_hook(self, mod, input, output) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            return super()._fw_post_hook(mod, input, output)
+        self._get_pop_fn(self._get_mod_name(mod), False)()
+        return None
+
+
 class _Where:
     """Where the step is: "forward of encoder.layer.0", "backward of ...", "optimizer step"."""
 
     def __init__(self) -> None:
-        self.modules = ModuleTracker()
+        self.modules = _Modules()
         self.optimizer_phase = False
         # asked at every op and every new storage: answered once per set of modules entered
         self._deepest: dict[tuple, str] = {}
