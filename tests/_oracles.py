@@ -1,5 +1,5 @@
 """Oracles the tests share: what a fresh device says about one batch size; a critical_batch
-report as it gives one."""
+report as it gives one; a padding collate_fn as tokenizers' collators batch text."""
 
 from __future__ import annotations
 
@@ -40,3 +40,16 @@ def critical_report(critical: float | None, error: float | None = None, reason: 
                                target_loss=0.5, start_loss=1.0, examples=examples, ladder=(),
                                base_batch_size=8, s_min=10.0, e_min=None, lr_scaling="linear",
                                reason=reason)
+
+
+def pad_text(batch: list[dict]) -> dict:
+    """DataCollatorWithPadding's batches without a tokenizer: ids padded with 0, a mask, sample
+    by sample in Python (as most collators do)."""
+    longest = max(len(item["input_ids"]) for item in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros(len(batch), longest, dtype=torch.long)
+    for row, item in enumerate(batch):
+        ids[row, :len(item["input_ids"])] = item["input_ids"]
+        mask[row, :len(item["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask,
+            "labels": torch.stack([item["labels"] for item in batch])}

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import transformers
+from _oracles import pad_text
 from torch import nn
 
 import batchwidgets as bw
@@ -87,18 +88,6 @@ def test_a_fake_trace_plans_what_a_real_trace_plans(case):
     assert "fake trace" in fake.summary()
 
 
-def padded(items: list) -> dict:
-    """A collate_fn that pads sample by sample, as tokenizers' collators do."""
-    longest = max(len(item["input_ids"]) for item in items)
-    ids = torch.zeros(len(items), longest, dtype=torch.long)
-    mask = torch.zeros(len(items), longest, dtype=torch.long)
-    for row, item in enumerate(items):
-        ids[row, :len(item["input_ids"])] = item["input_ids"]
-        mask[row, :len(item["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask,
-            "labels": torch.stack([item["labels"] for item in items])}
-
-
 def test_padded_text_from_a_dataloader_is_planned_on_a_fake_trace_as_on_a_real_one():
     # the samples' real tensors went into fake ops one by one: traces of two sizes never lined
     # up and the plan doubled to its ceiling (NOTE [ The batch is made on real tensors ])
@@ -106,7 +95,7 @@ def test_padded_text_from_a_dataloader_is_planned_on_a_fake_trace_as_on_a_real_o
     items = [{"input_ids": torch.randint(0, 500, (int(n),), generator=generator),
               "labels": torch.tensor(int(n) % 2)}
              for n in torch.randint(8, 64, (64,), generator=generator)]
-    loader = torch.utils.data.DataLoader(items, batch_size=16, collate_fn=padded)
+    loader = torch.utils.data.DataLoader(items, batch_size=16, collate_fn=pad_text)
     config = transformers.BertConfig(vocab_size=500, hidden_size=32, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=64, num_labels=2)
     torch.manual_seed(0)

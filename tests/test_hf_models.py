@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _oracles import pad_text
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -294,18 +295,6 @@ def text_items(n: int) -> Items:
     return Items(items)
 
 
-def pad(batch: list[dict]) -> dict:
-    """DataCollatorWithPadding's batches without a tokenizer: ids padded with 0, a mask."""
-    longest = max(len(item["input_ids"]) for item in batch)
-    ids = torch.zeros(len(batch), longest, dtype=torch.long)
-    mask = torch.zeros(len(batch), longest, dtype=torch.long)
-    for row, item in enumerate(batch):
-        ids[row, :len(item["input_ids"])] = item["input_ids"]
-        mask[row, :len(item["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask,
-            "labels": torch.stack([item["labels"] for item in batch])}
-
-
 def test_critical_batch_measures_bert_on_padded_text_and_puts_everything_back():
     """The user's case: a BERT in train mode (dropout), AdamW with its state, a DataLoader whose
     collate_fn pads variable-length text. The branches and the noise scale beside them
@@ -313,7 +302,7 @@ def test_critical_batch_measures_bert_on_padded_text_and_puts_everything_back():
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(bert_config())  # train mode
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(text_items(256), batch_size=8, shuffle=True, collate_fn=pad)
+    loader = DataLoader(text_items(256), batch_size=8, shuffle=True, collate_fn=pad_text)
     for batch in itertools.islice(loader, 2):  # AdamW state to put back
         model(**batch).loss.backward()
         optimizer.step()
@@ -326,7 +315,7 @@ def test_critical_batch_measures_bert_on_padded_text_and_puts_everything_back():
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert all(torch.equal(s["exp_avg"], m) for s, m in zip(optimizer.state.values(), moments))
     assert all(m.training for m in model.modules())  # the model and every module
-    assert report.examples_noise == 256  # measure_noise read every item, padded by pad()
+    assert report.examples_noise == 256  # measure_noise read every item, padded by pad_text()
     direct = bw.measure_noise(model, loader, batch_sizes=(1,), max_examples=512)  # same weights
     assert report.b_simple == (direct.b_simple if direct.measurable else None)
     assert report.target_loss < report.start_loss
@@ -338,7 +327,7 @@ def test_measure_noise_pads_by_the_loaders_collate_fn_without_changing_an_exampl
     """Chunks of 8 padded to their longest item (BERT masks the padding) give the per-example
     gradients of each item alone (chunks of one: nothing padded)."""
     model = bert_classifier()
-    loader = DataLoader(text_items(16), batch_size=4, shuffle=True, collate_fn=pad)
+    loader = DataLoader(text_items(16), batch_size=4, shuffle=True, collate_fn=pad_text)
     padded = bw.measure_noise(model, loader, batch_sizes=(1, 4), chunk_size=8)
     alone = bw.measure_noise(model, loader, batch_sizes=(1, 4), chunk_size=1, method="loop")
     assert padded.n_examples == alone.n_examples == 16
