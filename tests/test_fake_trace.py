@@ -308,3 +308,15 @@ def test_the_what_ifs_of_a_meta_model_are_planned_as_those_of_the_same_model_on_
     assert not any(row.measured for row in planned.what_if)
     assert list(meta.parameters()) == params
     assert all(p.is_meta and p.grad is None for p in params)
+    assert len(rows) == len(planned.what_if)  # one row a change: the re-plan, not also a guess
+
+
+def test_a_half_precision_model_gets_no_mixed_precision_rows():
+    with torch.device("meta"):
+        meta = Encoder().to(torch.bfloat16)
+    rows = bw.find_batch(meta, lambda n: (torch.randn(n, 64, 64, dtype=torch.bfloat16),
+                                          torch.randint(0, 4, (n,))),
+                         loss_fn=CE, target="256MiB", what_if=True).what_if
+    assert {"SGD without momentum (no optimizer state)", "foreach=False"} <= {
+        row.name for row in rows}
+    assert not {"bf16", "fp16"} & {row.name for row in rows}

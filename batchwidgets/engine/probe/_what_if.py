@@ -113,10 +113,11 @@ def measured(probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optim
     """Rows measured by probing again with the change: mixed precision, SGD, foreach=False.
     ``probe(**change)`` runs find_batch with the same arguments and the change."""
     rows = []
-    if amp is None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    half = all(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    if amp is None and not half:  # weights already in half precision compute in it
         rows += [_row("bf16", COSTS["bf16"], probe, amp="bf16"),
                  _row("fp16", COSTS["fp16"], probe, amp="fp16")]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     if not isinstance(optimizer, torch.optim.SGD) or optimizer.defaults.get("momentum"):
         lr = optimizer.param_groups[0].get("lr", 1e-3)
         rows.append(_row("SGD without momentum (no optimizer state)", COSTS["sgd"], probe,
@@ -142,10 +143,15 @@ def for_target(model: PeakModel | None, found: int, usable_bytes: int,
     model's rows against the tensor bytes at the target's answer ``found``, and each change
     (bf16, fp16, SGD, foreach=False) planned again for the target by ``probe(**change)``, on
     fake tensors as the plan was, so a meta model is never materialised or changed."""
+    planned = [dataclasses.replace(row, measured=False, samples_per_s=None)
+               for row in measured(probe, optimizer, amp)]
     rows = []
     if model is not None:
-        rows += predicted(model, model.peak_bytes(found), multiple_of=multiple_of,
-                          ceiling=ceiling, modules=modules)
+        # a change planned again for the target (replayed through its allocator) replaces the
+        # per-op model's guess at the same change: one row a name
+        rows += [row for row in predicted(model, model.peak_bytes(found),
+                                          multiple_of=multiple_of, ceiling=ceiling,
+                                          modules=modules)
+                 if row.name not in {other.name for other in planned}]
         rows += expandable(model, usable_bytes, found, multiple_of=multiple_of, ceiling=ceiling)
-    return tuple(rows + [dataclasses.replace(row, measured=False, samples_per_s=None)
-                         for row in measured(probe, optimizer, amp)])
+    return tuple(rows + planned)
