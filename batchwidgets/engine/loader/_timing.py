@@ -55,8 +55,14 @@ def _settings(loader: DataLoader) -> dict[str, Any]:
 def shutdown(iterator: Any) -> None:
     """Stop the iterator's workers now, persistent ones too (see NOTE [ Shut workers down ])."""
     shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
+    try:
+        if shutdown is not None:
+            shutdown()
+    finally:  # a worker that died can leave its siblings running past a partial shutdown
+        for worker in getattr(iterator, "_workers", None) or []:
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=5)
 
 
 # NOTE [ Shut workers down ]
