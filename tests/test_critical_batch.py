@@ -132,6 +132,19 @@ def test_a_target_no_branch_reaches_is_not_measurable_and_says_why():
     assert "fewer than two batch sizes reached the target" in report.reason
 
 
+@pytest.mark.parametrize("criterion", ["steps", "loss"])
+def test_a_target_above_the_start_is_not_measurable_and_says_why(criterion):
+    # It once crashed with "math domain error": every branch reached it at once.
+    model, optimizer = model_and_sgd(0.1)
+    weights = model.weight.detach().clone()
+    report = bw.critical_batch(model, regression(256), optimizer=optimizer,
+                               loss_fn=nn.functional.mse_loss, target_loss=1e6,
+                               base_batch_size=4, seeds=1, noise=False, criterion=criterion)
+    assert report.critical_batch_size is None
+    assert report.reason.startswith("target_loss=1e+06 is not below the loss at the current")
+    assert torch.equal(model.weight, weights)
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"data": TensorDataset(torch.randn(12, 16), torch.randn(12, 1))}, "data should hold"),
     ({"lr_scaling": "cubic"}, "lr_scaling should be"),

@@ -307,3 +307,57 @@ def test_a_bare_steps_weights_come_back_through_its_optimizer(interrupted):
     assert_equal(weights, [p.detach() for p in step.model.parameters()], "weights")
     assert_equal(grads, [p.grad for p in step.model.parameters()], "grads")
     assert_equal(state, step.optimizer.state_dict(), "optimizer")
+
+
+class LearnedLoss(nn.Module):
+    """A loss with weights of its own (a class weighting, trained or not) and dropout, divided by
+    a temperature the optimizer trains beside the model."""
+
+    def __init__(self, temperature: nn.Parameter) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.drop = nn.Dropout(0.1)
+        self.temperature = [temperature]  # no module's parameter
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.drop(logits * self.scale) / self.temperature[0],
+                                           target)
+
+
+@pytest.mark.parametrize("how", ["probe", "target, real trace", "target, fake trace",
+                                 "critical_batch"])
+def test_what_a_step_trains_outside_the_model_comes_back(how):
+    # The optimizer trains a temperature that no module holds, and the loss module has weights
+    # of its own (not in the optimizer): a step changes the first and accumulates gradients
+    # into both, and the loss module is in eval mode.
+    model = Net("mlp")
+    temperature = nn.Parameter(torch.ones(()))
+    loss_fn = LearnedLoss(temperature).eval()
+    optimizer = torch.optim.AdamW([*model.parameters(), temperature], lr=0.1)
+    x, y = model.make_batch(4)
+    loss_fn.train()(model(x), y).backward()
+    optimizer.step()
+    loss_fn.eval()
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.benchmark = False
+    outside = (temperature, loss_fn.scale)
+
+    def snapshot() -> list:
+        return [[t.detach().clone() for t in outside], [t.grad.clone() for t in outside],
+                loss_fn.training, copy.deepcopy(optimizer.state_dict())]
+
+    before = snapshot()
+    if how == "critical_batch":
+        data = torch.utils.data.TensorDataset(*model.make_batch(64))
+        bw.critical_batch(model, data, optimizer=optimizer, loss_fn=loss_fn, batch_sizes=[2, 4, 8],
+                          base_steps=4, seeds=1, eval_examples=8, noise=False, target_loss=10.0)
+    else:
+        options = {"probe": {"budget": 256 * KIB},
+                   "target, real trace": {"target": "1GiB", "trace": "real"},
+                   "target, fake trace": {"target": "1GiB", "trace": "fake"}}[how]
+        report = bw.find_batch(model, model.make_batch, loss_fn=loss_fn, optimizer=optimizer,
+                               **options)
+        assert report.trace == ("fake" if how.endswith("fake trace") else "real")
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.benchmark = False
+    assert_equal(before, snapshot(), "outside the model")

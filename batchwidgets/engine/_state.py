@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ._background import rng_is_private
 
@@ -198,6 +199,13 @@ def _write_back(tensor: torch.Tensor, saved: _Saved) -> None:
         tensor.data = data.to(saved.device, copy=True)
 
 
+def _on_meta(part: torch.nn.Module | list[torch.Tensor]) -> bool:
+    """Whether any of ``part``'s tensors is on meta (nothing to save there)."""
+    tensors = ([*part.parameters(), *part.buffers()] if isinstance(part, torch.nn.Module)
+               else part)
+    return any(t.is_meta for t in tensors)
+
+
 class ModelState:
     """Weights, gradients, buffers and train/eval modes of a module, and which parameters and
     buffers each submodule has; given a list of parameters instead (what the optimizer of a bare
@@ -234,7 +242,8 @@ class ModelState:
                 _write_back(param, data)
                 if grad is None:
                     param.grad = None
-                elif param.grad is not None and param.grad.device == grad.device:
+                elif (param.grad is not None and param.grad.device == grad.device
+                      and not isinstance(param.grad, FakeTensor)):  # a fake step's: replace it
                     _write_back(param.grad, grad)
                 else:
                     param.grad = grad.data.to(grad.device, copy=True)
@@ -391,10 +400,26 @@ class TrainingState:
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
-                 extras: tuple[Any, ...] = (), *, weights: bool = True) -> None:
+                 extras: tuple[Any, ...] = (), *, weights: bool = True,
+                 loss_fn: Any = None, trains: Any = None) -> None:
+        """``loss_fn``: a loss module's own weights, gradients and mode come back too, and so
+        do the parameters an optimizer (``trains``, else ``optimizer``) has beside the model."""
+        trains = trains if trains is not None else optimizer
+        trained = [p for o in (optimizers_within(trains) if trains is not None else [])
+                   for group in o.param_groups for p in group["params"]]
         if model is None and optimizer is not None:  # a bare step: it trains these parameters
-            model = [p for group in optimizer.param_groups for p in group["params"]]
+            model = trained
         self.model = ModelState(model, weights) if model is not None else None
+        # what the step changes outside the model: parameters the optimizer trains beside it
+        # (a learned temperature), a loss module's weights and the gradients they accumulate
+        own = {id(p) for p in model.parameters()} if isinstance(model, torch.nn.Module) else {
+            id(p) for p in trained}
+        beside = list({id(p): p for p in trained if id(p) not in own}.values())
+        parts: list[Any] = [beside] if beside else []
+        if isinstance(loss_fn, torch.nn.Module) and loss_fn is not model:
+            parts.append(loss_fn)
+        # small, and touched by a fake step too (it runs on them as they are): always saved
+        self.others = [ModelState(part, not _on_meta(part)) for part in parts]
         self.optimizers = ([OptimizerState(o) for o in optimizers_within(optimizer)]
                            if optimizer is not None else [])
         # Schedulers and GradScalers both have state_dict/load_state_dict.
@@ -413,6 +438,7 @@ class TrainingState:
         steps: list[Callable[[], Any]] = []
         if self.model is not None:
             steps.append(self.model.restore)
+        steps += [other.restore for other in self.others]
         steps += [state.restore for state in self.optimizers]
         steps += [functools.partial(_load_state_dict, obj, saved) for obj, saved in self.extras]
         steps += [functools.partial(setattr, scaler, "_per_optimizer_states",

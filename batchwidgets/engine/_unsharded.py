@@ -49,21 +49,34 @@ def meta_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
                                                                device="meta"))
     if optimizer is None:
         return replica, None
-    twin = copy.copy(optimizer)  # the same class, hyperparameters and hooks
+    return replica, optimizer_twin(optimizer, twins, _meta_state)
+
+
+def optimizer_twin(optimizer: torch.optim.Optimizer, twins: dict[int, torch.nn.Parameter],
+                   state_twin: Callable[[Any], Any]) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` over ``twins`` (a parameter's twin by the original's
+    id; one without a twin stays itself), each state value ``state_twin(value)``: the same
+    class, hyperparameters and hooks, so its step runs the same ops. A host scalar (Adam's
+    ``step``, ``is_host_scalar``) must keep its number, as the step reads it back."""
+    twin = copy.copy(optimizer)
     twin.param_groups = [dict(group, params=[twins.get(id(p), p) for p in group["params"]])
                          for group in optimizer.param_groups]
     twin.state = collections.defaultdict(dict)
     for param, state in optimizer.state.items():
-        twin.state[twins.get(id(param), param)] = {key: _meta_state(value)
+        twin.state[twins.get(id(param), param)] = {key: state_twin(value)
                                                    for key, value in state.items()}
-    return replica, twin
+    return twin
+
+
+def is_host_scalar(value: Any) -> bool:
+    """A one-element tensor in host memory (Adam's ``step``), not a shard of one."""
+    return (isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta
+            and value.device.type == "cpu" and not hasattr(value, "full_tensor"))
 
 
 def _meta_state(value: Any) -> Any:
-    """An optimizer state value on meta at its global shape; a host scalar (Adam's ``step``)
-    stays as it is, as the step reads it back."""
-    if not isinstance(value, torch.Tensor) or (value.numel() == 1 and not hasattr(
-            value, "full_tensor") and value.device.type == "cpu"):
+    """An optimizer state value on meta at its global shape; a host scalar stays itself."""
+    if not isinstance(value, torch.Tensor) or is_host_scalar(value):
         return value
     return torch.empty(value.shape, dtype=value.dtype, device="meta")
 

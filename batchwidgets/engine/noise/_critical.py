@@ -283,7 +283,8 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
     device = torch.device(device) if device is not None else next(model.parameters()).device
     eval_items = [items[i * len(items) // min(eval_examples, len(items))]
                   for i in range(min(eval_examples, len(items)))]
-    state = TrainingState(model, optimizer, (scheduler,) if scheduler is not None else ())
+    state = TrainingState(model, optimizer, (scheduler,) if scheduler is not None else (),
+                          loss_fn=loss_fn)
     extra = sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
         v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
         if torch.is_tensor(v))
@@ -311,12 +312,13 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
             if target is None:
                 target, first, reason, target_steps = _default_target(runner, base,
                                                                       base_steps, start)
-            if target is not None:
+            reachable = target is not None and target < start  # else: said below
+            if reachable:
                 branches, used, fits = _climb(
                     runner, ladder, seeds, first, lambda b: scale_of(b / base), target, start,
                     max_steps or 4 * (target_steps or base_steps),
                     len(items) if batch_sizes is None else 0)
-            if criterion == "loss" and target is not None:
+            if criterion == "loss" and reachable:
                 loss_batch, loss_rows = _loss_criterion(
                     runner, ladder, base, base_steps * base, used, seeds, start,
                     loss_tolerance)

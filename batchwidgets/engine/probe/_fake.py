@@ -5,9 +5,7 @@ parameters and buffers are swapped for fake ones by ``functional_call`` while a 
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +20,7 @@ from torch.utils._pytree import tree_map_only
 
 from .._background import private_generators
 from .._batches import as_keywords
+from .._unsharded import is_host_scalar, optimizer_twin
 from ._optimizer_shapes import StandIn, StateRule
 from ._trials import model_step
 
@@ -81,7 +80,9 @@ class FakeWorld:
                            for name, p in model.named_parameters()}
             self.buffers = {name: _fake_like(b) for name, b in model.named_buffers()}
             twins = {id(p): self.params[name] for name, p in model.named_parameters()}
-            self.optimizer = (_fake_optimizer(optimizer, twins, scalars) if rule is None
+            self.optimizer = (optimizer_twin(optimizer, twins,
+                                             lambda value: _fake_state(value, scalars))
+                              if rule is None
                               else StandIn(optimizer, twins, rule))
             # gradients the user holds: a real trial accumulates into them (and frees them)
             self._grads = {name: _fake_like(p.grad) for name, p in model.named_parameters()
@@ -124,30 +125,14 @@ class FakeWorld:
 
 
 def _host_scalars(optimizer: torch.optim.Optimizer) -> dict[int, float]:
-    """The numbers of the state's one-element host tensors (Adam's ``step``), by id."""
+    """The numbers of the state's host scalars (Adam's ``step``), by id."""
     return {id(value): value.item() for state in optimizer.state.values()
-            for value in state.values() if isinstance(value, torch.Tensor)
-            and value.numel() == 1 and value.device.type == "cpu" and not value.is_meta}
-
-
-def _fake_optimizer(optimizer: torch.optim.Optimizer, twins: dict[int, torch.nn.Parameter],
-                    scalars: dict[int, float]) -> torch.optim.Optimizer:
-    """A shallow copy of ``optimizer`` over the fake twins, with its state faked (call under the
-    fake mode): the same class, hyperparameters and hooks, so its step runs the same ops."""
-    fake = copy.copy(optimizer)
-    fake.param_groups = [dict(group, params=[twins[id(p)] for p in group["params"]])
-                         for group in optimizer.param_groups]
-    fake.state = collections.defaultdict(dict)
-    for param, state in optimizer.state.items():
-        if id(param) in twins:
-            fake.state[twins[id(param)]] = {key: _fake_state(value, scalars)
-                                            for key, value in state.items()}
-    return fake
+            for value in state.values() if is_host_scalar(value)}
 
 
 def _fake_state(value: Any, scalars: dict[int, float]) -> Any:
-    """A fake of one optimizer state value; a scalar on the host (Adam's ``step``) keeps its
-    number as a fake constant, since the optimizer reads it back as a real step would."""
+    """A fake of one optimizer state value; a host scalar keeps its number as a fake constant,
+    since the optimizer reads it back as a real step would."""
     if not isinstance(value, torch.Tensor):
         return value
     if id(value) in scalars:

@@ -297,8 +297,10 @@ def _search_guarded(plan: ProbePlan, rule: StateRule | None = None) -> Search:
     engine/_state.py). A fake trace touches none of the user's tensors: only the modes, RNGs
     and flags are guarded then (see NOTE [ Fake trials ] in _fake.py)."""
     fake = plan.trace == "fake"
-    home_state = (TrainingState(plan.owner, None, (), weights=False) if fake
-                  else TrainingState(plan.owner, plan.optimizer, plan.extras))
+    home_state = (TrainingState(plan.owner, None, (), weights=False, loss_fn=plan.loss_fn,
+                                trains=plan.optimizer)
+                  if fake else TrainingState(plan.owner, plan.optimizer, plan.extras,
+                                             loss_fn=plan.loss_fn))
     meter = memory.probe_meter(plan.device, plan.budget_bytes,
                                plan.target[0] if plan.target is not None else None)
     guard = InterruptGuard()
@@ -335,7 +337,7 @@ def _search_guarded(plan: ProbePlan, rule: StateRule | None = None) -> Search:
 
 def _trainer(plan: ProbePlan, meter: Any, home_state: TrainingState) -> Trainer:
     """Real trials: each starts from the user's state (moved to the device probed)."""
-    state = (moved(plan.model, plan.optimizer, plan.device, plan.extras) if plan.moves
+    state = (moved(plan.model, plan.optimizer, plan.device, plan.extras, plan.loss_fn) if plan.moves
              else home_state)
     owned = [] if plan.owner is None else [*plan.owner.parameters(), *plan.owner.buffers()]
     return Trainer(_step(plan, meter), meter, state, plan.steps_per_trial,

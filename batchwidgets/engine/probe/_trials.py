@@ -163,7 +163,7 @@ class Trainer:
 
 
 def moved(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-          extras: tuple) -> TrainingState:
+          extras: tuple, loss_fn: Callable | None = None) -> TrainingState:
     """Move the model and its optimizer state to ``device``; the state to start each trial from.
 
     Optimizer state follows its parameter, except ``step`` counters, which PyTorch's optimizers
@@ -174,7 +174,7 @@ def moved(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torc
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step" and value.device != param.device:
                 state[key] = value.to(param.device)
-    return TrainingState(model, optimizer, extras)
+    return TrainingState(model, optimizer, extras, loss_fn=loss_fn)
 
 
 def model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Callable | None,
