@@ -193,6 +193,15 @@ def test_when_the_states_alone_do_not_fit_the_error_says_which_and_what_would():
     assert info.value.report.max_batch_size == 0
 
 
+def test_on_a_small_target_the_error_counts_in_megabytes():
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 8.4M parameters
+    with pytest.raises(bw.NoBatchSizeFits, match=r"states alone \(weights 33\.6 MB, gradients "
+                       r"33\.6 MB, optimizer state 67\.2 MB\) need 134\.3 MB, of 134\.2 MB usable"):
+        bw.find_batch(model, lambda n: (torch.randn(n, 1024), torch.randn(n, 1024)),
+                      loss_fn=nn.functional.mse_loss, target="128MiB")
+
+
 class ReadsBack(nn.Module):
     """A branch on a tensor's value: fake tensors cannot say which way it goes."""
 

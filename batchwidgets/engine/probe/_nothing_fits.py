@@ -36,7 +36,8 @@ class NoBatchSizeFits(RuntimeError):
 def _nothing_fits_on_target(report: BatchSizeReport) -> str:
     """A target plan where not even one sample fits: what does not, and what would help."""
     split, usable = report.memory_split, report.limit_bytes or 0
-    gb = lambda nbytes: f"{nbytes / 1e9:.1f} GB"  # noqa: E731
+    gb = lambda nbytes: (f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9  # noqa: E731
+                         else f"{nbytes / 1e6:.1f} MB")
     if report.parallel is not None:
         return _nothing_fits_on_ranks(report, gb)
     if split is None:
