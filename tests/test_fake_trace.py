@@ -329,3 +329,35 @@ def test_a_half_precision_model_gets_no_mixed_precision_rows():
     assert {"SGD without momentum (no optimizer state)", "foreach=False"} <= {
         row.name for row in rows}
     assert not {"bf16", "fp16"} & {row.name for row in rows}
+
+
+def checkpointed_bert(device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512,
+            vocab_size=1000, max_position_embeddings=128))
+    model.gradient_checkpointing_enable()
+    return model
+
+
+def masked_texts(batch_size: int) -> dict:
+    ids = torch.randint(0, 1000, (batch_size, 128))
+    return {"input_ids": ids, "labels": ids}  # one tensor twice: one allocation, as on real ones
+
+
+def test_activation_checkpointing_is_planned_on_fake_tensors_as_on_real_ones():
+    # Checkpointing runs each layer's forward again inside backward, so the fake weights must
+    # stand in for the whole step: a meta model once raised a device mismatch there, and a real
+    # one was planned at 437 where real steps plan 400 (1GiB; 152 without checkpointing).
+    real = bw.find_batch(checkpointed_bert(), masked_texts, target="1GiB", trace="real")
+    fake = bw.find_batch(checkpointed_bert(), masked_texts, target="1GiB", trace="fake")
+    meta = checkpointed_bert("meta")
+    planned = bw.find_batch(meta, masked_texts, target="1GiB")
+    assert (fake.trace, planned.trace) == ("fake", "fake")
+    assert real.max_batch_size == fake.max_batch_size == planned.max_batch_size
+    plain = checkpointed_bert()
+    plain.gradient_checkpointing_disable()
+    without = bw.find_batch(plain, masked_texts, target="1GiB")
+    assert real.max_batch_size > 2 * without.max_batch_size
+    assert all(p.is_meta for p in meta.parameters())

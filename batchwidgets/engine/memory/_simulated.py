@@ -143,7 +143,8 @@ class _SimulatedDevice(TorchDispatchMode):
                 self._blas_workspaces(name)
             out = func(*args, **kwargs)
             # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
-            outputs = list(unique_tensors([out]))  # none at all for many (prim.device)
+            # none at all for many (prim.device); none new for a lift (NOTE [ Lifted constants ])
+            outputs = list(unique_tensors([out])) if name != "lift_fresh" else []
             inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])} \
                 if outputs else set()
             for tensor in outputs:

@@ -1,7 +1,7 @@
 """Fake trials: the training step run on fake tensors (``FakeTensorMode``: shapes, dtypes and
 devices, no storage), so a plan for a GPU that is not here computes nothing and allocates
 nothing, and works on a model built on the meta device. The user's model is only read: its
-parameters and buffers are swapped for fake ones by ``functional_call`` while a step runs."""
+parameters and buffers are swapped for fake ones while a step runs (``FakeWorld.swapped``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.func import functional_call
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
@@ -35,7 +34,7 @@ from ._trials import model_step
 # dtypes, strides and requires_grad: a frozen weight gets no gradient and no optimizer state) and
 # the optimizer a shallow copy over them, its state faked from the real state's shapes (one
 # fake tensors cannot step: NOTE [ Optimizer state by shape ] in _optimizer_shapes.py);
-# ``functional_call`` runs the user's module on the twins. An op fake tensors cannot run (a value
+# the step runs the user's module with the twins swapped in. An op fake tensors cannot run (a value
 # read back to Python: .item(), nonzero, a branch on a tensor) raises FakeTraceError, naming the
 # op and the module; a real model is then traced by real steps, a meta model cannot be.
 
@@ -65,6 +64,13 @@ def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
 
 
+# NOTE [ Twins for the whole step ]
+# The twins stand in the model's own registries (each module's _parameters and _buffers) from
+# the batch to the optimizer step, not only through the forward call as functional_call does:
+# activation checkpointing runs the forward again inside backward, and that forward must find
+# the twins too (with functional_call it found the real weights: a meta model raised a device
+# mismatch, a real one was planned 9% over its real answer). The originals go back in a
+# finally, and the probe's ModelState puts back each registry as it was in any case.
 class FakeWorld:
     """Fake twins of a model's parameters and buffers and of its optimizer, the state each fake
     trial starts from (``restore()`` puts it back, as ``TrainingState`` does for real trials)."""
@@ -106,8 +112,24 @@ class FakeWorld:
         self.optimizer.state.clear()
         self.optimizer.state.update({p: dict(state) for p, state in self._start.items()})
 
-    def call(self, *args: Any, **kwargs: Any) -> Any:
-        return functional_call(self.model, {**self.params, **self.buffers}, args, kwargs)
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The model's parameters and buffers are their twins for a whole step, its backward
+        too (NOTE [ Twins for the whole step ]); each occurrence of a tied one."""
+        twins = {id(t): self.params[name] for name, t in self.model.named_parameters()}
+        twins.update({id(t): self.buffers[name] for name, t in self.model.named_buffers()})
+        saved = []
+        try:
+            for module in self.model.modules():
+                for registry in (module._parameters, module._buffers):
+                    for name, value in registry.items():
+                        if value is not None and id(value) in twins:
+                            saved.append((registry, name, value))
+                            registry[name] = twins[id(value)]
+            yield
+        finally:
+            for registry, name, value in reversed(saved):
+                registry[name] = value
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -146,10 +168,10 @@ def fake_step(world: FakeWorld, make: Callable[[int], Any], loss_fn: Callable | 
     Trainer enters). Without a GradScaler: scaling changes no storage's size, and its inf check
     reads a value back."""
     step = model_step(world.model, _made_real(make), loss_fn, world.optimizer,
-                      torch.device("cpu"), amp, None, meter, call=world.call)
+                      torch.device("cpu"), amp, None, meter)
 
     def traced(batch_size: int) -> None:
-        with _where_it_failed(meter):
+        with _where_it_failed(meter), world.swapped():
             step(batch_size)
 
     return traced
@@ -162,7 +184,7 @@ def fake_step(world: FakeWorld, make: Callable[[int], Any], loss_fn: Callable | 
 # allocator (a BERT on padded text planned for a T4 doubled to its ceiling). So make(batch_size)
 # runs outside every mode but a panel's private RNG, on real tensors, and each tensor of the
 # batch enters the step as one fake of its shape, strides and dtype: the batch's memory,
-# allocated once per tensor.
+# allocated once per tensor (once for a tensor the batch holds twice, as labels=input_ids).
 def _made_real(make: Callable[[int], Any]) -> Callable[[int], Any]:
     def made(batch_size: int) -> Any:
         with _disable_current_modes() as modes, contextlib.ExitStack() as kept:
@@ -170,7 +192,14 @@ def _made_real(make: Callable[[int], Any]) -> Callable[[int], Any]:
                 kept.enter_context(mode)
             batch = make(batch_size)
         keywords = as_keywords(batch)  # a BatchEncoding is fed as the dict it is
-        return tree_map_only(torch.Tensor, _fake_like, batch if keywords is None else keywords)
+        fakes: dict[int, torch.Tensor] = {}  # a tensor twice in the batch (labels=ids) is one
+
+        def fake(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in fakes:
+                fakes[id(tensor)] = _fake_like(tensor)
+            return fakes[id(tensor)]
+
+        return tree_map_only(torch.Tensor, fake, batch if keywords is None else keywords)
 
     return made
 

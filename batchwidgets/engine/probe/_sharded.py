@@ -5,7 +5,9 @@ of ``parallel="fsdp"`` start from (NOTE [ One FSDP2 rank, traced ])."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -87,8 +89,10 @@ class ShardedWorld:
         self.optimizer.state = collections.defaultdict(dict)
         self.restore()
 
-    def call(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model(*args, **kwargs)
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Nothing to swap: the sharded copy holds its fake shards itself."""
+        yield
 
     def tensors(self) -> list:
         """What the step holds before it starts: shards, buffers, gradients, optimizer state."""

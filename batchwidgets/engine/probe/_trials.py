@@ -182,7 +182,7 @@ def model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Call
                scaler: Any, meter: Any, call: Callable | None = None) -> Callable[[int], None]:
     """The model form's step(batch_size): a batch, forward and loss (under autocast with
     ``amp``), backward, the optimizer's step (through ``scaler`` when there is one). ``call``
-    runs the model (a fake trial's ``functional_call`` on fake twins; default ``model``)."""
+    runs the model (default ``model``)."""
     dtype = AMP_DTYPES.get(amp) if amp else None
 
     def step(batch_size: int) -> None:
