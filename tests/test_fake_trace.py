@@ -361,3 +361,26 @@ def test_activation_checkpointing_is_planned_on_fake_tensors_as_on_real_ones():
     without = bw.find_batch(plain, masked_texts, target="1GiB")
     assert real.max_batch_size > 2 * without.max_batch_size
     assert all(p.is_meta for p in meta.parameters())
+
+
+def test_a_meta_models_checkpoint_every_block_row_is_its_checkpointed_plan():
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=1000)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+
+    def tokens(batch_size: int) -> dict:
+        ids = torch.randint(0, 1000, (batch_size, 256))
+        return {"input_ids": ids, "labels": ids}
+
+    report = bw.find_batch(model, tokens, target="1GiB", what_if=True)
+    row = {row.name: row for row in report.what_if}["checkpoint every block (3 LlamaDecoderLayer)"]
+    assert not row.measured
+    assert not model.is_gradient_checkpointing
+    assert model.config.use_cache
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(p.is_meta for p in model.parameters())
+    model.gradient_checkpointing_enable()
+    assert row.max_batch_size == bw.find_batch(model, tokens, target="1GiB").max_batch_size
+    assert row.max_batch_size > 1.3 * report.max_batch_size

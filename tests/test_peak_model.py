@@ -343,6 +343,65 @@ def test_with_activation_checkpointing_the_probe_finds_what_fits_and_more_than_w
     assert not fits_oracle(model, texts, report.max_batch_size + 1, budget)
 
 
+class Blocks(nn.Module):
+    """A plain-torch stack of residual MLP blocks in a ModuleList: activations dominate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 256), nn.GELU(),
+                                                  nn.Linear(256, 32)) for _ in range(4))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_the_checkpoint_every_block_what_if_is_measured_as_checkpointed_models_run():
+    # a Hugging Face model by its own gradient_checkpointing_enable(); a plain one by each
+    # block's forward through torch.utils.checkpoint; the user's model is left as it was
+    def classifier() -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128, num_labels=2))
+
+    def texts(batch_size: int) -> dict:
+        ids = torch.randint(0, 500, (batch_size, 64), generator=torch.Generator().manual_seed(1))
+        return {"input_ids": ids, "labels": ids[:, 0] % 2}
+
+    def vectors(batch_size: int):
+        return torch.randn(batch_size, 32), torch.randint(0, 4, (batch_size,))
+
+    budget = 32 * 2**20
+    model = classifier()
+    rows = {row.name: row for row in bw.find_batch(model, texts, budget=budget,
+                                                   what_if=True).what_if}
+    row = rows["checkpoint every block (2 BertLayer)"]
+    assert row.measured
+    assert not model.is_gradient_checkpointing
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    model.gradient_checkpointing_enable()
+    assert row.max_batch_size == bw.find_batch(model, texts, budget=budget).max_batch_size
+
+    budget = 4 * 2**20
+    plain = Blocks()
+    forwards = [block.forward for block in plain.blocks]
+    report = bw.find_batch(plain, vectors, loss_fn=nn.functional.cross_entropy, budget=budget,
+                           what_if=True)
+    row = {row.name: row for row in report.what_if}["checkpoint every block (4 Sequential)"]
+    assert [block.forward for block in plain.blocks] == forwards  # not wrapped
+    assert "forward" not in plain.blocks[0].__dict__
+    for block in plain.blocks:
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                          use_reentrant=False)
+    checkpointed = bw.find_batch(plain, vectors, loss_fn=nn.functional.cross_entropy,
+                                 budget=budget)
+    assert row.max_batch_size == checkpointed.max_batch_size > 1.5 * report.max_batch_size
+
+
 class Sequences(torch.utils.data.Dataset):
     """Token sequences of 8-24 tokens, with three of 400 at 96: the rare long ones."""
 

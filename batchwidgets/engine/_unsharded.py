@@ -40,6 +40,13 @@ def unsharded(model: torch.nn.Module) -> torch.nn.Module:
                     else param)[0]
 
 
+def shallow_replica(model: torch.nn.Module) -> torch.nn.Module:
+    """A replica of ``model`` over the same parameter and buffer objects, each module a new
+    object with registries of its own, so attributes set on it (a checkpointed forward) and
+    tensors swapped into it leave ``model`` as it is; training it trains ``model``'s weights."""
+    return _replica(model, None)[0]
+
+
 def meta_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
                  ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
     """A sharded model's replica on the meta device, of its full shapes (a DTensor's shape is the
@@ -81,14 +88,17 @@ def _meta_state(value: Any) -> Any:
     return torch.empty(value.shape, dtype=value.dtype, device="meta")
 
 
-def _replica(model: torch.nn.Module, whole: Callable[[torch.Tensor], torch.Tensor]
+def _replica(model: torch.nn.Module, whole: Callable[[torch.Tensor], torch.Tensor] | None
              ) -> tuple[torch.nn.Module, dict[int, torch.nn.Parameter]]:
     """The replica of ``model`` whose parameters are ``whole(param)``, each once, in module
-    order; and each parameter's replica by the original's id."""
+    order (None: the parameters themselves); and each parameter's replica by the original's
+    id."""
     gathered: dict[int, torch.nn.Parameter] = {}
     replicas: dict[int, torch.nn.Module] = {}
 
     def full(param: torch.Tensor) -> torch.nn.Parameter:
+        if whole is None:
+            return param
         if id(param) not in gathered:
             gathered[id(param)] = torch.nn.Parameter(whole(param).detach(),
                                                      requires_grad=param.requires_grad)
@@ -104,6 +114,7 @@ def _replica(model: torch.nn.Module, whole: Callable[[torch.Tensor], torch.Tenso
         replicas[id(module)] = clone
         clone.__dict__["_parameters"] = {name: None if p is None else full(p)
                                          for name, p in module._parameters.items()}
+        clone.__dict__["_buffers"] = dict(module._buffers)  # the same tensors
         clone.__dict__["_modules"] = {name: None if m is None else replica(m)
                                       for name, m in module._modules.items()}
         _drop_fsdp_hooks(clone)
@@ -142,5 +153,6 @@ def _drop_fsdp_hooks(module: torch.nn.Module) -> None:
         module.__dict__[hooks] = kept
         for name in flags:
             if name in module.__dict__:
-                module.__dict__[name] = {key: value for key, value
-                                         in module.__dict__[name].items() if key in kept}
+                flags_of = module.__dict__[name]  # an OrderedDict: hooks keep weak references
+                module.__dict__[name] = type(flags_of)(
+                    (key, value) for key, value in flags_of.items() if key in kept)

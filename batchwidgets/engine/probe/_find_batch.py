@@ -214,12 +214,13 @@ def _probe(plan: ProbePlan) -> BatchSizeReport:
             report = dataclasses.replace(report, what_if=_what_if.for_target(
                 search.model, report.max_batch_size, plan.target[1],
                 lambda **change: _probe(plan.with_change(**change)), plan.optimizer, plan.amp,
-                multiple_of=plan.multiple_of, ceiling=plan.ceiling, modules=modules))
+                multiple_of=plan.multiple_of, ceiling=plan.ceiling, modules=modules,
+                module=plan.model))
         return report
     rows = _predicted_what_ifs(plan, report, search)
     if plan.what_if and plan.model is not None:
         rows += _what_if.measured(lambda **change: _probe(plan.with_change(**change)),
-                                  plan.optimizer, plan.amp)
+                                  plan.optimizer, plan.amp, plan.model)
     return dataclasses.replace(report, what_if=tuple(rows)) if rows else report
 
 

@@ -13,16 +13,21 @@ Usage:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport, WhatIf
+from .._grads import is_sharded
+from .._unsharded import shallow_replica
 from ..memory import OpTrace, PeakModel
 
 CHECKPOINT_ROWS = 3  # activation checkpointing of the blocks that save the most
@@ -38,6 +43,10 @@ COSTS = {
     "expandable": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts): "
                   "segments grow in place, so rounding and fragmentation stop costing memory; "
                   "an upper bound, since workspaces still need room",
+    "every block": "recomputes every block's forward during backward: about one more forward "
+                   "per step (+20-35% step time), same numerics; on a Hugging Face model "
+                   "model.gradient_checkpointing_enable(), else torch.utils.checkpoint."
+                   "checkpoint(block, ..., use_reentrant=False) around each block",
     "foreach": "foreach=False: the optimizer steps one parameter at a time: less temporary memory "
                "in the step, a slower step (a kernel per parameter)",
 }
@@ -93,6 +102,61 @@ def expandable(model: PeakModel, limit_bytes: int, found: int, *, multiple_of: i
     return [WhatIf("expandable_segments", largest, False, COSTS["expandable"])]
 
 
+# NOTE [ Checkpointing every block ]
+# The per-op rows checkpoint one module at a time, those that save the most; what users do is
+# checkpoint every block of the model (gradient_checkpointing_enable() on a Hugging Face model),
+# and what that frees is not a sum of per-module parts (each block still saves its input, and
+# its backward recomputes it). So that row is probed (or, for a target, planned) again on a
+# replica of the model: the same parameter and buffer objects, new module objects, so the
+# user's modules are not touched. The blocks are the outermost ModuleLists' entries (a model
+# without two of them gets no row). A Hugging Face model that supports it is checkpointed by
+# its own gradient_checkpointing_enable() (non-reentrant, with use_cache off in a config of the
+# replica's own, as HF turns it off when checkpointing), any other by each block's forward
+# through torch.utils.checkpoint. A model that checkpoints already gets no row, nor does one
+# sharded by FSDP2 (its replica would lose the hooks that gather the shards).
+def checkpointed(model: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
+    """A replica of ``model`` with every block checkpointed, and its row's name; None without
+    two blocks, or when ``model`` is checkpointed already (NOTE [ Checkpointing every block ])."""
+    if getattr(model, "is_gradient_checkpointing", False) or is_sharded(
+            list(model.parameters())):  # FSDP2's own hooks gather the shards: no replica
+        return None
+    replica = shallow_replica(model)
+    units = _outermost_blocks(replica)
+    if len(units) < 2:
+        return None
+    kinds = "/".join(sorted({type(unit).__name__ for unit in units}))
+    if getattr(replica, "supports_gradient_checkpointing", False):
+        config = getattr(replica, "config", None)
+        if getattr(config, "use_cache", False):
+            quiet = copy.copy(config)
+            quiet.use_cache = False
+            for module in replica.modules():
+                if module.__dict__.get("config") is config:
+                    module.__dict__["config"] = quiet
+        with warnings.catch_warnings():  # transformers 5 renamed it
+            warnings.simplefilter("ignore")
+            if hasattr(replica, "activation_checkpointing_enable"):
+                replica.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                replica.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        for unit in units:
+            unit.forward = functools.partial(torch.utils.checkpoint.checkpoint, unit.forward,
+                                             use_reentrant=False)
+    return replica, f"checkpoint every block ({len(units)} {kinds})"
+
+
+def _outermost_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The entries of the ModuleLists met first on each path from the root."""
+    found: list[torch.nn.Module] = []
+    for child in model.children():
+        found += list(child) if isinstance(child, torch.nn.ModuleList) else (
+            _outermost_blocks(child))
+    return found
+
+
 def _row(name: str, cost: str, probe: Callable[..., BatchSizeReport], **change: Any) -> WhatIf:
     try:
         with warnings.catch_warnings():  # the row's cost line says it; no warning per probe
@@ -109,10 +173,14 @@ def _row(name: str, cost: str, probe: Callable[..., BatchSizeReport], **change: 
 
 
 def measured(probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optimizer,
-             amp: str | None) -> list[WhatIf]:
-    """Rows measured by probing again with the change: mixed precision, SGD, foreach=False.
-    ``probe(**change)`` runs find_batch with the same arguments and the change."""
+             amp: str | None, model: torch.nn.Module | None = None) -> list[WhatIf]:
+    """Rows measured by probing again with the change: mixed precision, SGD, foreach=False,
+    ``model`` with every block checkpointed. ``probe(**change)`` runs find_batch with the same
+    arguments and the change."""
     rows = []
+    replica = checkpointed(model) if model is not None else None
+    if replica is not None:
+        rows.append(_row(replica[1], COSTS["every block"], probe, model=replica[0]))
     params = [p for group in optimizer.param_groups for p in group["params"]]
     half = all(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     if amp is None and not half:  # weights already in half precision compute in it
@@ -138,13 +206,15 @@ def measured(probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optim
 def for_target(model: PeakModel | None, found: int, usable_bytes: int,
                probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optimizer,
                amp: str | None, *, multiple_of: int, ceiling: int,
-               modules: Mapping[str, str]) -> tuple[WhatIf, ...]:
+               modules: Mapping[str, str], module: torch.nn.Module | None = None
+               ) -> tuple[WhatIf, ...]:
     """A target plan's what-ifs, every row predicted (nothing runs on the target): the per-op
     model's rows against the tensor bytes at the target's answer ``found``, and each change
-    (bf16, fp16, SGD, foreach=False) planned again for the target by ``probe(**change)``, on
-    fake tensors as the plan was, so a meta model is never materialised or changed."""
+    (bf16, fp16, SGD, foreach=False, ``module`` with every block checkpointed) planned again
+    for the target by ``probe(**change)``, on fake tensors as the plan was, so a meta model is
+    never materialised or changed."""
     planned = [dataclasses.replace(row, measured=False, samples_per_s=None)
-               for row in measured(probe, optimizer, amp)]
+               for row in measured(probe, optimizer, amp, module)]
     rows = []
     if model is not None:
         # a change planned again for the target (replayed through its allocator) replaces the
