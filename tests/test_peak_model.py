@@ -402,6 +402,16 @@ def test_the_checkpoint_every_block_what_if_is_measured_as_checkpointed_models_r
     assert row.max_batch_size == checkpointed.max_batch_size > 1.5 * report.max_batch_size
 
 
+def test_no_checkpoint_every_block_row_where_a_replica_cannot_say():
+    # a compiled model's forward is bound to its original modules: the row would be the base
+    compiled = torch.compile(Blocks())
+    rows = bw.find_batch(compiled, lambda n: (torch.randn(n, 32), torch.randint(0, 4, (n,))),
+                         loss_fn=nn.functional.cross_entropy, target="256MiB",
+                         what_if=True).what_if
+    assert rows
+    assert not [row for row in rows if row.name.startswith("checkpoint every block")]
+
+
 class Sequences(torch.utils.data.Dataset):
     """Token sequences of 8-24 tokens, with three of 400 at 96: the rare long ones."""
 

@@ -113,12 +113,13 @@ def expandable(model: PeakModel, limit_bytes: int, found: int, *, multiple_of: i
 # its own gradient_checkpointing_enable() (non-reentrant, with use_cache off in a config of the
 # replica's own, as HF turns it off when checkpointing), any other by each block's forward
 # through torch.utils.checkpoint. A model that checkpoints already gets no row, nor does one
-# sharded by FSDP2 (its replica would lose the hooks that gather the shards).
+# sharded by FSDP2 (its replica would lose the hooks that gather the shards) or compiled by
+# torch.compile (its compiled forward is bound to the original modules).
 def checkpointed(model: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
     """A replica of ``model`` with every block checkpointed, and its row's name; None without
     two blocks, or when ``model`` is checkpointed already (NOTE [ Checkpointing every block ])."""
-    if getattr(model, "is_gradient_checkpointing", False) or is_sharded(
-            list(model.parameters())):  # FSDP2's own hooks gather the shards: no replica
+    if (getattr(model, "is_gradient_checkpointing", False) or hasattr(model, "_orig_mod")
+            or is_sharded(list(model.parameters()))):
         return None
     replica = shallow_replica(model)
     units = _outermost_blocks(replica)
