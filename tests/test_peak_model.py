@@ -319,20 +319,23 @@ def test_a_bert_with_dict_batches_takes_three_real_sizes_and_one_oom():
     assert not fits_oracle(model, lm_batch, report.max_batch_size + 1, budget)
 
 
+def classifier() -> nn.Module:
+    """A small BERT classifier whose activations dominate: 64 tokens, a small vocabulary."""
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, num_labels=2))
+
+
+def texts(batch_size: int) -> dict:
+    ids = torch.randint(0, 500, (batch_size, 64), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids[:, 0] % 2}
+
+
 def test_with_activation_checkpointing_the_probe_finds_what_fits_and_more_than_without():
     # PyTorch's ModuleTracker kept every recomputed activation alive through its gradient hooks
     # (NOTE [ Module tracking under activation checkpointing ]): the probe found half the batch
     # that fits, fewer than without checkpointing
-    def classifier() -> nn.Module:  # activations dominate: 64 tokens, a small vocabulary
-        torch.manual_seed(0)
-        return transformers.BertForSequenceClassification(transformers.BertConfig(
-            vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=128, num_labels=2))
-
-    def texts(batch_size: int) -> dict:
-        ids = torch.randint(0, 500, (batch_size, 64), generator=torch.Generator().manual_seed(1))
-        return {"input_ids": ids, "labels": ids[:, 0] % 2}
-
     budget = 32 * 2**20
     plain = bw.find_batch(classifier(), texts, budget=budget)
     model = classifier()
@@ -362,16 +365,6 @@ class Blocks(nn.Module):
 def test_the_checkpoint_every_block_what_if_is_measured_as_checkpointed_models_run():
     # a Hugging Face model by its own gradient_checkpointing_enable(); a plain one by each
     # block's forward through torch.utils.checkpoint; the user's model is left as it was
-    def classifier() -> nn.Module:
-        torch.manual_seed(0)
-        return transformers.BertForSequenceClassification(transformers.BertConfig(
-            vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=128, num_labels=2))
-
-    def texts(batch_size: int) -> dict:
-        ids = torch.randint(0, 500, (batch_size, 64), generator=torch.Generator().manual_seed(1))
-        return {"input_ids": ids, "labels": ids[:, 0] % 2}
-
     def vectors(batch_size: int):
         return torch.randn(batch_size, 32), torch.randint(0, 4, (batch_size,))
 
