@@ -110,11 +110,12 @@ def expandable(model: PeakModel, limit_bytes: int, found: int, *, multiple_of: i
 # replica of the model: the same parameter and buffer objects, new module objects, so the
 # user's modules are not touched. The blocks are the outermost ModuleLists' entries (a model
 # without two of them gets no row). A Hugging Face model that supports it is checkpointed by
-# its own gradient_checkpointing_enable() (non-reentrant, with use_cache off in a config of the
+# its own gradient_checkpointing_enable() with its defaults, as the user would call it
+# (reentrant in transformers 4.46, non-reentrant in 5; use_cache off in a config of the
 # replica's own, as HF turns it off when checkpointing), any other by each block's forward
-# through torch.utils.checkpoint. A model that checkpoints already gets no row, nor does one
-# sharded by FSDP2 (its replica would lose the hooks that gather the shards) or compiled by
-# torch.compile (its compiled forward is bound to the original modules).
+# through torch.utils.checkpoint (non-reentrant). A model that checkpoints already gets no row,
+# nor does one sharded by FSDP2 (its replica would lose the hooks that gather the shards) or
+# compiled by torch.compile (its compiled forward is bound to the original modules).
 def checkpointed(model: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
     """A replica of ``model`` with every block checkpointed, and its row's name; None without
     two blocks, or when ``model`` is checkpointed already (NOTE [ Checkpointing every block ])."""
@@ -134,14 +135,10 @@ def checkpointed(model: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
             for module in replica.modules():
                 if module.__dict__.get("config") is config:
                     module.__dict__["config"] = quiet
-        with warnings.catch_warnings():  # transformers 5 renamed it
+        with warnings.catch_warnings():  # as the user would call it (transformers 5 renamed it)
             warnings.simplefilter("ignore")
-            if hasattr(replica, "activation_checkpointing_enable"):
-                replica.activation_checkpointing_enable(
-                    activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                replica.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False})
+            getattr(replica, "activation_checkpointing_enable",
+                    replica.gradient_checkpointing_enable)()
     else:
         for unit in units:
             unit.forward = functools.partial(torch.utils.checkpoint.checkpoint, unit.forward,
