@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import batchwidgets as bw
@@ -44,6 +45,34 @@ def test_each_rank_holds_its_strategys_share_of_the_states():
     assert zero1.parameters_bytes == weights
     assert zero3.parameters_bytes == pytest.approx(weights / 4, abs=4)
     assert rows["fsdp"].communication_bytes < zero3.communication_bytes  # blocks, not buckets
+    # every gradient after backward, its shard from ZeRO-2 on
+    assert ddp.gradients_bytes == zero1.gradients_bytes == weights
+    for name in ("zero2", "zero3", "fsdp"):
+        assert rows[name].gradients_bytes == pytest.approx(weights / 4, abs=4)
+    # the activations at each row's answer: the same per sample under every strategy
+    per_sample = [row.activations_bytes / row.max_batch_size for row in rows.values()]
+    assert min(per_sample) > 0
+    assert max(per_sample) == pytest.approx(min(per_sample), rel=0.01)
+
+
+def test_an_llms_rows_hold_its_gradients_though_its_peak_comes_before_them():
+    # a Llama's peak is in its forward (the logits), where no gradient exists yet
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=344,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=4000)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+
+    def tokens(batch_size: int) -> dict:
+        ids = torch.randint(0, 4000, (batch_size, 128))
+        return {"input_ids": ids, "labels": ids}
+
+    report = bw.find_batch(model, tokens, target="4x1GiB", parallel="compare")
+    assert report.memory_split.gradients_bytes == 0  # at the peak
+    trained = sum(p.numel() * 4 for p in model.parameters())
+    rows = {row.parallel: row for row in report.parallel_plans}
+    assert rows["ddp"].gradients_bytes == trained
+    assert rows["zero2"].gradients_bytes == pytest.approx(trained / 4, abs=4)
 
 
 def test_report_is_per_rank_and_names_the_global_batch():

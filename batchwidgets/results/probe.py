@@ -90,9 +90,10 @@ class ParallelPlan:
     world_size: int
     max_batch_size: int  # per rank; 0 when not even one sample fits
     parameters_bytes: int  # a rank's weights (its shard, where they are sharded)
-    gradients_bytes: int  # at the trace's peak
-    optimizer_bytes: int
-    communication_bytes: int
+    gradients_bytes: int  # a rank's gradients after backward (its shard from ZeRO-2 on)
+    optimizer_bytes: int  # a rank's optimizer state (its shard from ZeRO-1 on)
+    communication_bytes: int  # the buffers the strategy adds
+    activations_bytes: int = 0  # saved for backward at the rank's peak, at max_batch_size
 
     @property
     def global_batch_size(self) -> int:
@@ -101,7 +102,8 @@ class ParallelPlan:
     def row(self) -> tuple[object, ...]:
         return (self.parallel, self.max_batch_size, self.global_batch_size,
                 *(_html.format_bytes(n) for n in (self.parameters_bytes, self.gradients_bytes,
-                                                  self.optimizer_bytes, self.communication_bytes)))
+                                                  self.optimizer_bytes, self.communication_bytes,
+                                                  self.activations_bytes)))
 
 
 def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
@@ -339,7 +341,7 @@ def details_html(report: BatchSizeReport) -> str:
             [plan.row() for plan in report.parallel_plans],
             caption=f"strategies on {report.world_size}x{report.target} (predicted, per rank)",
             header=("parallel", "batch per rank", "global batch", "weights", "gradients",
-                    "optimizer state", "communication")))
+                    "optimizer state", "communication", "activations")))
     if report.memory_split is not None:
         parts.append(report.memory_split._repr_html_())
     return "".join(parts)

@@ -209,14 +209,28 @@ def plan_ranks(report: BatchSizeReport, model: torch.nn.Module, strategy: str, w
             of, buffers = shares(name, world_size, model_shapes), _buffers(name, model_shapes)
             one = plan(tuple((rank_trace(trace, of, buffers), size) for trace, size in pair))
         reports[name] = dataclasses.replace(one, memory_split=rank)
-        rows.append(ParallelPlan(
-            parallel=name, world_size=world_size, max_batch_size=one.max_batch_size,
-            parameters_bytes=rank.parameters_bytes, gradients_bytes=rank.gradients_bytes,
-            optimizer_bytes=rank.optimizer_bytes, communication_bytes=rank.communication_bytes))
+        rows.append(_row(name, world_size, one.max_batch_size, rank, model_shapes))
     chosen = strategy if strategy != "compare" else max(
         STRATEGIES, key=lambda name: (reports[name].max_batch_size, -STRATEGIES.index(name)))
     return dataclasses.replace(reports[chosen], parallel=chosen, world_size=world_size,
                                parallel_plans=tuple(rows))
+
+
+def _row(name: str, world_size: int, found: int, rank: MemorySplit,
+         model: Shapes) -> ParallelPlan:
+    """What a rank holds under ``name``: its weights and optimizer state (at the trace's peak),
+    its share of every gradient (held from backward to the step, whether or not the peak comes
+    before them: an LLM's comes in the forward), the buffers, and the activations at its peak
+    at ``found`` (linear in the batch, as the per-op model is)."""
+    activations = (math.ceil(rank.activations_bytes * found / rank.batch_size)
+                   if rank.batch_size else 0)
+    return ParallelPlan(
+        parallel=name, world_size=world_size, max_batch_size=found,
+        parameters_bytes=rank.parameters_bytes,
+        gradients_bytes=_share(model.gradients_bytes, "gradient",
+                               shares(name, world_size, model)),
+        optimizer_bytes=rank.optimizer_bytes, communication_bytes=rank.communication_bytes,
+        activations_bytes=activations)
 
 
 def _traced_split(split: MemorySplit, buffers_bytes: int) -> MemorySplit:
