@@ -220,3 +220,22 @@ def test_a_model_fully_shard_cannot_wrap_is_one_line_naming_the_fix():
     report = bw.find_batch(Scaled(), torch.zeros(8), target="2x1GiB", parallel="compare",
                            max_batch_size=64)  # compare plans FSDP2 by its rules then
     assert "FSDP2 planned by its published rules: fully_shard cannot wrap" in report.method
+
+
+def test_a_zero_stage_never_plans_below_the_stage_it_holds_less_than():
+    # A GPT-2's cut optimizer state once fragmented the allocator replay: ZeRO-1 41, DDP 42
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+
+    def tokens(batch_size: int) -> dict:
+        ids = torch.randint(0, 50257, (batch_size, 1024))
+        return {"input_ids": ids, "labels": ids}
+
+    report = bw.find_batch(model, tokens, target="8xA100-80GB", parallel="zero1")
+    batch = {row.parallel: row.max_batch_size for row in report.parallel_plans}
+    assert 0 < batch["ddp"] <= batch["zero1"] <= batch["zero2"]
+    assert report.max_batch_size == batch["zero1"]
+    assert report.predict_peak_bytes(report.max_batch_size) <= report.limit_bytes
+    assert report.predict_peak_bytes(report.max_batch_size + 1) > report.limit_bytes
+    rows = {row.parallel: row for row in report.parallel_plans}
+    assert rows["zero1"].optimizer_bytes < rows["ddp"].optimizer_bytes  # its own states
