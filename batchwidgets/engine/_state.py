@@ -412,8 +412,8 @@ class TrainingState:
         self.model = ModelState(model, weights) if model is not None else None
         # what the step changes outside the model: parameters the optimizer trains beside it
         # (a learned temperature), a loss module's weights and the gradients they accumulate
-        own = {id(p) for p in model.parameters()} if isinstance(model, torch.nn.Module) else {
-            id(p) for p in trained}
+        own = ({id(p) for p in model.parameters()} if isinstance(model, torch.nn.Module)
+               else {id(p) for p in trained})  # a bare step's model is what it trains
         beside = list({id(p): p for p in trained if id(p) not in own}.values())
         parts: list[Any] = [beside] if beside else []
         if isinstance(loss_fn, torch.nn.Module) and loss_fn is not model:

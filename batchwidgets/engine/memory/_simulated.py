@@ -36,7 +36,7 @@ from ._meters import (
     tracing,
 )
 from ._targets import CPU_TARGET
-from ._tracker import _Where, unique_tensors
+from ._tracker import LIFT, _Where, unique_tensors
 from ._workspaces import (
     CONV_OPS,
     MATMUL_OPS,
@@ -144,7 +144,7 @@ class _SimulatedDevice(TorchDispatchMode):
             out = func(*args, **kwargs)
             # The outputs first, then the workspace, as a CUDA op allocates them before its kernel.
             # none at all for many (prim.device); none new for a lift (NOTE [ Lifted constants ])
-            outputs = list(unique_tensors([out])) if name != "lift_fresh" else []
+            outputs = list(unique_tensors([out])) if func is not LIFT else []
             inputs = {id(t.untyped_storage()) for t in unique_tensors([args, kwargs])} \
                 if outputs else set()
             for tensor in outputs:

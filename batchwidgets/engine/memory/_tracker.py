@@ -32,7 +32,7 @@ from .._util import leaves
 # the lift returns a fake with a storage of its own, which would be counted, so a fake trace had
 # an allocation a real one never has (74 of them in a BERT's first AdamW step). A lift is never
 # counted: both traces agree (and Adam's step counters live on the host on CUDA anyway).
-_LIFT = torch.ops.aten.lift_fresh.default
+LIFT = torch.ops.aten.lift_fresh.default
 
 
 class BudgetExceededError(torch.OutOfMemoryError):
@@ -185,7 +185,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         # An output sharing an input's storage (a view, an in-place op) allocates nothing new. A
         # storage made before the block, such as a dataset tensor that make_batch slices, is not
         # the step's memory: counting it would charge the whole dataset to the first slice.
-        for tensor in outputs if func is not _LIFT else ():
+        for tensor in outputs if func is not LIFT else ():
             key = id(tensor.untyped_storage())
             if key in self._storages or key not in inputs:
                 self._count(tensor)
