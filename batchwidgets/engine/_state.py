@@ -6,6 +6,8 @@ from __future__ import annotations
 import _thread
 import copy
 import functools
+import gc
+import os
 import random
 import signal
 import sys
@@ -31,11 +33,25 @@ from ._background import rng_is_private
 # the main thread, so a probe on another thread needs (and installs) nothing.
 #
 # A KeyboardInterrupt raised inside a weak-reference callback (the memory tracker's, which runs
-# whenever a tensor dies) is printed as "Exception ignored" and lost; the handler re-arms the
-# signal a millisecond later instead (re-arming it at once would run the handler again inside
-# the callback), so it is raised outside.
+# whenever a tensor dies; torch's WeakIdKeyDictionary's), a ``__del__`` or anything the cycle
+# collector runs is printed as "Exception ignored" and lost; the handler re-arms the signal a
+# millisecond later instead (re-arming it at once would run the handler again inside the
+# callback), so it is raised outside. It does the same inside an ``__enter__`` or ``__exit__``
+# the probe runs: entering and leaving a context is a state change that must be whole, and torch
+# makes them by hand. An interrupt inside FakeTensorMode's ``__exit__`` (or torch's
+# ``unset_fake_temporarily``) left the fake mode set, and the next real op aborted the whole
+# process ("trying to set the current FakeTensorMode, but one already exists"); one inside a
+# TorchDispatchMode's ``__exit__`` left the tracker pushed for every later op; one in the
+# ``__exit__`` of the fake trials' swap left fake twins in the user's modules. Last, it waits
+# while the innermost frame is torch's own Python: C++ calls some of it where an exception
+# cannot pass (an interrupt in ``find_torch_dispatch_rule``, which the dispatcher calls for each
+# op on a fake tensor, aborted the process: "terminate called after throwing an instance of
+# 'pybind11::error_already_set'"); the next frame of the model's or batchwidgets' own takes it.
 _UNINTERRUPTIBLE: set = set()
 _WEAKREF_CALLBACKS: set = set()  # code of the weak-reference callbacks batchwidgets registers
+_WEAKREF_FILES = ("_weakrefset.py", "weakref.py", f"utils{os.sep}weak.py")
+_ENTER_EXIT = ("__enter__", "__exit__", "__aenter__", "__aexit__", "__del__")
+_TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
 def makes_weakref_callbacks(factory: Callable) -> Callable:
@@ -47,10 +63,11 @@ def makes_weakref_callbacks(factory: Callable) -> Callable:
     return factory
 
 
-def _in_weakref_callback(code: Any) -> bool:
-    return code in _WEAKREF_CALLBACKS or (
-        code.co_name in ("_remove", "remove")
-        and code.co_filename.endswith(("_weakrefset.py", "weakref.py")))
+def _not_now(code: Any) -> bool:
+    """Whether a KeyboardInterrupt raised in this code would be lost or cut a state change in
+    two (see NOTE [ Restoring under Ctrl-C ])."""
+    return code in _WEAKREF_CALLBACKS or code.co_name in _ENTER_EXIT or (
+        code.co_name in ("_remove", "remove") and code.co_filename.endswith(_WEAKREF_FILES))
 
 
 def _uninterruptible(function: Callable) -> Callable:
@@ -59,22 +76,30 @@ def _uninterruptible(function: Callable) -> Callable:
 
 
 class _Deferral:
-    def __init__(self, previous: Any) -> None:
+    def __init__(self, previous: Any, home: Any) -> None:
         self.previous = previous
+        self.home = home  # the frame that installed it: frames outside the probe do not count
         self.pending = False
+        self.collecting = False  # the cycle collector is running (it runs finalizers)
 
     def handle(self, signum: int, frame: Any) -> None:
-        in_callback = False
+        not_now = self.collecting or (frame is not None and frame.f_code.co_filename.startswith(
+            _TORCH))
+        inside = True
         while frame is not None:
             if frame.f_code in _UNINTERRUPTIBLE:
                 self.pending = True
                 return
-            in_callback = in_callback or _in_weakref_callback(frame.f_code)
+            inside = inside and frame is not self.home
+            not_now = not_now or (inside and _not_now(frame.f_code))
             frame = frame.f_back
-        if in_callback:  # raised there, it would be lost: signal again in a millisecond
+        if not_now:  # raised here, it would be lost or cut a change in two: signal again soon
             threading.Timer(0.001, _thread.interrupt_main, (signum,)).start()
             return
         self.deliver(signum)
+
+    def on_collect(self, phase: str, info: dict) -> None:
+        self.collecting = phase == "start"
 
     def deliver(self, signum: int = signal.SIGINT) -> None:
         self.pending = False
@@ -96,8 +121,9 @@ class InterruptGuard:
         self.deferral: _Deferral | None = None
         if (threading.current_thread() is threading.main_thread() and not _DEFERRAL
                 and previous not in (signal.SIG_IGN, None)):
-            self.deferral = _Deferral(previous)
+            self.deferral = _Deferral(previous, sys._getframe(1))
             signal.signal(signal.SIGINT, self.deferral.handle)
+            gc.callbacks.append(self.deferral.on_collect)
             _DEFERRAL.append(self.deferral)
 
     @_uninterruptible
@@ -106,6 +132,7 @@ class InterruptGuard:
         if deferral is None:
             return False
         signal.signal(signal.SIGINT, deferral.previous)
+        gc.callbacks.remove(deferral.on_collect)
         _DEFERRAL.remove(deferral)
         return deferral.pending
 
