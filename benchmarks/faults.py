@@ -91,7 +91,7 @@ def main() -> None:
         f"{len(storm['lost'])} | {storm['probe_s']:.1f} s |",
         f"| real kernel (`KernelManager.interrupt_kernel`) | {kernel['trials']} | "
         f"{kernel['failures']} | | {kernel['probe_s']:.1f} s |", "",
-        "Interrupts lost: raised where Python prints \"Exception ignored\" (a `__del__`, a "
+        'Interrupts lost: raised where Python prints "Exception ignored" (a `__del__`, a '
         "weak-reference callback). A storm that aborts the process ends the script.", "",
         f"Kernel trials (presses, probe cell status, state identical): {kernel['details']}", "",
         "| after | widgets open | threads | /dev/shm entries |", "|---|---|---|---|",
