@@ -22,7 +22,7 @@ from _machine import commit, device_name
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the storm is the one tests/test_reliability.py runs
 
-from test_reliability import kernel_storm, run_storm  # noqa: E402
+from test_reliability import accumulate_storm, kernel_storm, run_storm  # noqa: E402
 
 
 def _shm_entries() -> int:
@@ -71,6 +71,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=30, help="in-process storms")
     parser.add_argument("--kernel-trials", type=int, default=4, help="storms in a real kernel")
+    parser.add_argument("--accumulate-trials", type=int, default=500,
+                        help="accumulate blocks hit by Ctrl-C")
     parser.add_argument("--probes", type=int, default=50)
     parser.add_argument("--toggles", type=int, default=100)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/faults_cpu.md"))
@@ -78,6 +80,7 @@ def main() -> None:
     started = time.perf_counter()
     storm = run_storm(trials=args.trials, width=256, depth=2)
     kernel = kernel_storm(args.kernel_trials)
+    blocks = accumulate_storm(args.accumulate_trials)
     leak = leaks(args.probes, args.toggles)
     lines = [
         "# Faults: interrupt storms and leaks (CPU)", "",
@@ -94,6 +97,12 @@ def main() -> None:
         'Interrupts lost: raised where Python prints "Exception ignored" (a `__del__`, a '
         "weak-reference callback). A storm that aborts the process ends the script.", "",
         f"Kernel trials (presses, probe cell status, state identical): {kernel['details']}", "",
+        "Bursts of 1-5 Ctrl-C around short `accumulate` blocks (AdamW, StepLR, clipping; "
+        "each from a little before it starts to a little after it ends); a failure is anything "
+        "left patched afterwards (`optimizer.step`, the scheduler, `Tensor.backward`, "
+        "`clip_grad_norm_`, hooks, grad mode, the SIGINT handler).", "",
+        "| blocks | failures | block alone |", "|---|---|---|",
+        f"| {blocks['trials']} | {blocks['failures']} | {blocks['block_s'] * 1000:.0f} ms |", "",
         "| after | widgets open | threads | /dev/shm entries |", "|---|---|---|---|",
         *(f"| {name} | {w} | {t} | {s} |" for name, (w, t, s) in (
             ("start", leak["before"]), (f"{leak['probes']} %find_batch panels",

@@ -47,6 +47,8 @@ from ._background import rng_is_private
 # cannot pass (an interrupt in ``find_torch_dispatch_rule``, which the dispatcher calls for each
 # op on a fake tensor, aborted the process: "terminate called after throwing an instance of
 # 'pybind11::error_already_set'"); the next frame of the model's or batchwidgets' own takes it.
+# A press that lands while the handler itself runs (starting that timer's thread waits) is
+# signalled again too: raised there, it went through the frame the first press was waiting on.
 _UNINTERRUPTIBLE: set = set()
 _WEAKREF_CALLBACKS: set = set()  # code of the weak-reference callbacks batchwidgets registers
 _WEAKREF_FILES = ("_weakrefset.py", "weakref.py", f"utils{os.sep}weak.py")
@@ -91,7 +93,7 @@ class _Deferral:
                 self.pending = True
                 return
             inside = inside and frame is not self.home
-            not_now = not_now or (inside and _not_now(frame.f_code))
+            not_now = not_now or frame.f_code is _HANDLE or (inside and _not_now(frame.f_code))
             frame = frame.f_back
         if not_now:  # raised here, it would be lost or cut a change in two: signal again soon
             threading.Timer(0.001, _thread.interrupt_main, (signum,)).start()
@@ -108,6 +110,7 @@ class _Deferral:
         raise KeyboardInterrupt
 
 
+_HANDLE = _Deferral.handle.__code__  # a press while the handler runs (starting its timer)
 _DEFERRAL: list[_Deferral] = []  # the one installed now (main thread only)
 
 
@@ -116,12 +119,13 @@ class InterruptGuard:
     in progress to finish (see NOTE [ Restoring under Ctrl-C ]). ``release()`` puts the previous
     handler back and says whether an interrupt is still to be delivered."""
 
-    def __init__(self) -> None:
+    def __init__(self, home: Any = None) -> None:
+        """``home``: the outermost frame of what it guards (default: the caller's)."""
         previous = signal.getsignal(signal.SIGINT)
         self.deferral: _Deferral | None = None
         if (threading.current_thread() is threading.main_thread() and not _DEFERRAL
                 and previous not in (signal.SIG_IGN, None)):
-            self.deferral = _Deferral(previous, sys._getframe(1))
+            self.deferral = _Deferral(previous, home or sys._getframe(1))
             signal.signal(signal.SIGINT, self.deferral.handle)
             gc.callbacks.append(self.deferral.on_collect)
             _DEFERRAL.append(self.deferral)

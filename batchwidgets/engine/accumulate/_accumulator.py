@@ -3,6 +3,7 @@ optimizer, scaler, scheduler, backward and clipping calls, and keeps the books."
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import torch
 from ..._warnings import BatchwidgetsWarning
 from ...results import AccumulationReport
 from .._grads import group_by_device_and_dtype, is_sharded, loss_scale
+from .._state import InterruptGuard
 from .._util import world_size
 from ..noise import AccumulatorFeed, AutoSteps, NoiseTracker
 from ._calls import InterceptedCalls
@@ -287,6 +289,9 @@ class Accumulator(InterceptedCalls):
                 f"effective batch, so training is close to the big batch but not identical; "
                 f"GroupNorm or LayerNorm have no such difference.", BatchwidgetsWarning,
                 stacklevel=2)
+        # Ctrl-C waits while this __enter__ or the __exit__ runs, so that the patches go on and
+        # come off whole (NOTE [ Restoring under Ctrl-C ] in _state.py); in the loop it is as usual.
+        self._guard = InterruptGuard(home=sys._getframe(1))
         try:
             self._patch(self.optimizer, "step", self._optimizer_step)
             self._patch(self.optimizer, "zero_grad", self._optimizer_zero_grad)
@@ -315,6 +320,7 @@ class Accumulator(InterceptedCalls):
                 self._set_ddp_sync(self.steps == 1)
         except BaseException:
             self._restore()
+            self._guard.release()
             raise
         return self
 
@@ -377,5 +383,6 @@ class Accumulator(InterceptedCalls):
                 self._finish_remainder()
         finally:
             self._restore()
+            self._guard.release()
         if self._feed is not None and (exc_type is None or exc_type is KeyboardInterrupt):
             self._feed.flush()
