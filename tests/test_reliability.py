@@ -460,6 +460,37 @@ def test_a_ctrl_c_inside_an_exit_or_a_del_waits_for_it_then_arrives(where):
     assert torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
 
 
+def test_a_ctrl_c_during_critical_batchs_put_back_waits_for_it_then_arrives(monkeypatch):
+    # critical_batch trains the model on purpose: a put-back cut short leaves it trained.
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    x, y = torch.randn(1024, 16), torch.randn(1024, 1)
+    nn.functional.mse_loss(model(x[:8]), y[:8]).backward()
+    optimizer.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    buffers = [s["momentum_buffer"].clone() for s in optimizer.state.values()]
+    original, calls = _state.ModelState.restore, []
+
+    def restore_with_a_press(self: _state.ModelState) -> None:
+        calls.append(1)
+        if len(calls) > 1:  # each put-back after a branch has trained, the last one too
+            _thread.interrupt_main()
+            time.sleep(0.01)
+        original(self)
+
+    monkeypatch.setattr(_state.ModelState, "restore", restore_with_a_press)
+    with pytest.raises(KeyboardInterrupt):
+        bw.critical_batch(model, torch.utils.data.TensorDataset(x, y), optimizer=optimizer,
+                          loss_fn=nn.functional.mse_loss, base_batch_size=4, noise=False)
+    assert len(calls) > 1
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(s["momentum_buffer"], b)
+               for s, b in zip(optimizer.state.values(), buffers))
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert not _state._DEFERRAL
+
+
 def test_a_ctrl_c_that_lands_in_the_trackers_weakref_callback_is_raised_after_it():
     # Raised inside a weakref callback, a KeyboardInterrupt is printed as "Exception ignored"
     # and lost. Here the handler is called from inside the tracker's release() callback, as

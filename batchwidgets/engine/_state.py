@@ -4,6 +4,7 @@ optimizer state, scheduler, scaler, train/eval modes, RNGs, backend flags."""
 from __future__ import annotations
 
 import _thread
+import contextlib
 import copy
 import functools
 import gc
@@ -13,7 +14,7 @@ import signal
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -133,8 +134,11 @@ class InterruptGuard:
     @_uninterruptible
     def release(self) -> bool:
         deferral, self.deferral = self.deferral, None
-        if deferral is None:
-            return False
+        if deferral is None:  # nested in another guard: an interrupt our restore kept is ours
+            if not _DEFERRAL:
+                return False
+            pending, _DEFERRAL[-1].pending = _DEFERRAL[-1].pending, False
+            return pending
         signal.signal(signal.SIGINT, deferral.previous)
         gc.callbacks.remove(deferral.on_collect)
         _DEFERRAL.remove(deferral)
@@ -170,7 +174,7 @@ def restore_all(*steps: Callable[[], Any]) -> None:
 
 
 @_uninterruptible
-def restore_home(state: TrainingState, model: torch.nn.Module | None, home: torch.device,
+def restore_home(state: TrainingState, model: torch.nn.Module | None, home: torch.device | None,
                  guard: InterruptGuard) -> BaseException | None:
     """The end of a probe: ``model`` (when it was moved) back to ``home``, then ``state``, each
     step whatever the one before raised; then the guard released. Returns what to raise: the
@@ -179,6 +183,20 @@ def restore_home(state: TrainingState, model: torch.nn.Module | None, home: torc
     first = _run_all([*steps, state.restore])
     interrupted = guard.release()
     return first or (KeyboardInterrupt() if interrupted else None)
+
+
+@contextlib.contextmanager
+def restored(state: TrainingState) -> Iterator[None]:
+    """``state`` put back when the block ends, also on error or Ctrl-C; Ctrl-C in the block is
+    as usual, and one that comes during the restore waits for it (NOTE [ Restoring under
+    Ctrl-C ]). For runs that change the state on purpose: critical_batch, measure_noise."""
+    guard = InterruptGuard(home=sys._getframe(2))  # the caller's frame, past contextlib's
+    try:
+        yield
+    finally:
+        failed = restore_home(state, None, None, guard)
+        if failed is not None:
+            raise failed
 
 
 class _Saved:

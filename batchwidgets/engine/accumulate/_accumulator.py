@@ -378,11 +378,15 @@ class Accumulator(InterceptedCalls):
                 delattr(owner, name)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        interrupted = False
         try:
             if exc_type is None:
                 self._finish_remainder()
         finally:
             self._restore()
-            self._guard.release()
-        if self._feed is not None and (exc_type is None or exc_type is KeyboardInterrupt):
+            interrupted = self._guard.release()  # Ctrl-C kept by a restore inside the block
+        if self._feed is not None and (exc_type is None or exc_type is KeyboardInterrupt
+                                       or interrupted):
             self._feed.flush()
+        if interrupted and exc_type is None:
+            raise KeyboardInterrupt

@@ -35,7 +35,7 @@ from .._batches import (
     forward_and_loss,
     slice_batch,
 )
-from .._state import TrainingState
+from .._state import TrainingState, restored
 from .._types import NOISE_METHODS, NoiseMethod
 from .._unsharded import unsharded
 from .._util import check_int, to_device
@@ -286,14 +286,11 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
                       f"statistics (eval mode) for them. Call model.eval() first to silence this.",
                       BatchwidgetsWarning, stacklevel=2)
     state = TrainingState(model)
-    try:
-        with torch.enable_grad():
-            for module in batchnorm:
-                module.eval()
-            moments, used = _accumulate(model, items, loss_fn, chunk_size, method,
-                                        collate_of(data))
-    finally:
-        state.restore()
+    with restored(state), torch.enable_grad():
+        for module in batchnorm:
+            module.eval()
+        moments, used = _accumulate(model, items, loss_fn, chunk_size, method,
+                                    collate_of(data))
     report = _report(moments, n_available, batch_sizes, replacement, used, bool(batchnorm))
     loader_batch = data.batch_size if isinstance(data, DataLoader) else None
     return dataclasses.replace(report, batch_size=loader_batch,
