@@ -102,6 +102,37 @@ def test_transformers_callback_feeds_the_tracker_from_the_trainers_accumulation(
         assert torch.equal(p, q)
 
 
+def test_a_transformers_run_stopped_by_ctrl_c_leaves_no_second_hook_for_the_next(tmp_path):
+    # The Trainer calls no callback when Ctrl-C stops it: the next train() must not add its
+    # hooks beside the old ones (each loss was recorded twice, and a hook stayed for good).
+    class Press(transformers.TrainerCallback):
+        def __init__(self):
+            self.substeps = 0
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            self.substeps += 1
+            if self.substeps == STEPS + 1:  # the second update's second micro-batch
+                raise KeyboardInterrupt
+
+    model = tiny_gpt2()
+    callback = hf.NoiseCallback(bw.NoiseTracker(warmup_updates=1, overhead_target=None),
+                                panel=False)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=STEPS, max_steps=UPDATES, report_to="none", use_cpu=True,
+        max_grad_norm=0.01, save_strategy="no", dataloader_num_workers=0, seed=0)
+    data = TokenData(MICRO * STEPS * UPDATES)
+    with pytest.raises(KeyboardInterrupt):
+        InOrder(model=model, args=args, train_dataset=data, callbacks=[callback, Press()]).train()
+    seen = callback.tracker.report.n_losses_seen
+    InOrder(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    assert not model._forward_hooks
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    # each of the second run's losses once, and the stopped update's two micro-batches' losses
+    # (recorded then, counted with the next update)
+    assert callback.tracker.report.n_losses_seen - seen == STEPS * UPDATES + 2
+
+
 def test_transformers_callback_without_accumulation_says_it_cannot_measure(tmp_path):
     callback = hf.NoiseCallback(panel=False)
     model = tiny_gpt2()

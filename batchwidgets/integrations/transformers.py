@@ -36,7 +36,9 @@ class NoiseCallback(TrainerCallback):
     it (read by a hook on each parameter during the last micro-batch's backward, when
     ``max_grad_norm > 0``). The per-micro-batch losses come from the model's ``.loss``, the
     data-stall share of each step from the time between two steps. The tracker samples updates
-    to stay under its ``overhead_target``. Nothing of the training changes.
+    to stay under its ``overhead_target``. Nothing of the training changes. A run stopped by
+    Ctrl-C or an error calls no callback, so its hooks stay on the model until the next
+    ``train()`` with this callback removes them first (they record in train mode only).
 
     ``NoiseCallback(tracker=None, *, panel=None)``: the ``NoiseTracker`` to feed (kept as
     ``callback.tracker``; a new one if None), and whether to show a live ``NoisePanel`` (None:
@@ -64,6 +66,7 @@ class NoiseCallback(TrainerCallback):
         self._accumulation = max(int(args.gradient_accumulation_steps), 1)
         self._clips = bool(args.max_grad_norm and args.max_grad_norm > 0)
         self._feed.micro_batch_size = int(args.per_device_train_batch_size)
+        self._drop_hooks()  # a run stopped by Ctrl-C or an error never reached on_train_end
         if model is not None:
             self._model = model
             self._loss_hook = model.register_forward_hook(self._record_loss, with_kwargs=True)
@@ -94,10 +97,7 @@ class NoiseCallback(TrainerCallback):
         self._feed.update_done()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._unhook()
-        if self._loss_hook is not None:
-            self._loss_hook.remove()
-            self._loss_hook = None
+        self._drop_hooks()
         self._feed.finish()
 
     # ---- hooks -------------------------------------------------------------------------------
@@ -121,6 +121,13 @@ class NoiseCallback(TrainerCallback):
         self._last_norms = []
         self._last_hooks = [p.register_post_accumulate_grad_hook(take)
                             for group in self._feed.groups for p in group]
+
+    def _drop_hooks(self) -> None:
+        """Every hook this callback put on the model."""
+        self._unhook()
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
 
     def _unhook(self) -> None:
         for hook in self._last_hooks:
