@@ -105,7 +105,9 @@ def test_not_measurable_before_the_warmup_updates():
 
 
 def test_a_vanishing_gradient_is_not_measurable_and_never_negative():
-    tracker = bw.NoiseTracker(ema=0.9, warmup_updates=5)
+    # every update measured: under load the default overhead_target sampled 1 in 8 (timed by the
+    # wall clock), and from about 12 of them one CI run's |G|^2 passed for measurable
+    tracker = bw.NoiseTracker(ema=0.9, warmup_updates=5, overhead_target=None)
     regression_run(torch.zeros(D, dtype=torch.float64), tracker, updates=100)
     report = tracker.report
     assert not report.measurable
