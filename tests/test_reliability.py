@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -136,6 +137,13 @@ def storm_trial(training: Training, budget: int, first_s: float, gap_s: float,
     """One find_batch hit by ``presses`` Ctrl-C (SIGINT through interrupt_main, as a kernel gets
     them) ``first_s`` after it starts, then every ``gap_s``; the state differences afterwards."""
     before = training.snapshot()
+    under_presses(lambda: training.find_batch(budget), presses, first_s, gap_s)
+    return differences(before, training.snapshot())
+
+
+def under_presses(run: Callable[[], object], presses: int, first_s: float, gap_s: float) -> None:
+    """``run()`` hit by ``presses`` Ctrl-C ``first_s`` after it starts, then every ``gap_s``;
+    the KeyboardInterrupts they raise are taken."""
 
     def press() -> None:
         time.sleep(first_s)
@@ -148,12 +156,11 @@ def storm_trial(training: Training, budget: int, first_s: float, gap_s: float,
     try:
         presser.start()
         try:
-            training.find_batch(budget)
+            run()
         finally:
             settle(presser)
     except KeyboardInterrupt:
         settle(presser)
-    return differences(before, training.snapshot())
 
 
 def run_storm(trials: int, seed: int = 0, **net: int) -> dict:
@@ -303,26 +310,10 @@ def accumulate_storm(trials: int, seed: int = 0) -> dict:
     failures = []
     for _ in range(trials):
         presses, first_s = rng.randint(1, 5), rng.uniform(0, 1.2 * block_s)
-        gap_s = rng.uniform(0, block_s / 5)
-
-        def press(presses: int = presses, first_s: float = first_s, gap_s: float = gap_s) -> None:
-            time.sleep(first_s)
-            for i in range(presses):
-                if i:
-                    time.sleep(gap_s)
-                _thread.interrupt_main()
-
-        presser = threading.Thread(target=press)
-        try:
-            presser.start()
-            try:
-                loop.run()
-            finally:
-                settle(presser)
-        except KeyboardInterrupt:
-            settle(presser)
-        if loop.left_changed():
-            failures.append(loop.left_changed())
+        under_presses(loop.run, presses, first_s, rng.uniform(0, block_s / 5))
+        changed = loop.left_changed()
+        if changed:
+            failures.append(changed)
             loop = AccumulateLoop()
     return {"trials": trials, "failures": len(failures), "examples": failures[:3],
             "block_s": block_s}
