@@ -5,6 +5,8 @@ Usage:
     >>> from batchwidgets.engine.memory import parse_target
     >>> parse_target("t4")
     ('T4', 15291383808)
+    >>> parse_target("H100-80GB@8GiB")    # that GPU's kernels and allocator, 8 GiB usable
+    ('H100-80GB@8GiB', 8589934592)
     >>> parse_gpus("8xA100-80GB")
     (8, 'A100-80GB')
 """
@@ -62,14 +64,33 @@ def is_cpu_target(value: object) -> bool:
     return isinstance(value, str) and value.strip().upper() == CPU_TARGET
 
 
+def gpu_name(target_name: str) -> str:
+    """The GPU of a target's name, without a cap (``"H100-80GB@8GiB"`` -> ``"H100-80GB"``)."""
+    return target_name.split("@", 1)[0]
+
+
 def parse_target(value: int | str) -> tuple[str, int]:
-    """``(name, usable_bytes)`` for a GPU name of ``GPU_TARGETS`` or a size.
+    """``(name, usable_bytes)`` for a GPU name of ``GPU_TARGETS``, a size, or a GPU capped at a
+    size.
 
     A name is case- and punctuation-blind (``"a100 40gb"``, ``"A100-40GB"``; a bare family such
     as ``"a100"`` means its smallest variant); its usable bytes are the total memory less the
     CUDA context (NOTE [ GPU targets ]). A size (``"24GiB"``, ``"16GB"``, ``"512M"``, an int)
-    is the memory the process may use, as ``budget`` is.
+    is the memory the process may use, as ``budget`` is. ``"H100-80GB@8GiB"`` is that GPU (its
+    kernels and allocator) with the size usable, as under
+    ``torch.cuda.set_per_process_memory_fraction`` (the cap counts no CUDA context).
     """
+    if isinstance(value, str) and "@" in value:
+        gpu, _, cap = value.partition("@")
+        name, whole = parse_target(gpu)
+        if not cap.strip() or not re.match(r"^\s*[0-9.]", cap):
+            raise ValueError(f"target should name a GPU and the memory usable on it, such as "
+                             f"'H100-80GB@8GiB', but got target={value!r}.")
+        usable = parse_target(cap)[1]
+        if name not in GPU_TARGETS or usable > whole:
+            raise ValueError(f"target should cap a named GPU at most at its usable memory "
+                             f"({whole / 2**30:.1f} GiB on {name}), but got target={value!r}.")
+        return f"{name}@{cap.strip()}", usable
     if isinstance(value, str) and not re.match(r"^\s*[0-9.]", value):
         wanted = _normal(value)
         names = {_normal(name): name for name in GPU_TARGETS}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ._allocator import KIB, MIB, WORKSPACE_FREE_FRACTION
-from ._targets import GPU_CAPABILITY, SIZE_CAPABILITY
+from ._targets import GPU_CAPABILITY, SIZE_CAPABILITY, gpu_name
 
 # NOTE [ Workspaces of the simulated device ]
 # A GPU step allocates memory that is no tensor, through the same caching allocator:
@@ -82,12 +82,13 @@ def kernel_area(name: str, args: tuple) -> int:
 
 def target_capability(name: str) -> tuple[int, int]:
     """The compute capability of a target (a size: an Ampere-or-newer GPU)."""
-    return GPU_CAPABILITY.get(name, SIZE_CAPABILITY)
+    return GPU_CAPABILITY.get(gpu_name(name), SIZE_CAPABILITY)
 
 
 def target_workspaces(name: str) -> Workspaces:
     """The workspaces of a target: cuBLAS takes 32 MiB on Hopper (H100, H200), 8 MiB + 128 KiB
     elsewhere (NOTE [ Workspaces of the simulated device ])."""
+    name = gpu_name(name)
     hopper = name.startswith(("H100", "H200")) or name not in GPU_CAPABILITY  # a size: the
     # larger workspaces, so that the plan errs low
     return Workspaces(cublas_bytes=32 * MIB if hopper else Workspaces.cublas_bytes,
