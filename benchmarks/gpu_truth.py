@@ -477,7 +477,7 @@ def boundary(spec: Model, device: Device, keep_output: bool, deadline: float) ->
     repeat = [fits(low), fits(low + 1)] if low else []
     while low and not fits(low):  # the lower of the runs
         low -= 1
-    del model, optimizer
+    model = optimizer = None  # the closure's cells: the last references
     device.release()
     return {"boundary": low, "first": first,
             "repeat": "reproduced" if repeat == [True, False] else f"{repeat}",
@@ -530,10 +530,7 @@ def plan_one(name: str, cap: str, gpu: str, dry: bool) -> dict:
     torch.set_num_threads(2 if dry else 3)
     try:
         spec = BY_NAME[name]
-        torch.manual_seed(0)
-        model = spec.build(dry)
-        optimizer = spec.optimizer_for(model)
-        run_step(model, optimizer, spec, spec.batch(1, dry, "cpu"), False)
+        model, optimizer = warmed(spec, dry)
         target = {"target": "CPU", "budget": cap} if dry else {"target": f"{gpu}@{cap}"}
         start = time.perf_counter()
         report = bw.find_batch(model, lambda n: spec.batch(n, dry, "cpu"),
@@ -550,14 +547,34 @@ def plan_one(name: str, cap: str, gpu: str, dry: bool) -> dict:
 
 def start_plans(device: Device, caps: tuple[str, ...],
                 pool: concurrent.futures.Executor) -> list[tuple[str, str, Any]]:
-    gpu = "H100-80GB" if device.dry else target_of(device)
+    gpu = "H100-80GB" if device.dry else target_name(device.name)
     return [(spec.name, cap, pool.submit(plan_one, spec.name, cap, gpu, device.dry))
             for spec in MODELS for cap in caps]
 
 
-def target_of(device: Device) -> str:
-    name = device.name.upper()
-    return "H200" if "H200" in name else "H100-80GB" if "H100" in name else "A100-80GB"
+def target_name(device_name: str) -> str:
+    """The target of batchwidgets' GPU table for a device's name (``"NVIDIA H200"`` -> ``"H200"``)."""
+    from batchwidgets.engine.memory import parse_target
+    name = device_name.upper().replace("NVIDIA", "").replace("TESLA", "").strip()
+    for candidate in (name, name.split()[0] if name else name):
+        try:
+            return parse_target(candidate)[0]
+        except ValueError:
+            continue
+    raise ValueError(f"no target in batchwidgets' GPU table for {device_name!r}")
+
+
+def warmed(spec: Model, dry: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model on the CPU after one step, so its optimizer holds its state (as the GPU runs'
+    did), taken on a few tokens: the state's shapes do not depend on the batch."""
+    torch.manual_seed(0)
+    model = spec.build(dry)
+    optimizer = spec.optimizer_for(model)
+    batch = spec.batch(1, dry, "cpu")
+    if isinstance(batch, dict) and "input_ids" in batch:
+        batch = {k: v[:, :8] for k, v in batch.items()}
+    run_step(model, optimizer, spec, batch, False)
+    return model, optimizer
 
 
 def collect_plans(log: Log, plans: list, seconds: float) -> None:
@@ -653,7 +670,8 @@ def section_stop(log: Log, device: Device, seconds: float) -> None:
         pressed: list[float] = []
         start = time.monotonic()
 
-        def should_stop(start: float = start, delay: float = delay) -> bool:
+        def should_stop(start: float = start, delay: float = delay,
+                        pressed: list[float] = pressed) -> bool:
             if time.monotonic() - start >= delay:
                 if not pressed:
                     pressed.append(time.monotonic())

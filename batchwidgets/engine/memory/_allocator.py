@@ -12,6 +12,7 @@ Usage:
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -216,9 +217,24 @@ class CachingAllocatorModel:
 
 
 # -- traces ---------------------------------------------------------------------------------
-Event = tuple[str, int, int]  # ("alloc", key, nbytes), ("free", key, 0), or ("workspace",
-# key, wanted_bytes): a convolution workspace, allocated as CachingAllocatorModel.malloc_workspace
-# does and freed by a "free" event. Traces of tensor storages need only the first two kinds.
+Event = tuple[str, int, int]  # ("alloc", key, nbytes), ("free", key, 0), ("workspace", key,
+# wanted_bytes): a convolution workspace, allocated as CachingAllocatorModel.malloc_workspace
+# does and freed by a "free" event; or (staging_kind(cap), key, nbytes): an allocation like
+# "alloc" whose size scales with the batch only up to ``cap`` (NOTE [ A reduction's staging
+# buffer ] in _workspaces.py). Traces of tensor storages need only the first two kinds.
+_STAGING = "staging:"
+
+
+def staging_kind(cap_bytes: int) -> str:
+    """The kind of a staging event that grows with the batch up to ``cap_bytes``."""
+    return f"{_STAGING}{cap_bytes}"
+
+
+def staging_cap(kind: str) -> int | None:
+    """The cap of a staging event's kind; None for the other kinds."""
+    return int(kind[len(_STAGING):]) if kind.startswith(_STAGING) else None
+
+
 WORKSPACE_FREE_FRACTION = 0.5  # default share of the largest free block a workspace may take
 
 
@@ -230,9 +246,21 @@ class ReplayResult:
     failed_at: int | None  # index of the event that ran out; -1: the preallocated storages
 
 
+# NOTE [ The allocator's steady state ]
+# A training loop's step does not start from an empty cache: it starts where the last step left
+# the allocator's segments, split and partly filled by that step's blocks, and a step laid out
+# there can need more reserved memory than the same step in fresh segments. ``replay`` with
+# ``steady=True`` runs the step again and again until the free blocks at a step's start repeat
+# (at most STEADY_STEPS times) and counts every step: the step as a loop runs it. On the encoder
+# the truth kit recorded on an H200 capped at 8 GiB (true boundary 784), the step replayed once
+# fit 804, twice 789, from the third step on 784; the wide CNN 642, 642, then 641 (true 641).
+STEADY_STEPS = 3
+
+
 def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
            preallocated: Iterable[int | tuple[int, int]] = (),
-           workspace_fraction: float = WORKSPACE_FREE_FRACTION) -> ReplayResult:
+           workspace_fraction: float = WORKSPACE_FREE_FRACTION,
+           steady: bool = False) -> ReplayResult:
     """Run a step's allocation trace through a fresh ``CachingAllocatorModel(cap_bytes)``.
 
     ``preallocated`` are the storages alive before the step (weights, gradients, optimizer
@@ -240,9 +268,12 @@ def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
     ``("free", key, 0)`` event of the trace may free. Frees of unknown keys are ignored.
     ``("workspace", key, wanted)`` events take ``min(wanted, workspace_fraction *`` the largest
     free block``)``, or nothing when that fails (``CachingAllocatorModel.malloc_workspace``).
+    ``steady=True`` runs the step until the allocator's layout repeats (NOTE [ The allocator's
+    steady state ]); the peaks are those of every step run.
     """
     model = CachingAllocatorModel(cap_bytes)
-    handles: dict[int, object] = {}
+    handles: dict[object, object] = {}
+    events = list(events)
     index = -1
     try:
         for item in preallocated:
@@ -250,21 +281,111 @@ def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
             handle = model.malloc(nbytes)
             if key is not None:
                 handles[key] = handle
-        for index, (kind, key, nbytes) in enumerate(events):
-            if kind == "alloc":
-                handles[key] = model.malloc(nbytes)
-            elif kind == "workspace":
-                handles[key] = model.malloc_workspace(nbytes, workspace_fraction)
-            elif kind == "free":
-                if key in handles:
-                    model.free(handles.pop(key))
-            else:
-                raise ValueError(f"events should hold ('alloc', key, nbytes), ('free', key, 0) "
-                                 f"and ('workspace', key, nbytes) tuples, but got events[{index}]="
-                                 f"{(kind, key, nbytes)!r}.")
+        layout = None
+        for step in range(STEADY_STEPS if steady else 1):
+            for index, (kind, key, nbytes) in enumerate(events):
+                own = (step, key) if step and key < 0 else key  # a step's own allocations
+                if kind == "alloc" or kind.startswith(_STAGING):
+                    handles[own] = model.malloc(nbytes)
+                elif kind == "workspace":
+                    handles[own] = model.malloc_workspace(nbytes, workspace_fraction)
+                elif kind == "free":
+                    if own in handles:
+                        model.free(handles.pop(own))
+                else:
+                    raise ValueError(f"events should hold ('alloc', key, nbytes), ('free', key, "
+                                     f"0) and ('workspace', key, nbytes) tuples, but got "
+                                     f"events[{index}]={(kind, key, nbytes)!r}.")
+            now = (model.reserved_bytes, tuple(sorted(model._free)))
+            if now == layout:
+                break
+            layout = now
     except torch.OutOfMemoryError:
         return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, False, index)
     return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, True, None)
+
+
+# NOTE [ What a step needs ]
+# The capped replay is not monotone in the capacity: under a cap the allocator releases its
+# cached segments and retries, so a step can fit at C and fail at a larger C' whose cap it meets
+# too late to release what it must (the 5 GiB MLP's largest batch fit at 5.00 GiB, failed at
+# 4.95 and at 5.05-5.90, fit again at 5.92). What a step needs is the least capacity C on which
+# it fits with room to spare: it fits at C and at each step of the 2 MiB grid (segments and their
+# caps live on it: an outcome changes only where a cap crosses a multiple of 2 MiB) up to
+# NEED_WINDOW above C. The search: bisection between the peak of the live blocks (below it
+# nothing fits) and a capacity that fits (the uncapped peak of the step's tensors), then up the
+# grid past any failure in the window. A batch size fits a device when its need is at most the
+# device's memory, so a plan's answer never sits on a knife edge of the replay; a failure
+# further above the window, where the uncapped allocator's cache outgrows the cap, is not
+# looked for (each look is a replay of the whole step), and the curve of needs is monotone
+# once a running maximum over the sizes is taken (a larger batch holds no fewer bytes).
+GRID_BYTES = 2 * MIB
+NEED_WINDOW = 16 * MIB
+
+
+def _top(events: Sequence[Event], preallocated: Sequence[int | tuple[int, int]],
+         fits: Callable[[int], bool]) -> tuple[int, int]:
+    """(a capacity below which nothing fits, one the step fits on): the steady peak of its live
+    blocks, and the uncapped reserved peak of its tensors (a convolution's workspace takes what
+    the free memory allows, so it grows with the capacity and never fails), raised by the grid
+    until the whole step fits there."""
+    tensors = [e for e in events if e[0] != "workspace"]
+    uncapped = replay(tensors, None, preallocated=preallocated, steady=True)
+    low = uncapped.peak_allocated_bytes // GRID_BYTES * GRID_BYTES
+    top = -(-uncapped.peak_reserved_bytes // GRID_BYTES) * GRID_BYTES
+    for _ in range(64):
+        if fits(top):
+            break
+        top += GRID_BYTES
+    return low, top
+
+
+def _window_fails(fits: Callable[[int], bool], cap_bytes: int) -> int | None:
+    """The highest capacity of the grid within NEED_WINDOW above ``cap_bytes`` that fails."""
+    start = cap_bytes // GRID_BYTES * GRID_BYTES
+    for cap in range(start + NEED_WINDOW, start, -GRID_BYTES):
+        if not fits(cap):
+            return cap
+    return None
+
+
+def _fitter(events: Sequence[Event], preallocated: Sequence[int | tuple[int, int]],
+            workspace_fraction: float) -> Callable[[int], bool]:
+    def fits(cap: int) -> bool:
+        return replay(events, cap, preallocated=preallocated,
+                      workspace_fraction=workspace_fraction, steady=True).fits
+    return functools.lru_cache(maxsize=None)(fits)
+
+
+def needed_bytes(events: Sequence[Event], *, preallocated: Sequence[int | tuple[int, int]] = (),
+                 workspace_fraction: float = WORKSPACE_FREE_FRACTION,
+                 exact: bool = True) -> int:
+    """The least capacity on which the step fits with NEED_WINDOW to spare (NOTE [ What a step
+    needs ]), in the allocator's steady state; ``exact=False``: a capacity it surely fits on
+    (the uncapped peak of its tensors), for sizes far from any cap."""
+    fits = _fitter(events, preallocated, workspace_fraction)
+    low, top = _top(events, preallocated, fits)
+    if not exact:
+        return top
+    low, high = max(GRID_BYTES, low), top  # fits at high; below low nothing does
+    while high - low > GRID_BYTES:
+        middle = (low + high) // 2 // GRID_BYTES * GRID_BYTES
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    need = high
+    failed = _window_fails(fits, need)
+    while failed is not None and failed < top:
+        need = failed + GRID_BYTES
+        failed = _window_fails(fits, need) if fits(need) else need
+    return min(need, top) if failed is None else top
+
+
+def fits_from(events: Sequence[Event], cap_bytes: int, *,
+              preallocated: Sequence[int | tuple[int, int]] = (),
+              workspace_fraction: float = WORKSPACE_FREE_FRACTION) -> bool:
+    """Whether the step needs at most ``cap_bytes`` (NOTE [ What a step needs ]): it fits at
+    the cap and on the grid up to NEED_WINDOW above it, in the allocator's steady state."""
+    fits = _fitter(events, preallocated, workspace_fraction)
+    return fits(cap_bytes) and _window_fails(fits, cap_bytes) is None
 
 
 def _affine(n_a: int, batch_a: int, n_b: int, batch_b: int, batch_size: int) -> int:
@@ -299,8 +420,9 @@ def scale_events(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Eve
             return None
         if kind != "free":
             where_a[key_a] = where_b[key_b] = position
-            scaled.append((kind, -1 - position,
-                           _affine(n_a, batch_a, n_b, batch_b, batch_size)))
+            nbytes = _affine(n_a, batch_a, n_b, batch_b, batch_size)
+            cap = staging_cap(kind)
+            scaled.append((kind, -1 - position, nbytes if cap is None else min(nbytes, cap)))
         else:
             at_a, at_b = where_a.pop(key_a, None), where_b.pop(key_b, None)
             if at_a != at_b:
@@ -322,7 +444,8 @@ def _live_peak(events: Iterable[Event], preallocated: Sequence[int | tuple[int, 
     live = peak = sum(sizes.values())
     for kind, key, nbytes in events:
         if kind != "free":  # a workspace may get nothing: it counts for nothing here
-            sizes[key] = round_size(nbytes) if nbytes > 0 and kind == "alloc" else 0
+            counted = kind == "alloc" or kind.startswith(_STAGING)
+            sizes[key] = round_size(nbytes) if nbytes > 0 and counted else 0
             live += sizes[key]
             peak = max(peak, live)
         else:
@@ -369,8 +492,8 @@ def largest_batch_size(events_a: Sequence[Event], batch_a: int, events_b: Sequen
         return scale_events(events_a, batch_a, events_b, batch_b, k * multiple_of)
 
     def fits(k: int) -> bool:
-        return replay(scaled(k), limit, preallocated=preallocated,
-                      workspace_fraction=workspace_fraction).fits
+        return fits_from(scaled(k), limit, preallocated=preallocated,
+                         workspace_fraction=workspace_fraction)
 
     def may_fit(k: int) -> bool:
         return k == 0 or _live_peak(scaled(k), preallocated) <= limit

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._state import makes_weakref_callbacks
-from ._allocator import CachingAllocatorModel, Event
+from ._allocator import CachingAllocatorModel, Event, staging_kind
 from ._kernels import cuda_kernels
 from ._meters import (
     CudaMeter,
@@ -40,8 +40,10 @@ from ._tracker import LIFT, _Where, unique_tensors
 from ._workspaces import (
     CONV_OPS,
     MATMUL_OPS,
+    REDUCE_OPS,
     Workspaces,
     kernel_area,
+    reduction_staging,
     target_capability,
     target_workspaces,
 )
@@ -86,7 +88,8 @@ class _SimulatedDevice(TorchDispatchMode):
         self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, entry)
         self.storage_of[entry[0]] = key
 
-    def _malloc(self, nbytes: int, workspace_fraction: float | None = None) -> tuple[int, Any]:
+    def _malloc(self, nbytes: int, workspace_fraction: float | None = None,
+                kind: str = "alloc") -> tuple[int, Any]:
         self._busy = True
         try:
             if workspace_fraction is None:
@@ -100,7 +103,7 @@ class _SimulatedDevice(TorchDispatchMode):
         key = next(self._keys)
         self.live[key] = nbytes
         if self.log is not None:
-            self.log.append(("alloc" if workspace_fraction is None else "workspace", key, nbytes))
+            self.log.append((kind if workspace_fraction is None else "workspace", key, nbytes))
         return key, block
 
     def _free(self, entry: tuple[int, Any]) -> None:
@@ -134,6 +137,22 @@ class _SimulatedDevice(TorchDispatchMode):
                 and "lt" not in self.cublas:
             self.cublas["lt"] = self._malloc(spaces.cublaslt_bytes)
 
+    def _stage(self, args: tuple, kwargs: dict) -> None:
+        """A reduction's staging buffer and semaphores, taken after its output and freed after
+        its kernel (NOTE [ A reduction's staging buffer ])."""
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if tensor is None:
+            return
+        dims = args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else \
+            kwargs.get("dim")
+        staged = reduction_staging(tensor, dims, self.workspaces.sms,
+                                   self.workspaces.threads_per_sm)
+        if staged is not None:
+            buffer_bytes, cap_bytes, semaphore_bytes = staged
+            buffer = self._malloc(buffer_bytes, kind=staging_kind(cap_bytes))
+            self._free(self._malloc(semaphore_bytes))
+            self._free(buffer)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tracker = self.tracker
         try:
@@ -157,6 +176,8 @@ class _SimulatedDevice(TorchDispatchMode):
                     wanted = int(self.workspaces.conv_ratio * first.numel() * first.element_size()
                                  * (kernel_area(name, args) if self.workspaces.conv_unfold else 1))
                     self._free(self._malloc(wanted, self.workspaces.conv_free_fraction))
+            if name in REDUCE_OPS and self.workspaces.sms:
+                self._stage(args, kwargs)
             if tracker is not None:
                 tracker.count_outputs(func, inputs, outputs)
             return out

@@ -48,6 +48,16 @@ GPU_CAPABILITY: dict[str, tuple[int, int]] = {
     "A100-40GB": (8, 0), "A100-80GB": (8, 0), "H100-80GB": (9, 0), "H200": (9, 0),
 }
 SIZE_CAPABILITY = (8, 0)
+# Streaming multiprocessors and the most resident threads on each (cudaDeviceProp
+# .multiProcessorCount, .maxThreadsPerMultiProcessor): a CUDA reduction sizes its cross-block
+# staging buffer by them (NOTE [ A reduction's staging buffer ] in _workspaces.py). The SXM parts
+# for the data-centre names; a target given as a size takes the most SMs, so its plan errs low.
+GPU_SMS: dict[str, tuple[int, int]] = {
+    "T4": (40, 1024), "L4": (58, 1536), "A10G": (80, 1536), "V100-16GB": (80, 2048),
+    "V100-32GB": (80, 2048), "A100-40GB": (108, 2048), "A100-80GB": (108, 2048),
+    "H100-80GB": (132, 2048), "H200": (132, 2048),
+}
+SIZE_SMS = (132, 2048)
 _FAMILIES = {"v100": "V100-16GB", "a100": "A100-40GB", "h100": "H100-80GB"}  # smallest variant
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ._allocator import KIB, MIB, WORKSPACE_FREE_FRACTION
-from ._targets import GPU_CAPABILITY, SIZE_CAPABILITY, gpu_name
+from ._targets import GPU_CAPABILITY, GPU_SMS, SIZE_CAPABILITY, SIZE_SMS, gpu_name
 
 # NOTE [ Workspaces of the simulated device ]
 # A GPU step allocates memory that is no tensor, through the same caching allocator:
@@ -50,6 +50,78 @@ from ._targets import GPU_CAPABILITY, SIZE_CAPABILITY, gpu_name
 # (kh x kw): a target plan's convolution wants that much (``conv_unfold``), capped by the free
 # memory as before. On the wide CNN recorded on an H100 capped at 8 GiB (true boundary 641, seen
 # 641-643 between runs), the plan went from 672 (the input once) to 642.
+# NOTE [ A reduction's staging buffer ]
+# A CUDA sum or mean that splits its inputs across thread blocks (PyTorch's Reduce.cuh,
+# setReduceConfig) allocates a staging buffer for the blocks' partial results, and 4 bytes of
+# semaphore per output block, through the caching allocator, for the length of the kernel. The
+# bias gradient of every Linear is such a reduction (the output's gradient summed over the batch
+# and tokens), and its buffer is large: block width x output vector x accumulator bytes x outputs
+# x blocks per output, the blocks per output growing with the rows until the grid fills the GPU
+# (SMs x resident blocks per SM). On an H200 (132 SMs) every fp32 bias gradient of a transformer
+# at training sizes staged 132 MiB, whatever its width, on top of the step's peak (the truth
+# kit's snapshots, benchmarks/results/gpu_truth_h200.json: encoder plan 816 against a real 784).
+# ``reduction_staging`` follows setReduceConfig for a contiguous input reduced over leading dims
+# (the bias gradient's case) or trailing dims; other layouts stage nothing here. In a trace the
+# buffer is a ("staging", cap) event: linear in the rows up to the full grid's size ``cap``
+# (PyTorch's third bound, more than 256 values per thread, is past 2 million rows and is not
+# modelled).
+REDUCE_OPS = frozenset({"sum", "mean"})
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def reduction_staging(tensor: torch.Tensor, dims: object, sms: int,
+                      threads_per_sm: int) -> tuple[int, int, int] | None:
+    """``(buffer_bytes, cap_bytes, semaphore_bytes)`` of a CUDA sum/mean of ``tensor`` over
+    ``dims`` (NOTE [ A reduction's staging buffer ]), or None when it stages nothing."""
+    shape = list(tensor.shape)
+    if not shape or 0 in shape or not tensor.is_contiguous():
+        return None
+    n = len(shape)
+    wanted = set(range(n)) if dims is None or dims == [] or dims == () else {
+        d % n for d in ([dims] if isinstance(dims, int) else dims)}
+    kept = [i for i in range(n) if i not in wanted and shape[i] != 1]
+    reduced = [i for i in range(n) if i in wanted and shape[i] != 1]
+    if not reduced:
+        return None
+    rows = int(torch.Size([shape[i] for i in reduced]).numel())
+    outputs = int(torch.Size([shape[i] for i in kept]).numel())
+    if kept and not (max(reduced) < min(kept) or min(reduced) > max(kept)):
+        return None  # reduced dims between kept ones: not modelled
+    fastest = not kept or min(reduced) > max(kept)
+    vec = 1
+    if fastest:
+        dim0, dim1 = rows // 4 if rows >= 128 and len(reduced) >= 1 else rows, outputs
+    else:
+        vec = 4 if outputs % 4 == 0 else 2 if outputs % 2 == 0 else 1
+        dim0, dim1 = outputs // vec, rows
+    most = 512 // vec
+    d0 = most if dim0 >= most else _floor_pow2(dim0)
+    d1 = most if dim1 >= most else _floor_pow2(dim1)
+    width = min(d0, 32)
+    height = min(d1, most // width)
+    width = min(d0, most // height)
+    step_in, step_out = (width, 1) if fastest else (1, width)
+    if -(-rows // step_in) >= min(height * 16, 256):
+        step_in, across_warps = step_in * height, True
+    else:
+        step_out, across_warps = step_out * height, False
+    target = sms * (threads_per_sm // (width * height))
+    grid = -(-(outputs // vec) // step_out)
+    per_thread = -(-rows // step_in)
+    if not across_warps or per_thread < 256 or grid > target:
+        return None
+    full, by_rows, least = -(-target // grid), -(-per_thread // 16), -(-per_thread // 256)
+    ctas = max(min(full, by_rows), least)
+    if ctas <= 1:
+        return None
+    acc = 8 if tensor.dtype in (torch.float64, torch.complex64) else 4
+    per_cta = acc * outputs * (1 if fastest else width * vec)
+    return per_cta * ctas, per_cta * max(full, least), 4 * grid
+
+
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul",
                         "_addmm_activation"})
 CONV_OPS = frozenset({"convolution", "convolution_backward", "_convolution"})
@@ -67,6 +139,9 @@ class Workspaces:
     conv_unfold: bool = False  # and times its kernel's area (NOTE [ cuDNN's largest plan ])
     conv_free_fraction: float = WORKSPACE_FREE_FRACTION  # at most this share of the largest
     # free block
+    sms: int = 0  # a reduction's staging buffer on this many SMs (0: none; NOTE [ A reduction's
+    # staging buffer ])
+    threads_per_sm: int = 2048
 
 
 NO_WORKSPACES = Workspaces(cublas_bytes=0, conv_ratio=0.0)
@@ -91,5 +166,7 @@ def target_workspaces(name: str) -> Workspaces:
     name = gpu_name(name)
     hopper = name.startswith(("H100", "H200")) or name not in GPU_CAPABILITY  # a size: the
     # larger workspaces, so that the plan errs low
+    sms, threads = GPU_SMS.get(name, SIZE_SMS)
     return Workspaces(cublas_bytes=32 * MIB if hopper else Workspaces.cublas_bytes,
-                      cublas_threads=2, cublaslt_bytes=1 * MIB, conv_unfold=True)
+                      cublas_threads=2, cublaslt_bytes=1 * MIB, conv_unfold=True, sms=sms,
+                      threads_per_sm=threads)

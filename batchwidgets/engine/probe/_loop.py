@@ -118,17 +118,20 @@ def _evidence_low(found: int, multiple_of: int) -> int:
 
 def _target_peaks(pair: tuple[tuple[OpTrace, int], tuple[OpTrace, int]], usable_bytes: int,
                   found: int, multiple_of: int) -> tuple[tuple[int, int], ...]:
-    """The target's predicted reserved peak at sizes from 1 to twice the answer (doubling, and
-    the answer and the next size exactly), the same replay that decided the answer: at the
-    answer it fits under ``usable_bytes``, at the next size it does not."""
+    """What the step needs on the target (NOTE [ What a step needs ] in memory/_allocator.py)
+    at sizes from 1 to twice the answer (doubling, and the answer and the next size exactly),
+    by the replay that decided the answer: at most ``usable_bytes`` at the answer, more at the
+    next size; a running maximum, so the curve never falls. Sizes up to half the answer take
+    the uncapped reserved peak of their tensors (no cap is near them: what they need is that or
+    a little less), the others the search down the capacities."""
     (small, b_small), (large, b_large) = pair
-    peaks = []
+    peaks, most = [], 0
     for size in _peak_sizes(found, multiple_of):
         events = memory.scale_events(small.events, b_small, large.events, b_large, size)
-        capped = memory.replay(events, usable_bytes, preallocated=large.preallocated)
-        peak = (capped.peak_reserved_bytes if capped.fits else max(usable_bytes + 1, memory.replay(
-            events, None, preallocated=large.preallocated).peak_reserved_bytes))
-        peaks.append((size, peak))
+        need = memory.needed_bytes(events, preallocated=large.preallocated,
+                                   exact=2 * size > found)
+        most = max(most, need)
+        peaks.append((size, most))
     return tuple(peaks)
 
 

@@ -1,0 +1,116 @@
+"""The GPU truth kit (benchmarks/gpu_truth.py): its dry run on the CPU, and the recorded truths
+replayed: every plan the CPU makes today for a GPU capped as a recorded run was must lie within
+3% of the real boundary recorded there, and never above it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import batchwidgets as bw
+
+ROOT = Path(__file__).parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import gpu_truth  # noqa: E402
+
+TRUTHS = sorted(p for p in (BENCHMARKS / "results").glob("gpu_truth_*.json")
+                if "dry_run" not in p.name)
+BAND = 0.03
+
+# NOTE [ Known gaps of the plans ]
+# Each entry: a recorded truth the plan misses today, and why (what a CUDA kernel allocates
+# that the plan's trace does not hold). They fail strictly: a fix that brings one in turns the
+# test red until the entry goes.
+KNOWN_GAPS = {
+    ("encoder", "16GiB"): "the memory-efficient attention backward's fp32 accumulation "
+    "workspace (2 x the queries' bytes, seen 395 MiB at 1,580) and LayerNorm's CUDA backward "
+    "buffers are not in the plan's trace; they fragment the segments below the peak",
+    ("wide CNN", "16GiB"): "cuDNN's algorithm choice at the edge (the boundary moved 641-643 "
+    "between runs at 8 GiB): the plan's convolution workspaces are a rule of thumb",
+    ("ViT-B/16", "8GiB"): "the memory-efficient attention backward's workspace and LayerNorm's "
+    "CUDA backward buffers (as the encoder's)",
+    ("ViT-B/16", "16GiB"): "the memory-efficient attention backward's workspace and LayerNorm's "
+    "CUDA backward buffers (as the encoder's)",
+}
+
+
+def _truth_cases() -> list:
+    cases = []
+    for path in TRUTHS:
+        data = json.loads(path.read_text())
+        gpu = gpu_truth.target_name(data["device"])
+        for record in data["records"]:
+            if record["section"] != "boundaries" or not record.get("boundary"):
+                continue
+            if record["model"] not in gpu_truth.BY_NAME:
+                continue
+            # find_batch's step frees the output before backward: the language models'
+            # truth for that loop; the classifiers' output is a few bytes either way
+            spec = gpu_truth.BY_NAME[record["model"]]
+            if spec.lm and record["loop"] != "frees output":
+                continue
+            gap = KNOWN_GAPS.get((record["model"], record["cap"]))
+            marks = [pytest.mark.xfail(reason=gap, strict=True)] if gap else []
+            cases.append(pytest.param(record["model"], gpu, record["cap"], record["boundary"],
+                                      id=f"{path.stem}-{record['model']}-{record['cap']}",
+                                      marks=marks))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "gpu", "cap", "truth"), _truth_cases())
+def test_a_plan_lies_within_3_percent_below_the_recorded_gpu_boundary(name, gpu, cap, truth):
+    spec = gpu_truth.BY_NAME[name]
+    model, optimizer = gpu_truth.warmed(spec)
+    report = bw.find_batch(model, lambda n: spec.batch(n, False, "cpu"), loss_fn=spec.loss_fn,
+                           optimizer=optimizer, target=f"{gpu}@{cap}")
+    planned = report.max_batch_size
+    assert planned <= truth, f"plan {planned} above the real boundary {truth}"
+    assert planned >= (1 - BAND) * truth, f"plan {planned} more than 3% below {truth}"
+
+
+def test_the_truths_are_recorded_with_their_device_and_every_record_names_model_and_section():
+    assert TRUTHS, "no benchmarks/results/gpu_truth_*.json: the first GPU run is still to come"
+    for path in TRUTHS:
+        data = json.loads(path.read_text())
+        assert data["device"] and not data["dry_run"]
+        assert all(r["model"] and r["section"] in (*gpu_truth.SECTIONS, "errors")
+                   for r in data["records"])
+
+
+@pytest.mark.slow
+def test_the_dry_run_writes_every_section_on_the_cpu(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_truth.py"), "--dry-run",
+                           "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu_truth_dry_run.json").read_text())
+    sections = {r["section"] for r in data["records"]}
+    assert sections >= set(gpu_truth.SECTIONS), sections
+    errors = [r for r in data["records"] if "error" in r or r["section"] == "errors"]
+    assert not errors, errors
+    bounds = [r for r in data["records"] if r["section"] == "boundaries"]
+    assert all(r.get("boundary") for r in bounds), [r for r in bounds if not r.get("boundary")]
+    plans = {(r["model"], r["cap"]): r["max_batch_size"] for r in data["records"]
+             if r["section"] == "plans"}
+    # the budget meter stands in for the GPU: the CPU's plan is the meter's own boundary
+    for r in bounds:
+        if r["loop"] == "frees output" or not gpu_truth.BY_NAME[r["model"]].lm:
+            assert plans[(r["model"], r["cap"])] == r["boundary"], r
+    assert (tmp_path / "gpu_truth_dry_run.md").read_text().startswith("# GPU truth")
+
+
+def test_a_capped_gpu_target_takes_that_gpus_rules_and_the_cap():
+    x = torch.zeros(4)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters())
+    capped = bw.find_batch(model, x, optimizer=optimizer, target="T4@2GiB")
+    assert capped.target == "T4@2GiB" and capped.limit_bytes == 2 * 2**30
+    with pytest.raises(ValueError, match="target should cap a named GPU"):
+        bw.find_batch(model, x, optimizer=optimizer, target="T4@40GiB")
