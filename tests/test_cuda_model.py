@@ -16,6 +16,7 @@ from batchwidgets.engine.memory import Reading
 from batchwidgets.engine.memory._allocator import (
     MIB,
     CachingAllocatorModel,
+    fits_from,
     largest_batch_size,
     replay,
     scale_events,
@@ -257,7 +258,7 @@ def test_scale_events_refuses_traces_that_do_not_correspond():
 
 def _brute_force(a, b, cap, multiple_of=1, ceiling=400, preallocated=()):
     fitting = [k for k in range(multiple_of, ceiling + 1, multiple_of)
-               if replay(scale_events(a, 2, b, 4, k), cap, preallocated=preallocated).fits]
+               if fits_from(scale_events(a, 2, b, 4, k), cap, preallocated=preallocated)]
     return max(fitting, default=0)
 
 
