@@ -73,7 +73,7 @@ SHARE = {"boundaries": 0.48, "allocator": 0.07, "stop": 0.05, "loader": 0.06, "r
          "tests": 0.22}  # of --minutes; plans run beside the GPU sections, on the host's CPU
 STEPS = 2  # per size, as find_batch: Adam's state exists from the first
 CAPS = ("8GiB", "16GiB")
-DRY_CAPS = ("24MiB", "48MiB")
+DRY_CAPS = ("8MiB",)  # one cap: every path, in the time a test may take
 GPU_TESTS = ("tests/test_gpu.py", "tests/test_gpu_probe.py", "tests/test_magics.py")
 MIB = 2**20
 
@@ -127,7 +127,7 @@ class Encoder(nn.Module):
         self.embed = nn.Embedding(1000, width)
         self.position = nn.Parameter(torch.zeros(self.tokens, width))
         layer = nn.TransformerEncoderLayer(width, 4, dim_feedforward=4 * width, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2 if dry else 4, enable_nested_tensor=False)
+        self.encoder = nn.TransformerEncoder(layer, 1 if dry else 4, enable_nested_tensor=False)
         self.head = nn.Linear(width, 10)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -141,7 +141,7 @@ def encoder_tokens(batch_size: int, dry: bool, device: str) -> tuple:
 
 def bert(dry: bool) -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
-    config = (BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+    config = (BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=1,
                          num_attention_heads=2, intermediate_size=128,
                          max_position_embeddings=64) if dry else BertConfig())
     config._attn_implementation = "sdpa"
@@ -157,7 +157,7 @@ def text_classes(batch_size: int, dry: bool, device: str) -> dict:
 
 def gpt2(dry: bool) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
-    config = (GPT2Config(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=2)
+    config = (GPT2Config(vocab_size=1000, n_positions=128, n_embd=64, n_layer=1, n_head=2)
               if dry else GPT2Config(n_positions=1024))
     config._attn_implementation = "sdpa"
     return GPT2LMHeadModel(config)
@@ -173,7 +173,7 @@ def lm_tokens(vocab: int, tokens: int, dry_tokens: int) -> Callable[[int, bool, 
 
 def vit(dry: bool) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
-    config = (ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+    config = (ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=1,
                         num_attention_heads=2, intermediate_size=128, num_labels=10) if dry
               else ViTConfig(num_labels=1000))  # ViT-B/16 at 224 px
     config._attn_implementation = "sdpa"
@@ -189,7 +189,7 @@ def pixels(batch_size: int, dry: bool, device: str) -> dict:
 def llama(dry: bool, checkpointed: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     config = (LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=256) if dry else
               LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
                           num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
@@ -207,18 +207,25 @@ MODELS = (
     Model("encoder", Encoder, encoder_tokens, describe="4x128 transformer encoder, 256 tokens"),
     Model("BERT-base classifier", bert, text_classes, None, "AdamW",
           describe="BertForSequenceClassification (BertConfig()), 256 tokens, SDPA"),
-    Model("GPT-2 small", gpt2, lm_tokens(50257, 1024, 128), None, "AdamW", lm=True,
+    Model("GPT-2 small", gpt2, lm_tokens(50257, 1024, 64), None, "AdamW", lm=True,
           describe="GPT2LMHeadModel (GPT2Config()), 1,024 tokens, SDPA"),
     Model("ViT-B/16", vit, pixels, None, "AdamW",
           describe="ViTForImageClassification (ViTConfig()), 224 px, SDPA"),
-    Model("Llama 125M bf16", llama, lm_tokens(32000, 2048, 128), None, "AdamW",
+    Model("Llama 125M bf16", llama, lm_tokens(32000, 2048, 64), None, "AdamW",
           torch.bfloat16, lm=True,
           describe="LlamaForCausalLM 768x12, vocabulary 32,000, 2,048 tokens, bfloat16"),
     Model("Llama 125M bf16, checkpointed", lambda dry: llama(dry, checkpointed=True),
-          lm_tokens(32000, 2048, 128), None, "AdamW", torch.bfloat16, lm=True,
+          lm_tokens(32000, 2048, 64), None, "AdamW", torch.bfloat16, lm=True,
           describe="the same with gradient_checkpointing_enable()"),
 )
 BY_NAME = {model.name: model for model in MODELS}
+# the dry run's models: a convolution, SDPA in fp32, a language model in both loops, bf16 with
+# activation checkpointing (every path of the sections, in the time a test may take)
+DRY_MODELS = ("wide CNN", "encoder", "GPT-2 small", "Llama 125M bf16, checkpointed")
+
+
+def models(dry: bool) -> list[Model]:
+    return [m for m in MODELS if not dry or m.name in DRY_MODELS]
 
 
 def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: Model, batch: Any,
@@ -263,8 +270,11 @@ class Device:
         found = re.search(r"([a-z]+\d+)", name)
         return found.group(1) if found else re.sub(r"\W+", "_", name).strip("_")
 
-    def release(self) -> None:
-        gc.collect()
+    def release(self, collect: bool = True) -> None:
+        """Free what the last size left (on the CPU the meter counts live tensors: the cycle
+        collector only runs after an out-of-memory error, whose frames may hold some)."""
+        if collect:
+            gc.collect()
         if not self.dry:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -445,7 +455,7 @@ def boundary(spec: Model, device: Device, keep_output: bool, deadline: float) ->
     def fits(size: int) -> bool:
         if time.monotonic() > deadline:
             raise OutOfTime(f"past its time after sizes {tried}")
-        device.release()
+        device.release(collect=not device.dry or not all(ok for _, ok in tried[-1:]))
         ok = True
         try:
             with device.step(model, optimizer):
@@ -504,15 +514,17 @@ def probe(spec: Model, device: Device, cap: str) -> dict:
 def section_boundaries(log: Log, device: Device, caps: tuple[str, ...], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for cap in caps:  # every model at the first cap before any at the second
-        for spec in MODELS:
+        for spec in models(device.dry):
             for keep in ((True, False) if spec.lm else (True,)):
                 loop = "keeps output" if keep else "frees output"
                 if time.monotonic() > deadline:
                     log.add("boundaries", spec.name, cap=cap, loop=loop, skipped="out of time")
                     continue
+                started = time.monotonic()
                 try:
                     with device.capped(cap):
                         found = boundary(spec, device, keep, deadline)
+                        found["search_s"] = round(time.monotonic() - started, 1)
                         # find_batch's step frees the output: compare it with that loop
                         if not keep or not spec.lm:
                             found["find_batch"] = probe(spec, device, cap)
@@ -549,11 +561,11 @@ def start_plans(device: Device, caps: tuple[str, ...],
                 pool: concurrent.futures.Executor) -> list[tuple[str, str, Any]]:
     gpu = "H100-80GB" if device.dry else target_name(device.name)
     return [(spec.name, cap, pool.submit(plan_one, spec.name, cap, gpu, device.dry))
-            for spec in MODELS for cap in caps]
+            for spec in models(device.dry) for cap in caps]
 
 
 def target_name(device_name: str) -> str:
-    """The target of batchwidgets' GPU table for a device's name (``"NVIDIA H200"`` -> ``"H200"``)."""
+    """The target of batchwidgets' GPU table for a device's name ("NVIDIA H200": "H200")."""
     from batchwidgets.engine.memory import parse_target
     name = device_name.upper().replace("NVIDIA", "").replace("TESLA", "").strip()
     for candidate in (name, name.split()[0] if name else name):
@@ -572,7 +584,7 @@ def warmed(spec: Model, dry: bool = False) -> tuple[nn.Module, torch.optim.Optim
     optimizer = spec.optimizer_for(model)
     batch = spec.batch(1, dry, "cpu")
     if isinstance(batch, dict) and "input_ids" in batch:
-        batch = {k: v[:, :8] for k, v in batch.items()}
+        batch = {k: v[:, :8] if v.dim() == 2 else v for k, v in batch.items()}
     run_step(model, optimizer, spec, batch, False)
     return model, optimizer
 
@@ -588,6 +600,9 @@ def collect_plans(log: Log, plans: list, seconds: float) -> None:
             continue
         except Exception as error:
             log.add("plans", name, cap=cap, error=f"{type(error).__name__}: {error}"[:500])
+            continue
+        if "error" in found:
+            log.add("plans", name, **found)
             continue
         truths = [r for r in log.find("boundaries", model=name, cap=cap) if r.get("boundary")]
         # the plan models find_batch's step, which frees the output before backward
@@ -660,7 +675,7 @@ def section_stop(log: Log, device: Device, seconds: float) -> None:
     """Stop pressed at a moment within the search: how long until find_batch returns."""
     deadline = time.monotonic() + seconds
     width = 128 if device.dry else 4096
-    for delay in (0.5, 1.5, 3.0):
+    for delay in (0.3,) if device.dry else (0.5, 1.5, 3.0):
         if time.monotonic() + delay + 5 > deadline:
             log.add("stop", "deep MLP", delay_s=delay, skipped="out of time")
             continue
@@ -720,7 +735,8 @@ def section_loader(log: Log, device: Device, seconds: float) -> None:
                           pin_memory=False)
     plan = [("start", {}), ("pin_memory", {"pin_memory": not device.dry}),
             ("num_workers=4", {"num_workers": 4}), ("prefetch_factor=4", {"prefetch_factor": 4})]
-    per_setting = max(1.0, min(6.0, (deadline - time.monotonic()) / len(plan) - 0.5))
+    per_setting = 0.5 if device.dry else max(1.0, min(6.0, (deadline - time.monotonic())
+                                                       / len(plan) - 0.5))
     step_started = time.monotonic()
     stage = 0
     try:
