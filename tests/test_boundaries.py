@@ -70,19 +70,23 @@ extra = sorted(m for m in sys.modules if m.startswith("batchwidgets.engine"))
     assert outcome["loaded"] == []
 
 
-MAX_LINES = 400  # issue 14: a module over it says why in a NOTE [ ... long module ... ]
+# Issues 14 and 37: a module over it says why, in one line among its first five (a cohesive
+# class: "One object, one module: ...", STYLE G10; never split into mixins to meet the count),
+# or in a NOTE [ ... long module ... ].
+MAX_LINES = 400
+SAYS_WHY_AT_THE_TOP = "One object, one module: "
 
 
-def test_no_module_is_over_the_line_ceiling_unless_a_note_says_why():
-    from pathlib import Path
+def test_no_module_is_over_the_line_ceiling_unless_it_says_why():
+    sizes = {path.relative_to(PACKAGE).as_posix(): path.read_text().count("\n")
+             for path in PACKAGE.rglob("*.py")}
 
-    import batchwidgets
-
-    package = Path(batchwidgets.__file__).parent
-    sizes = {path.relative_to(package).as_posix(): path.read_text().count("\n")
-             for path in package.rglob("*.py")}
-    over = {name: lines for name, lines in sizes.items() if lines > MAX_LINES
-            and "long module ]" not in (package / name).read_text()}
+    def says_why(name: str) -> bool:
+        text = (PACKAGE / name).read_text()
+        return "long module ]" in text or any(
+            SAYS_WHY_AT_THE_TOP in line for line in text.splitlines()[:5])
+    over = {name: lines for name, lines in sizes.items()
+            if lines > MAX_LINES and not says_why(name)}
     assert over == {}
     assert len(sizes) > 40  # the whole package was read
 
