@@ -485,3 +485,31 @@ def test_breaking_out_keeps_persistent_workers_as_a_dataloader_does(make_loader)
         else:
             loader._iterator._shutdown_workers()
     assert multiprocessing.active_children() == []
+
+
+class Slower(TensorDataset):
+    def __getitem__(self, i: int):
+        time.sleep(0.1)
+        return super().__getitem__(i)
+
+
+def test_ctrl_c_while_the_loop_waits_for_a_batch_stops_the_workers_while_the_traceback_lives():
+    # A plain DataLoader keeps them then: the traceback holds its iterator's frames.
+    live = bw.live_loader(Slower(torch.arange(64)), batch_size=2, num_workers=2)
+    press = threading.Timer(0.8, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        press.start()
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            for _ in live:
+                pass  # the loop waits in next() nearly all the time
+        frames = []
+        traceback = interrupted.value.__traceback__
+        while traceback is not None:
+            frames.append(traceback.tb_frame.f_code.co_name)
+            traceback = traceback.tb_next
+        assert "_next" in frames  # it landed while the loop waited for a batch
+        assert settled(lambda: {"processes": multiprocessing.active_children()}) == {
+            "processes": []}
+    finally:
+        press.cancel()
+        live.close()
