@@ -190,14 +190,17 @@ class WidgetPoll:
             return
         self.kernel, self.available, self.reason = kernel, True, ""
 
-    def poll(self) -> int:
-        """Dispatch the comm messages waiting now; return how many (0 between intervals)."""
+    def poll(self, stacklevel: int = 2) -> int:
+        """Dispatch the comm messages waiting now; return how many (0 between intervals).
+        ``stacklevel``: where the one warning points, as for ``warnings.warn`` (the user's loop,
+        for a caller that polls from a hook)."""
         now = time.perf_counter()
         if now < self._next_s:
             return 0
         if self._warn_first:
             self._warn_first, self._next_s = False, float("inf")
-            warnings.warn(WHY_PREFIX + self.reason, BatchwidgetsWarning, stacklevel=2)
+            warnings.warn(WHY_PREFIX + self.reason, BatchwidgetsWarning,
+                          stacklevel=stacklevel)
             return 0
         if self._busy or threading.current_thread() is not self._queue.thread:
             return 0
@@ -208,7 +211,8 @@ class WidgetPoll:
         except Exception as err:  # never into the user's loop: polling stops, with one line
             self._turn_off(f"polling failed ({type(err).__name__}: {err})")
             self._warn_first, self._next_s = False, float("inf")
-            warnings.warn(WHY_PREFIX + self.reason, BatchwidgetsWarning, stacklevel=2)
+            warnings.warn(WHY_PREFIX + self.reason, BatchwidgetsWarning,
+                          stacklevel=stacklevel)
             return 0
         finally:
             self._busy = False

@@ -178,7 +178,7 @@ def test_outside_a_kernel_poll_does_nothing_and_says_nothing():
     assert poll.reason == "not running in an IPython kernel"
 
 
-def test_the_module_imports_nothing_heavy_so_the_engine_may_use_it():
+def test_the_module_imports_nothing_heavy_so_a_panel_may_poll_outside_a_kernel():
     code = ("import sys, batchwidgets._kernel_poll as k; k.WidgetPoll().poll(); print(sorted("
             "m for m in ('torch', 'IPython', 'ipykernel', 'ipywidgets', 'zmq') "
             "if m in sys.modules))")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
 import time
 import warnings
@@ -266,6 +267,40 @@ def test_breaking_out_keeps_persistent_workers_and_close_stops_them():
     assert multiprocessing.active_children() == []
 
 
+def test_on_batch_runs_before_each_batch_with_its_place_and_can_be_removed():
+    live = bw.live_loader(TensorDataset(torch.arange(12)), batch_size=4)
+    places = []
+
+    def callback(epoch: int, batch: int) -> None:
+        places.append((epoch, batch))
+    live.on_batch(callback)
+    assert [indices(b) for b in live] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert places == [(0, 0), (0, 1), (0, 2), (0, 3)]  # the last: the epoch's end
+    live.on_batch(callback, remove=True)
+    list(live)
+    assert len(places) == 4
+    with pytest.raises(TypeError, match="callback should be a function of") as error:
+        live.on_batch("poll")
+    assert "callback='poll'" in str(error.value)
+
+
+def test_what_on_batch_raises_ends_the_epoch_and_stops_its_workers():
+    live = bw.live_loader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=2)
+
+    def fails(epoch: int, batch: int) -> None:
+        if batch == 3:
+            raise ValueError("the callback failed")
+    live.on_batch(fails)
+    with pytest.raises(ValueError, match="the callback failed") as error:
+        for _ in live:
+            pass
+    assert error.value.__traceback__ is not None  # held, and still nothing runs
+    assert multiprocessing.active_children() == []
+    live.on_batch(fails, remove=True)
+    assert len(list(live)) == 10  # the next epoch runs whole
+    live.close()
+
+
 def test_an_iterable_dataset_switches_at_the_next_epoch_and_says_so():
     live = bw.live_loader(Stream(), batch_size=5)
     first = []
@@ -312,7 +347,6 @@ def test_the_report_is_the_loops_own_time_per_setting():
     assert report.current is second
     assert "2 workers" in report.summary()
     assert "switch" in report._repr_html_()
-    assert live.stats.n_batches == 12
     live.close()
 
 
@@ -354,3 +388,128 @@ def test_workers_started_by_spawn_switch_with_the_order_kept_and_the_cost_said()
     while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() == threads
+
+
+# -- an abandoned epoch (issue 41) ---------------------------------------------------------------
+
+class SlowSteps(TensorDataset):
+    """Batches that take a moment to load, so workers are busy when the loop leaves."""
+
+    def __getitem__(self, i: int):
+        time.sleep(0.002)
+        return super().__getitem__(i)
+
+
+def worker_leftovers(threads_before: set[int], shm_before: set[str], pids: set[int]) -> dict:
+    """What is still there of an epoch's workers: processes, threads of this process started
+    since (queue feeders, the pin-memory thread), shared-memory segments of its workers."""
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return {"processes": [child.pid for child in multiprocessing.active_children()],
+            "threads": sorted(t.name for t in threading.enumerate()
+                              if t.ident not in threads_before),
+            "shm": sorted(name for name in shm - shm_before
+                          if any(f"_{pid}_" in name for pid in pids))}
+
+
+def settled(leftovers, within_s: float = 1.0) -> dict:
+    deadline = time.monotonic() + within_s
+    found = leftovers()
+    while any(found.values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        found = leftovers()
+    return found
+
+
+def abandon(loader, how: str, pids: set[int]) -> object:
+    """Leave an epoch of ``loader`` after 3 batches, as ``how`` says; return what a notebook
+    would keep afterwards (the exception, with its traceback and the frames it holds)."""
+    def step(i: int) -> None:
+        pids.update(child.pid for child in multiprocessing.active_children())
+        if i == 2 and how == "exception":
+            raise ValueError("the step failed")
+        if i == 2 and how == "interrupt":
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C while the step runs
+            time.sleep(1)  # the interrupt lands here, in the loop's body
+
+    if how == "del":
+        epoch = iter(loader)
+        for i in range(3):
+            next(epoch)
+            step(i)
+        del epoch
+        return None
+    try:
+        for i, _ in enumerate(loader):
+            step(i)
+            if i == 2:
+                break
+    except (ValueError, KeyboardInterrupt) as error:
+        return error
+    return None
+
+
+@pytest.mark.parametrize("how", ["break", "del", "exception", "interrupt"])
+@pytest.mark.parametrize("make_loader", [DataLoader, bw.live_loader], ids=["plain", "live"])
+def test_an_abandoned_epoch_leaves_no_worker_thread_or_shared_memory_within_a_second(
+        make_loader, how):
+    threads_before = {t.ident for t in threading.enumerate()}
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    loader = make_loader(SlowSteps(torch.randn(64, 8)), batch_size=4, num_workers=2,
+                         pin_memory=torch.cuda.is_available())  # a pin-memory thread too
+    pids: set[int] = set()
+    try:
+        kept = abandon(loader, how, pids)
+        assert len(pids) == 2  # the epoch did run on two worker processes
+        if how in ("exception", "interrupt"):
+            assert kept.__traceback__ is not None  # held, as a notebook holds it
+        leftovers = settled(lambda: worker_leftovers(threads_before, shm_before, pids))
+        assert leftovers == {"processes": [], "threads": [], "shm": []}
+    finally:  # the loader itself lives on, as in a notebook; only then closed
+        if isinstance(loader, bw.LiveLoader):
+            loader.close()
+
+
+@pytest.mark.parametrize("make_loader", [DataLoader, bw.live_loader], ids=["plain", "live"])
+def test_breaking_out_keeps_persistent_workers_as_a_dataloader_does(make_loader):
+    loader = make_loader(SlowSteps(torch.randn(64, 8)), batch_size=4, num_workers=2,
+                         persistent_workers=True)
+    try:
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+        time.sleep(0.2)
+        assert len(multiprocessing.active_children()) == 2
+    finally:
+        if isinstance(loader, bw.LiveLoader):
+            loader.close()
+        else:
+            loader._iterator._shutdown_workers()
+    assert multiprocessing.active_children() == []
+
+
+class Slower(TensorDataset):
+    def __getitem__(self, i: int):
+        time.sleep(0.1)
+        return super().__getitem__(i)
+
+
+def test_ctrl_c_while_the_loop_waits_for_a_batch_stops_the_workers_while_the_traceback_lives():
+    # A plain DataLoader keeps them then: the traceback holds its iterator's frames.
+    live = bw.live_loader(Slower(torch.arange(64)), batch_size=2, num_workers=2)
+    press = threading.Timer(0.8, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        press.start()
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            for _ in live:
+                pass  # the loop waits in next() nearly all the time
+        frames = []
+        traceback = interrupted.value.__traceback__
+        while traceback is not None:
+            frames.append(traceback.tb_frame.f_code.co_name)
+            traceback = traceback.tb_next
+        assert "_next" in frames  # it landed while the loop waited for a batch
+        assert settled(lambda: {"processes": multiprocessing.active_children()}) == {
+            "processes": []}
+    finally:
+        press.cancel()
+        live.close()

@@ -87,6 +87,7 @@ def test_the_panel_of_a_live_loader_is_bound_to_it_and_starts_at_its_settings(pa
     assert panel.report.n_batches == 0
     assert "no batch drawn yet" in panel.readout.value
     assert len(refreshers()) == 1
+    assert type(panel) is bw.LoaderPanel  # one class in both modes (issue 37)
     plain = panels(data(), start=False)  # a Dataset still gets the measuring panel
     assert type(plain) is bw.LoaderPanel
     assert isinstance(plain.autotune, _controls.Button)
@@ -266,4 +267,37 @@ def test_bad_panel_arguments_are_one_line():
     with pytest.raises(ValueError, match=r"refresh_s should be a positive number") as error:
         bw.LoaderPanel(live, refresh_s=0)
     assert "\n" not in str(error.value)
+    for name, value in (("device", "cpu"), ("batch_size", 8)):
+        with pytest.raises(ValueError, match=f"{name} should be None for a live loader") as error:
+            bw.LoaderPanel(live, **{name: value})
+        assert f"{name}={value!r}" in str(error.value)
     assert refreshers() == []
+
+
+def test_the_panel_polls_the_kernel_between_the_loops_batches_until_it_is_closed(panels):
+    live = bw.live_loader(shuffled())
+    panel = panels(live)
+    assert live._on_batch == (panel._between_batches,)  # the engine's hook, not its import
+    panel.close()
+    assert live._on_batch == ()
+    assert train(live) == order(shuffled())
+
+
+def test_where_the_kernel_cannot_be_polled_one_warning_points_at_the_training_loop(
+        panels, monkeypatch):
+    import types
+
+    import IPython
+
+    from batchwidgets import BatchwidgetsWarning
+
+    measuring = panels(data(), duration_s=0.02, max_workers=1)  # its warnings are its own
+    measuring.wait()
+    pytest.importorskip("ipykernel")  # imported: with a shell that has a kernel, polling starts
+    kernel = types.SimpleNamespace(shell_stream=None)  # a kernel whose internals are unknown
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=kernel))
+    live = bw.live_loader(shuffled())
+    panels(live)
+    with pytest.warns(BatchwidgetsWarning, match="apply when it ends") as caught:
+        train(live)
+    assert [warning.filename for warning in caught] == [__file__]  # the loop's line, once

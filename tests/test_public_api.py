@@ -220,7 +220,7 @@ def test_the_package_docstring_lists_every_module_a_line_each(package):
                for info in pkgutil.iter_modules(imported.__path__)]
     listed = [entry for entry in entries if entry in imported.__doc__]
     assert listed == entries
-    assert len(entries) >= 3
+    assert len(entries) >= 2  # the modules were found (accumulate has two: one object each)
 
 
 # -- old import paths ---------------------------------------------------------------------------

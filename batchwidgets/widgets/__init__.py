@@ -2,9 +2,9 @@
 
 - ``probe.py``   ProbePanel   ``find_batch`` live: progress, memory and throughput plots, headroom
 - ``noise.py``   NoisePanel   per-batch losses and the gradient noise scale while training runs
-- ``loader.py``  LoaderPanel  DataLoader options as live toggles, throughput, auto-tune
-- ``_live_panel.py`` LoaderPanel(live): the controls switch a running loop's live loader at its
-  next batch; the readout is that loop's own numbers, refreshed while the cell runs
+- ``loader.py``  LoaderPanel  DataLoader options as live toggles, throughput, auto-tune; given a
+  live loader, its controls switch the running loop at its next batch and its readout is that
+  loop's own numbers, refreshed while the cell runs
 - ``_controls.py`` one anywidget per panel (``static/panel.js``, ``static/panel.css``) and its
   controls: Python facades with ipywidgets' names over one synced trait
 - ``_panel.py``  what every panel shares: live display with a static copy refreshed in place,

@@ -1,4 +1,6 @@
-"""LoaderPanel: the DataLoader options as live controls, re-measured off the main thread.
+"""LoaderPanel: the DataLoader options as live controls, re-measured off the main thread; or,
+given a live loader, the controls of the training loop that iterates it, switched at its next batch.
+One object, one module: LoaderPanel in both its modes, over the 400-line mark (STYLE G10).
 
 One anywidget widget (``_controls.Panel``): the readout first, then the controls, the chart and
 the engine's warnings.
@@ -9,6 +11,10 @@ Usage:
     >>> panel.num_workers.value = 2          # re-measures in the background     # doctest: +SKIP
     >>> panel.wait().samples_per_s           # doctest: +SKIP
     >>> loader = panel.loader                # a new DataLoader, yours to keep   # doctest: +SKIP
+    >>> live = bw.live_loader(dataset, batch_size=64)   # doctest: +SKIP
+    >>> panel = bw.LoaderPanel(live)                    # doctest: +SKIP
+    >>> for batch in live:                              # doctest: +SKIP
+    ...     panel.num_workers.value = 2   # as a click does: the next batch comes from 2 workers
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any, Literal
 from torch.utils.data import DataLoader
 
 from .. import _html
+from .._kernel_poll import WidgetPoll
 from .._warnings import BatchwidgetsWarning
 from ..engine.loader import (
     LiveLoader,
@@ -34,16 +41,53 @@ from ..engine.loader import (
     usable_cpus,
     with_data,
 )
-from ..plots import plot_loader
-from ..results import LoaderReport, LoaderTrial
+from ..plots import plot_live_loader, plot_loader
+from ..results import LiveLoaderReport, LoaderReport, LoaderTrial
 from . import _controls as widgets
-from ._live_panel import LiveBinding
 from ._panel import ReportDisplay, figure_png
 from ._runner import Runner, Task
 
 JobKind = Literal["measure", "tune"]
 PREFETCH_FACTORS = (1, 2, 4, 8)  # the choices offered besides DataLoader's default (None: 2)
 CLOSE_TIMEOUT_S = 60.0  # close() waits this long for the measurement in flight to stop
+REFRESH_S = 0.5  # a live loader's readout follows the loop at most this often
+CHART_S = 30.0  # while the loop runs steadily, the chart at most this often; See NOTE below
+PAUSE_S = 2.0  # no batch for this long: the loop has paused, the chart catches up
+JOIN_S = 10.0  # close() waits this long for a refresh in flight
+
+# NOTE [ Controls of a running loop ]
+# The controls show ``live.requested``: the settings of the loop's next batch, the panel's own
+# or those asked for by code (``live.set``) or autotune. A change of a control calls
+# ``live.set`` at once (cheap: the loop switches at its next batch; nothing is measured here),
+# so a click dispatched between batches lands at the very next one. The refresher thread then
+# only follows what others asked for: it compares ``live.requested`` with what it last showed
+# and, when they differ, sets the controls while ``_quiet`` is on in its own thread, so their
+# observers do not call ``set`` back (which would turn autotune off). The readout, the chart and
+# the autotune checkbox follow the report; nothing is computed here but formatting.
+#
+# The chart is a PNG that takes 70-95 ms of CPU to draw (2-core CPU), mostly holding the GIL the
+# training loop needs too: drawn every 2 s, it would take 4-5% of the loop's time. So it is drawn
+# after a switch, when the loop has paused (no batch for PAUSE_S: the cell ended, or it waits)
+# and otherwise at most every CHART_S (under 0.3%). The readout, a few hundred bytes of HTML
+# (0.25 ms a refresh), follows every REFRESH_S. ``wait()`` draws it at once.
+
+# NOTE [ Clicks while the training cell runs ]
+# A click reaches the kernel as a comm message. Sent to the kernel's main shell, it waits there
+# while a cell runs: the panel of a live loader registers a kernel poll with the loader
+# (``live.on_batch``), which dispatches the waiting comm messages between batches (NOTE [ Widget
+# messages while a cell runs ] in _kernel_poll.py); the engine itself knows nothing of Jupyter.
+# A front end that sends widget messages over kernel subshells (JupyterLab 4.4+ with ipykernel 7
+# does by default; its "Kernel Comms over subshells" setting turns it off) puts a
+# ``subshell_id`` in their header, and the kernel runs such a message on that subshell's thread
+# while the cell runs on the main one: it lands mid-cell with no poll. Which way a message came
+# is read from the message itself, never from version numbers: a ``subshell_id`` in its header
+# and handled off the main thread. From such a message on, the panel leaves the poll out for the
+# rest of that epoch; any message handled on the main thread turns the poll back on, and every
+# new epoch polls again until one comes over a subshell, because the kernel decides per message
+# where it runs: ipykernel 7.4 sends a comm's messages to the subshell it last published under,
+# the main shell once the panel has published from a cell (its refresher does, under the cell),
+# whatever the header says. Front ends that send no subshell_id, and kernels without subshells
+# (ipykernel 6), reach only the main shell: the poll serves them.
 
 
 class _Job:
@@ -78,6 +122,47 @@ def _status_line(job: _Job) -> str:
     return f"{what} " + ", ".join(f"{name}={value}" for name, value in job.settings.items())
 
 
+def _part(name: str, value: str, unit: str = "") -> str:
+    """One number of the readout in a named span (for stylesheets and browser tests)."""
+    return (f'<span class="batchwidgets-loader-{name}">{html.escape(value)}</span>'
+            f"{' ' + html.escape(unit) if unit else ''}")
+
+
+def _live_readout(report: LiveLoaderReport, requested: dict[str, Any]) -> str:
+    """The loop's samples/s and data stall with the setting in force, overall, the settings
+    in force (and those of the next batch when a switch waits), and the last switch."""
+    current = report.current
+    lines = []
+    if current is None:
+        lines.append(f"<b>{_part('samples-per-s', '-', 'samples/s')}</b> (no batch drawn yet)")
+    else:
+        lines.append(" &middot; ".join([
+            f"<b>{_part('samples-per-s', f'{current.samples_per_s:,.0f}', 'samples/s')}</b> "
+            f"of the loop with these settings",
+            f"{_part('stall', f'{current.stall_fraction:.0%}')} of its time waiting for data",
+            f"overall {_part('overall-samples-per-s', f'{report.samples_per_s:,.0f}')} "
+            f"samples/s, {report.stall_fraction:.0%} waiting, {report.n_batches} batches"]))
+    in_force = ", ".join(f"{k}={v!r}" for k, v in report.settings.items())
+    lines.append(f"in force: {_part('settings', in_force)}")
+    if requested != report.settings:
+        asked = ", ".join(f"{k}={v!r}" for k, v in requested.items() if report.settings[k] != v)
+        lines.append(f"from the next batch: {_part('requested', asked)}")
+    if report.switches:
+        lines.append(f"last switch: {_part('last-switch', report.switches[-1].summary())}")
+    if report.autotune_status:
+        lines.append(f"autotune: {_part('autotune-status', report.autotune_status)}")
+    return "<br>".join(lines)
+
+
+def _offer(dropdown: widgets.Dropdown, value: Any) -> None:
+    """Offer ``value`` too, when code or autotune asked for a setting the dropdown lacks."""
+    pairs = [option if isinstance(option, tuple) else (str(option), option)
+             for option in dropdown.options]
+    if value not in [offered for _, offered in pairs]:
+        pairs.append((str(value), value))
+        dropdown.options = sorted(pairs, key=lambda pair: (pair[1] is not None, pair[1] or 0))
+
+
 class LoaderPanel(ReportDisplay, widgets.Panel):
     """Controls named after the DataLoader options; each change re-measures the loader in the
     background (``measure_loader``), shows samples/s, bytes/s to the device and the time to the
@@ -85,44 +170,57 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
     controls to the best setting measured.
 
     Given a live loader (``bw.live_loader``) instead, the panel is bound to the training loop
-    that iterates it: its controls switch that loader at its next batch, and its readout shows
-    the loop's own numbers (see ``LivePanel``, the class it then is; ``isinstance(panel,
-    LoaderPanel)`` holds).
+    that iterates it: no measurement of its own; its controls call ``live.set`` (the loop
+    switches at its next batch, also on a click while the training cell runs), an "autotune"
+    checkbox sets ``live.autotune``, and a daemon thread refreshes the readout from
+    ``live.report()``, the loop's own numbers.
 
     Parameters
     ----------
-    loader_or_dataset : DataLoader or Dataset
-        What to measure. A DataLoader's options are the controls' starting values.
+    loader_or_dataset : DataLoader, Dataset or LiveLoader
+        What to measure; a DataLoader's options are the controls' starting values. A live
+        loader: the loop to follow and switch (the panel never closes it).
     device : str or torch.device, optional
-        Where batches are copied; default the accelerator when there is one, else no copy.
+        Where batches are copied; default the accelerator when there is one, else no copy. None
+        for a live loader (the loop copies its batches itself).
     batch_size : int, optional
-        The starting batch size instead of the loader's (a Dataset's default is 32).
+        The starting batch size instead of the loader's (a Dataset's default is 32). None for a
+        live loader (the epoch's batches cannot change while it runs).
     duration_s : float
-        Seconds each setting is timed, after its first batch.
+        Seconds each setting is timed, after its first batch (not used for a live loader).
     max_workers : int, optional
         Largest ``num_workers`` offered, and tried by auto-tune (default: the usable CPUs).
     start : bool
-        Measure the starting settings right away, in the background.
+        Measure the starting settings right away, in the background (not for a live loader).
+    refresh_s : float
+        A live loader's: seconds between two looks at the loop's report (the readout changes
+        only with it).
 
     Attributes
     ----------
     num_workers, pin_memory, prefetch_factor, persistent_workers, batch_size : widgets
         The controls. Set ``.value`` (or click them) to measure another setting; only the
         latest of quick changes is measured. Without workers, ``prefetch_factor`` (None) and
-        ``persistent_workers`` (False) are disabled, as DataLoader requires.
-    autotune : Button
+        ``persistent_workers`` (False) are disabled, as DataLoader requires. For a live loader
+        they start at its settings and switch the running loop at its next batch; a bad setting
+        is shown in ``status`` (one line, also in ``error``) and the control goes back; they
+        follow switches asked for by code or autotune; ``batch_size`` is shown, disabled.
+    autotune : Button or Checkbox
         Runs ``tune_loader`` in the background, then shows the best setting measured in this
         panel (tune's own, or an earlier one that ran faster) in the controls, the readout and
-        ``report`` (its ``current`` is then its ``best``).
-    report : LoaderReport or None
+        ``report`` (its ``current`` is then its ``best``). For a live loader, a checkbox:
+        ``live.autotune``; a control changed by hand turns it off, as ``live.set`` does.
+    report : LoaderReport, LiveLoaderReport or None
         Every setting measured in this panel (the latest measurement of each); ``current`` is
-        the one measured last, so ``report.samples_per_s`` is the latest samples/s.
-    loader : DataLoader
+        the one measured last, so ``report.samples_per_s`` is the latest samples/s. For a live
+        loader, ``live.report()``: the loop's own numbers so far.
+    loader : DataLoader or LiveLoader
         A new DataLoader with the current settings. It is the caller's: the panel keeps no
         reference to it and never starts its workers, so its (persistent) workers live and
-        stop as with any DataLoader you make.
+        stop as with any DataLoader you make. For a live loader, the live loader itself.
     error : Exception or None
-        What the last measurement raised (also shown in the panel); None after a success.
+        What the last measurement (or ``live.set``) raised, also shown in the panel; None after
+        a success.
 
     Examples
     --------
@@ -131,28 +229,35 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
     >>> panel.wait().samples_per_s                           # doctest: +SKIP
     """
 
-    def __new__(cls, loader_or_dataset: Any = None, *args: Any, **kwargs: Any) -> LoaderPanel:
-        if cls is LoaderPanel and isinstance(loader_or_dataset, LiveLoader):
-            cls = LivePanel  # bound to the running loop: its __init__ runs instead
-        return super().__new__(cls, loader_or_dataset, *args, **kwargs)
-
     def __init__(self, loader_or_dataset: DataLoader | Any, device: Any = None, *,
                  batch_size: int | None = None, duration_s: float = 1.0,
-                 max_workers: int | None = None, start: bool = True) -> None:
+                 max_workers: int | None = None, start: bool = True,
+                 refresh_s: float = REFRESH_S) -> None:
         if not isinstance(duration_s, (int, float)) or duration_s <= 0:
             raise ValueError(f"duration_s should be a positive number of seconds, but got "
                              f"duration_s={duration_s!r}; 1.0 is a good start.")
-        initial = make_loader(loader_or_dataset, batch_size=batch_size)  # no workers start
+        if not isinstance(refresh_s, (int, float)) or refresh_s <= 0:
+            raise ValueError(f"refresh_s should be a positive number of seconds, but got "
+                             f"refresh_s={refresh_s!r}; {REFRESH_S} is a good start.")
+        self._live = loader_or_dataset if isinstance(loader_or_dataset, LiveLoader) else None
+        for name, value in (("device", device), ("batch_size", batch_size)):
+            if self._live is not None and value is not None:
+                raise ValueError(f"{name} should be None for a live loader, whose loop sets it, "
+                                 f"but got {name}={value!r}; leave it out.")
         self.source, self.device, self.duration_s = loader_or_dataset, device, duration_s
+        self.refresh_s = refresh_s
         self.max_workers = usable_cpus() if max_workers is None else max_workers
         self.error: Exception | None = None
         self._report: LoaderReport | None = None  # all panel state: every setting measured
         self._measuring_s = 0.0  # time spent measuring in this panel
-        self._runner = Runner(on_error=self._show_error, name="batchwidgets-loader")
         self._quiet = threading.local()  # set while the panel itself changes its controls
-        self._build(initial)
-        if start:
-            self._post(_Job("measure", self.settings))
+        if self._live is None:
+            self._runner = Runner(on_error=self._show_error, name="batchwidgets-loader")
+            self._build(make_loader(loader_or_dataset, batch_size=batch_size))  # no workers
+            if start:
+                self._post(_Job("measure", self.settings))
+        else:
+            self._bind()
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -189,6 +294,10 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
             warnings=self.messages, **dict(zip(names, self._controls)))
 
     def _autotune_control(self) -> widgets.Control:
+        if self._live is not None:  # the live loader's own autotune
+            checkbox = widgets.Checkbox(value=self._live.autotune, description="autotune")
+            checkbox.observe(self._on_autotune_box, names="value")
+            return checkbox
         button = widgets.Button(description="Auto-tune",
                                 tooltip="tune_loader: measure a few settings, keep the fastest "
                                         "(off the main thread)")
@@ -213,6 +322,30 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
         finally:
             self._quiet.on = False
 
+    def _bind(self) -> None:
+        """Bound to a live loader: the controls at its settings, its loop's numbers, a refresher
+        thread, and the kernel poll between its batches (NOTE [ Clicks while the training cell
+        runs ])."""
+        live = self._live
+        self._epoch_seen = -1  # the epoch of the loop's last batch
+        self._subshell_epoch: int | None = None  # an epoch whose clicks came over a subshell
+        self._refreshing = threading.RLock()
+        self._shown: dict[str, Any] = {}  # the controls show live.requested from refresh()
+        self._seen: tuple | None = None
+        self._chart_at = -CHART_S  # time.monotonic() of the last chart
+        self._chart_seen = (0, 0)  # (segments, batches) it showed
+        self._batches_seen = (0, time.monotonic())  # batches at the last look, when they grew
+        self._build(live)
+        self.batch_size.disabled = True
+        self.status.value = "bound to the running loop"
+        self.refresh()
+        self._poll = WidgetPoll()
+        live.on_batch(self._between_batches)
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
+                                           name="batchwidgets-live-panel")
+        self._refresher.start()
+
     # -- state ---------------------------------------------------------------------------------
 
     @property
@@ -225,19 +358,25 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
                 "batch_size": self.batch_size.value if self._batching else None}
 
     @property
-    def report(self) -> LoaderReport | None:
-        """Every setting measured in this panel; ``current`` is the one measured last."""
-        return self._report
+    def report(self) -> LoaderReport | LiveLoaderReport | None:
+        """Every setting measured in this panel; ``current`` is the one measured last. For a
+        live loader, ``live.report()``: the running loop's own numbers (any thread)."""
+        return self._live.report() if self._live is not None else self._report
 
     @property
     def loader(self) -> DataLoader:
-        """A new DataLoader with the current settings; the caller owns it and its workers."""
-        return make_loader(self.source, **self.settings)
+        """A new DataLoader with the current settings; the caller owns it and its workers. For
+        a live loader, the live loader itself (the panel neither copies nor closes it)."""
+        return self._live if self._live is not None else make_loader(self.source,
+                                                                     **self.settings)
 
     # -- user actions -> requests for the background thread ------------------------------------
 
     def _on_control(self, _change: dict) -> None:  # cheap: runs in the kernel's main thread
         if getattr(self._quiet, "on", False):
+            return
+        if self._live is not None:
+            self._switch_live()
             return
         self._sync_worker_options()
         self._post(_Job("measure", self.settings))
@@ -271,10 +410,12 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
             self.autotune.disabled = False
 
     def _show_error(self, error: Exception) -> None:
-        """What a measurement raised: shown in the panel; the kernel and the panel live on."""
+        """What a measurement (or ``live.set``) raised: shown in the panel; the kernel and the
+        panel live on."""
         self.error = error
         self.status.value = one_line(error)
-        self.readout.value = _readout(None)  # no numbers for the setting shown
+        if self._live is None:
+            self.readout.value = _readout(None)  # no numbers for the setting shown
 
     def _measure(self, job: _Job, task: Task) -> None:
         trial = measure_loader(self.source, **job.settings, device=self.device,
@@ -341,28 +482,142 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
         self.status.value = (f"{current.label}: {_rate(current)}; best so far: "
                              f"{best.label}, {_rate(best)}")
 
+    # -- a live loader: user actions -> live.set, at once -------------------------------------
+
+    def _switch_live(self) -> None:
+        with self._refreshing:  # the refresher does not write the controls meanwhile
+            self._sync_worker_options()
+            settings = {k: v for k, v in self.settings.items() if k != "batch_size"}
+            try:
+                self._live.set(**settings)
+            except (TypeError, ValueError) as error:  # the engine's one-line checks
+                self._show_error(error)
+            else:
+                self.error = None
+                self.status.value = "switching at the next batch"
+            self._follow(force=True)  # autotune is off now; a refused setting goes back
+
+    def _on_autotune_box(self, change: dict) -> None:
+        if getattr(self._quiet, "on", False):
+            return
+        with self._refreshing:
+            try:
+                self._live.autotune = change["new"]
+            except (ImportError, ValueError) as error:
+                self._show_error(error)
+            else:
+                self.error = None
+                self.status.value = f"autotune {'on' if change['new'] else 'off'}"
+            self._follow(force=True)
+
+    def _handle_msg(self, msg: dict) -> None:
+        """A message from the front end: which way it came, for a live loader's poll (NOTE
+        [ Clicks while the training cell runs ]), then as every widget handles it."""
+        if self._live is not None:
+            over_subshell = (bool((msg.get("header") or {}).get("subshell_id"))
+                             and threading.current_thread() is not threading.main_thread())
+            self._subshell_epoch = self._epoch_seen if over_subshell else None
+        super()._handle_msg(msg)
+
+    def _between_batches(self, epoch: int, batch: int) -> None:
+        """The live loader's ``on_batch``: dispatch the clicks waiting in the kernel, unless
+        this epoch's come over a subshell (NOTE [ Clicks while the training cell runs ])."""
+        self._epoch_seen = epoch
+        if self._subshell_epoch != epoch:
+            # its one warning points at the loop: poll, here, LiveLoader._next, Epoch.__next__
+            self._poll.poll(stacklevel=5)
+
+    # -- a live loader: the loop -> the panel ---------------------------------------------------
+
+    def _follow(self, force: bool = False) -> None:
+        """Show ``live.requested`` and ``live.autotune`` in the controls without calling ``set``
+        (NOTE [ Controls of a running loop ]): when they changed since last shown, or ``force``."""
+        requested, autotune = self._live.requested, self._live.autotune
+        if not force and requested == self._shown and autotune == self.autotune.value:
+            return  # the refresher's common case: it writes nothing a user may be changing
+        self._quiet.on = True
+        try:
+            if force or requested != self._shown:
+                self._shown = requested
+                for name, value in requested.items():
+                    control = getattr(self, name)
+                    if isinstance(control, widgets.Dropdown):
+                        _offer(control, value)
+                    control.value = value
+            self.autotune.value = autotune
+        finally:
+            self._quiet.on = False
+        self._sync_worker_options()
+
+    def refresh(self, *, chart: bool = False) -> LiveLoaderReport:
+        """Show the loop's numbers now (the refresher does it every ``refresh_s`` while they
+        change; any thread) and return ``report``; ``chart``: draw the chart too if it is out
+        of date (it is drawn seldom while the loop runs)."""
+        with self._refreshing:
+            report, requested = self._live.report(), self._live.requested
+            self._follow()
+            seen = (report.n_batches, len(report.switches), tuple(requested.items()),
+                    report.autotune, report.autotune_status, report.warnings)
+            if seen != self._seen:
+                self._seen = seen
+                self.readout.value = _live_readout(report, requested)
+                self.messages.value = "".join(f"<p>&#9888; {html.escape(note)}</p>"
+                                              for note in report.warnings)
+                if self.error is None:
+                    self.status.value = report.summary()
+            self._draw_chart(report, now=chart)
+            return report
+
+    def _draw_chart(self, report: LiveLoaderReport, now: bool) -> None:
+        """Draw the chart when it is out of date and the loop can spare it (NOTE [ Controls of
+        a running loop ])."""
+        chart, clock = (len(report.segments), report.n_batches), time.monotonic()
+        if report.n_batches != self._batches_seen[0]:
+            self._batches_seen = (report.n_batches, clock)
+        if chart[1] == self._chart_seen[1]:
+            return
+        switched = chart[0] != self._chart_seen[0] and chart[0] > 1
+        paused = clock - self._batches_seen[1] >= PAUSE_S
+        if now or switched or paused or clock - self._chart_at >= CHART_S:
+            self._chart_seen, self._chart_at = chart, time.monotonic()
+            self.chart.value = figure_png(plot_live_loader(report))
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self.refresh()
+
     # -- waiting, measuring now, closing -------------------------------------------------------
 
-    def wait(self, timeout: float | None = None) -> LoaderReport | None:
+    def wait(self, timeout: float | None = None) -> LoaderReport | LiveLoaderReport | None:
         """Wait until nothing is measured or waiting to be; return ``report``, also written into
         the static copy of the panel's displays (what a saved notebook shows). Raises nothing:
-        an error is shown in the panel and kept in ``error``."""
-        self._runner.wait(timeout)
+        an error is shown in the panel and kept in ``error``. For a live loader nothing is
+        measured: the readout and chart are refreshed now."""
+        if self._live is not None:
+            report = self.refresh(chart=True)
+        else:
+            self._runner.wait(timeout)
+            report = self._report
         if threading.current_thread() is threading.main_thread():  # the kernel's, not a runner's
             self.refresh_displays()
-        return self._report
+        return report
 
-    def measure(self) -> LoaderReport | None:
-        """Measure the current settings (again) and return ``report`` when done."""
-        self._post(_Job("measure", self.settings), again=True)
+    def measure(self) -> LoaderReport | LiveLoaderReport | None:
+        """Measure the current settings (again) and return ``report`` when done; a live loader's
+        loop measures itself: the same as ``wait()``."""
+        if self._live is None:
+            self._post(_Job("measure", self.settings), again=True)
         return self.wait()
 
     def close(self) -> None:
-        """Stop the measurement in flight (its workers shut down), then close the widgets."""
-        self._runner.close(CLOSE_TIMEOUT_S)
+        """Stop the measurement in flight (its workers shut down), or a live loader's refresher
+        and poll (the loader runs on: yours); then close the widgets."""
+        runner, refresher = self.__dict__.get("_runner"), self.__dict__.get("_refresher")
+        if runner is not None:  # either is None when __init__ failed
+            runner.close(CLOSE_TIMEOUT_S)
+        if refresher is not None:
+            self._live.on_batch(self._between_batches, remove=True)
+            self._stop.set()
+            if refresher is not threading.current_thread():
+                refresher.join(JOIN_S)
         super().close()
-
-
-class LivePanel(LiveBinding, LoaderPanel):
-    """``LoaderPanel(live)`` for a live loader: the controls switch it at the next batch of the
-    running loop, the readout shows that loop's numbers (``_live_panel.LiveBinding``)."""

@@ -1,8 +1,8 @@
 """``accumulate``: gradient accumulation around an unchanged training loop.
 
 - ``_accumulate.py``   accumulate(): its argument checks, steps from a batch size or "auto"
-- ``_accumulator.py``  the context manager: micro-steps, real steps, DDP, the remainder
-- ``_calls.py``        the calls a block replaces (step, backward, clipping), and for whom
+- ``_accumulator.py``  the context manager: the calls a block replaces (step, backward,
+                       clipping) and for whom, micro-steps, real steps, DDP, the remainder
 
 It imports ``noise`` (a tracker fed from the micro-batches, the "auto" schedule) and the shared
 modules.

@@ -5,9 +5,9 @@ training step waits on data.
 - ``_search.py``  tune_loader's pure search policy: which setting next
 - ``_timing.py``  timing one DataLoader; workers always shut down
 - ``_checks.py``  argument checks, unpicklable datasets, warnings with numbers
-- ``_live.py``    live_loader: the running loop's loader, switched at its next batch, measured
+- ``_live.py``    live_loader: the running loop's loader, switched at its next batch without
+                  losing the order, measured; its epochs, whose workers stop when abandoned
 - ``_live_settings.py`` the settings a live loader starts with and switches to, checked
-- ``_epoch.py``   one live epoch: the same order across a switch, the loop's time around next()
 - ``_autotune.py`` live_loader(autotune=True)'s policy: which setting to try next, from the stall
 
 It imports the shared modules only.

@@ -1,6 +1,7 @@
 """``live_loader``: the DataLoader of a training loop that is running, whose worker settings
 switch at its next batch (from code, another thread or a panel) without losing the epoch's
 place, with that loop's own samples/s and time waiting for data measured.
+One object, one module: the LiveLoader runs its epochs itself; ``Epoch`` is only its iterator.
 
 Usage:
     >>> import torch, batchwidgets as bw
@@ -16,22 +17,123 @@ Usage:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
+import time
 import types
 import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..._kernel_poll import WidgetPoll
 from ..._warnings import BatchwidgetsWarning
 from ...results import LiveLoaderReport, LoaderSegment, LoaderSwitch
 from ._autotune import Autotune
 from ._checks import check_workers_can_unpickle, usable_cpus
-from ._epoch import Epoch
 from ._live_settings import SWITCHABLE, check_types, resolve, setting, starting_loader
-from ._timing import shutdown
+from ._timing import _size, shutdown
+
+OnBatch = Callable[[int, int], Any]  # on_batch(epoch, batch): before each batch is taken
+
+# NOTE [ The same order across a switch ]
+# A DataLoader's iterator does two things with randomness when it starts an epoch, in this order:
+# it calls iter() on its index sampler (lazy for BatchSampler and RandomSampler), then draws its
+# workers' base seed from ``loader.generator`` (the global generator when None); the sampler's own
+# draws (RandomSampler's permutation) come after, at the first index. A live epoch does the same
+# with the wrapped loader's own sampler and generator, so the batches, their order and the
+# generator's state after the epoch are what the wrapped DataLoader gives, whatever the settings:
+# - It takes the sampler's iterator itself and feeds its index batches to an inner DataLoader
+#   (as its ``batch_sampler``, or ``sampler`` without automatic batching), recording each index
+#   batch the inner loader takes. Workers take batches ahead (prefetch_factor x num_workers); at a
+#   switch the batches taken but not yet yielded are fed first to the new inner loader, then the
+#   rest of the sampler's iterator: no sample is skipped or repeated, and the order is kept
+#   (inner loaders keep ``in_order=True``).
+# - The base seed: the epoch saves the generator's state, advances the generator by the one draw
+#   DataLoader makes (every epoch, or only the first with persistent workers, as the loader it
+#   started with does), and gives every inner loader of the epoch a private generator holding
+#   the saved state. So each inner loader draws the same base seed the wrapped loader would
+#   (worker k seeds with base + k, as in PyTorch), and a switch draws nothing from the user's
+#   generators. A dataset's own randomness inside workers still depends on which worker loads
+#   which batch, so it changes with num_workers, as in PyTorch.
+# - An IterableDataset has no index to carry over: its inner loader iterates the dataset itself,
+#   so a switch waits for the next epoch.
+
+
+class _Feed:
+    """An inner loader's index batches: the source's, each recorded as taken until yielded."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self.source = source
+        self.taken: deque[Any] = deque()
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            try:
+                item = next(self.source)
+            except StopIteration:
+                return
+            self.taken.append(item)
+            yield item
+
+    def rest(self) -> Iterator[Any]:
+        """What is left of the epoch: the batches taken but not yielded, then the source's."""
+        return itertools.chain(list(self.taken), self.source)
+
+
+def _generator(state: torch.Tensor) -> torch.Generator:
+    generator = torch.Generator()
+    generator.set_state(state)
+    return generator
+
+
+class Epoch:
+    """What ``iter(live)`` returns: one epoch's iterator, as a DataLoader's; the live loader runs
+    it, and it holds the epoch's place. Dropped, it ends the epoch (NOTE [ An abandoned epoch ])."""
+
+    def __init__(self, live: LiveLoader, index: int) -> None:
+        self.live, self.index, self.batch = live, index, 0  # batch: the next one's position
+        self.finished = False
+        self.source: Iterator[Any] | None = None  # the sampler's iterator; None: iterable
+        self.seed_state: torch.Tensor | None = None
+        self.feed: _Feed | None = None
+        self.inner: DataLoader | None = None
+        self.iterator: Iterator[Any] | None = None
+        self.switch: dict[str, Any] | None = None  # a switch whose first batch is pending
+        self.last = self.extra_wait = 0.0  # the loop's clock (perf_counter seconds)
+
+    def __iter__(self) -> Epoch:
+        return self
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def __next__(self) -> Any:
+        return self.live._next(self)
+
+    def close(self) -> None:
+        """Abandon the epoch: its workers stop, persistent ones are kept for the next epoch (as
+        a DataLoader keeps them after a ``break``); ``live.close()`` stops them too."""
+        self.live._end(self, keep=True)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # a half-made epoch, or at interpreter exit
+            self.live._end(self, keep=True)
+
+
+# NOTE [ An abandoned epoch ]
+# A DataLoader's iterator stops its workers when it is collected, which CPython does at once when
+# the loop lets go of it: at a `break`, a `del`, and when an exception (a KeyboardInterrupt too)
+# leaves the loop's body, since unwinding a frame drops what its `for` was iterating even while a
+# notebook keeps the traceback. Persistent workers belong to the DataLoader and carry on. A live
+# epoch does the same: the loader holds its running epoch only weakly, and ``Epoch.__del__`` ends
+# it (persistent workers kept for the next epoch). An exception inside ``next()`` itself (a
+# KeyboardInterrupt while waiting for a batch, a worker that died, a hook that failed) ends the
+# epoch at once, workers and all: the traceback then holds the epoch's frame, which would keep a
+# DataLoader's workers running as long as the notebook keeps that traceback.
 
 
 class LiveLoader(DataLoader):
@@ -64,10 +166,9 @@ class LiveLoader(DataLoader):
         self._switches: list[LoaderSwitch] = []
         self._notes: list[str] = []
         self._epochs = 0
-        self._epoch: Epoch | None = None
+        self._epoch: weakref.ref[Epoch] | None = None  # NOTE [ An abandoned epoch ]
         self._kept: tuple[DataLoader, Any] | None = None  # persistent workers between epochs
-        # Clicks on any widget, while the loop's cell runs, land between batches (in a kernel).
-        self._poll = WidgetPoll().poll
+        self._on_batch: tuple[OnBatch, ...] = ()  # replaced whole: read without the lock
         self._tuner: Any = None
         self._ready = True
         self._check_workers(self.settings)
@@ -115,6 +216,20 @@ class LiveLoader(DataLoader):
         with self._lock:
             return dict(self._requested)
 
+    def on_batch(self, callback: OnBatch, remove: bool = False) -> None:
+        """Run ``callback(epoch, batch)`` in the loop's thread before each batch is taken (the
+        position of the batch about to come); ``remove=True`` unregisters it. A panel bound to
+        the loader dispatches widget clicks there. What the callback raises ends the epoch and
+        reaches the loop."""
+        if not callable(callback):
+            raise TypeError(f"callback should be a function of (epoch, batch), but got "
+                            f"callback={callback!r}; pass e.g. lambda epoch, batch: None.")
+        with self._lock:
+            if remove:
+                self._on_batch = tuple(c for c in self._on_batch if c != callback)
+            else:
+                self._on_batch = (*self._on_batch, callback)
+
     # -- switching -------------------------------------------------------------------------------
 
     def set(self, **settings: Any) -> None:
@@ -138,7 +253,8 @@ class LiveLoader(DataLoader):
         new = resolve(base, settings)
         self._check_workers(new)
         note = ""
-        if self._iterable and self._epoch is not None and not self._epoch.finished:
+        running = self._running()
+        if self._iterable and running is not None:
             note = ("an IterableDataset cannot resume at a position: these settings apply at "
                     "the next epoch")
             if note not in self._notes:
@@ -146,7 +262,7 @@ class LiveLoader(DataLoader):
                 warnings.warn(note, BatchwidgetsWarning, stacklevel=3)
         with self._lock:
             self._requested = new
-            if self._epoch is None or self._epoch.finished:  # between epochs: in force now
+            if running is None:  # between epochs: in force now
                 if self._between is None and new != self.settings:
                     self._between = (self.settings, by)
                 self._apply(new)
@@ -224,20 +340,141 @@ class LiveLoader(DataLoader):
             shutdown(kept[0]._iterator)
             kept[0]._iterator = None
 
-    # -- iterating -------------------------------------------------------------------------------
+    # -- iterating: the loader runs its epochs; ``Epoch`` is their iterator -----------------------
 
     def __iter__(self) -> Epoch:
-        """One epoch. A new one ends the one before (its persistent workers carry on)."""
-        if self._epoch is not None:
-            self._epoch.close()
-        self._epoch = Epoch(self, self._epochs)
+        """One epoch. A new one ends the one before (its persistent workers carry on); one that
+        is dropped, broken off or fails stops its workers (NOTE [ An abandoned epoch ])."""
+        running = self._running()
+        if running is not None:
+            self._end(running, keep=True)
+        epoch = Epoch(self, self._epochs)
         self._epochs += 1
-        return self._epoch
+        self._epoch = weakref.ref(epoch)
+        self._start(epoch)
+        return epoch
+
+    def _running(self) -> Epoch | None:
+        """The epoch under way: made, neither over nor dropped."""
+        epoch = self._epoch() if self._epoch is not None else None
+        return None if epoch is None or epoch.finished else epoch
+
+    def _start(self, epoch: Epoch) -> None:
+        """As DataLoader's iter(): the sampler's iterator, then the base seed (NOTE [ The same
+        order across a switch ]); then any switch asked for between epochs, and the workers."""
+        started = time.perf_counter()
+        epoch.source = None if self._iterable else iter(self._index_sampler)
+        generator = self.generator if self.generator is not None else torch.default_generator
+        epoch.seed_state = generator.get_state()
+        if self._draw_every_epoch or epoch.index == 0:
+            torch.empty((), dtype=torch.int64).random_(generator=generator)
+        between = self._take_between()
+        if between is not None:
+            self._begin_switch(epoch, self.settings, between[1], "", started, old=between[0])
+        pending = self._take_pending(epoch_start=True)  # an IterableDataset's, deferred
+        if pending is not None:
+            self._begin_switch(epoch, *pending, started, old=between[0] if between else None)
+        kept = self._take_kept(self.settings)
+        if kept is not None:  # persistent workers that still run these settings
+            epoch.inner, epoch.feed = kept
+            if epoch.feed is not None:
+                epoch.feed.source, epoch.feed.taken = epoch.source, deque()
+        else:
+            epoch.feed = None if epoch.source is None else _Feed(epoch.source)
+            epoch.inner = self._inner_loader(epoch.feed, _generator(epoch.seed_state))
+        epoch.iterator = iter(epoch.inner)
+        epoch.last = started  # the loop's clock: the first batch's wait includes the start
+        epoch.extra_wait = time.perf_counter() - started
+
+    def _next(self, epoch: Epoch) -> Any:
+        """The epoch's next batch: the callbacks, a switch asked for, the batch, its time."""
+        called = time.perf_counter()
+        if epoch.finished:
+            raise StopIteration
+        try:
+            for callback in self._on_batch:
+                callback(epoch.index, epoch.batch)
+            pending = self._take_pending(epoch_start=False)
+            if pending is not None:
+                self._switch_now(epoch, *pending, called)
+            batch = next(epoch.iterator)
+            self._count(epoch, batch, called)
+        except StopIteration:
+            self._end(epoch, keep=True)
+            raise
+        except (EOFError, ConnectionError) as error:  # see NOTE [ A worker that dies ]
+            dead = _dead_workers(epoch.iterator)
+            self._end(epoch, keep=False)
+            raise RuntimeError(f"DataLoader worker {dead}exited unexpectedly: the main process "
+                               f"lost its connection to it ({type(error).__name__}); a worker "
+                               "killed for memory is the usual cause, try fewer workers or a "
+                               "smaller prefetch_factor") from error
+        except BaseException:  # NOTE [ An abandoned epoch ]: nothing left running
+            self._end(epoch, keep=False)
+            raise
+        return batch
+
+    def _count(self, epoch: Epoch, batch: Any, called: float) -> None:
+        """The batch came: the loop's time for it (``called``: when it asked), a switch's cost."""
+        now = time.perf_counter()
+        indices = epoch.feed.taken.popleft() if epoch.feed is not None else None
+        samples = len(indices) if self._auto_collation and indices is not None \
+            else _size(batch)[0]
+        if epoch.switch is not None:
+            self._end_switch(epoch, now)
+        self._record(wall_s=now - epoch.last, wait_s=now - called + epoch.extra_wait,
+                     samples=samples, epoch=epoch.index, batch=epoch.batch)
+        epoch.last, epoch.extra_wait = now, 0.0
+        epoch.batch += 1
+
+    def _begin_switch(self, epoch: Epoch, new: dict[str, Any], by: str, note: str,
+                      started: float, shutdown_s: float = 0.0,
+                      old: dict[str, Any] | None = None) -> None:
+        old = self.settings if old is None else old
+        self._apply(new)
+        epoch.switch = {"old": old, "new": dict(new), "epoch": epoch.index,
+                        "batch": epoch.batch, "by": by, "note": note, "shutdown_s": shutdown_s,
+                        "started": started}
+
+    def _end_switch(self, epoch: Epoch, now: float) -> None:
+        """The first batch after a switch came (or the epoch ended): what the switch cost."""
+        switch, epoch.switch = epoch.switch, None
+        started = switch.pop("started")
+        with self._lock:
+            self._switches.append(LoaderSwitch(**switch, cost_s=now - started))
+
+    def _switch_now(self, epoch: Epoch, new: dict[str, Any], by: str, note: str,
+                    started: float) -> None:
+        """Stop the inner loader's workers; the rest of the epoch, from the batches it took but
+        did not yield, goes to a new inner loader with the new settings."""
+        rest = epoch.feed.rest()
+        stopping = time.perf_counter()
+        shutdown(epoch.iterator)
+        shutdown_s = time.perf_counter() - stopping
+        self._begin_switch(epoch, new, by, note, started, shutdown_s)
+        epoch.feed = _Feed(rest)
+        epoch.inner = self._inner_loader(epoch.feed, _generator(epoch.seed_state))
+        epoch.iterator = iter(epoch.inner)
+
+    def _end(self, epoch: Epoch, keep: bool) -> None:
+        """The epoch is over (or abandoned, or failed): persistent workers are kept for the next
+        epoch when ``keep``; every other worker is stopped now."""
+        if epoch.finished:
+            return
+        epoch.finished = True
+        if epoch.switch is not None:  # the epoch ended right after a switch
+            self._end_switch(epoch, time.perf_counter())
+        if keep and epoch.inner is not None and epoch.inner.persistent_workers:
+            self._keep(epoch.inner, epoch.feed)
+        else:
+            shutdown(epoch.iterator)
+        epoch.iterator = epoch.inner = None
 
     def close(self) -> None:
         """Stop every worker now, persistent ones too (also done when the loader is collected)."""
-        if self.__dict__.get("_epoch") is not None:
-            self._epoch._end(keep=False)
+        running = self._running() if self.__dict__.get("_epoch") is not None else None
+        if running is not None:
+            self._end(running, keep=False)
         if self.__dict__.get("_ready"):
             self._drop_kept()
 
@@ -275,10 +512,6 @@ class LiveLoader(DataLoader):
             self._notes.append(note)
             warnings.warn(note, BatchwidgetsWarning, stacklevel=4)
 
-    def _add_switch(self, **switch: Any) -> None:
-        with self._lock:
-            self._switches.append(LoaderSwitch(**switch))
-
     def report(self) -> LiveLoaderReport:
         """The loop's own numbers so far: samples/s and the data stall, overall and per
         setting, each switch with its cost (any thread)."""
@@ -289,11 +522,6 @@ class LiveLoader(DataLoader):
                 switches=tuple(self._switches), settings=self.settings, epoch=self._epochs,
                 autotune=self.autotune,
                 autotune_status=self.autotune_status, warnings=tuple(self._notes))
-
-    @property
-    def stats(self) -> LiveLoaderReport:
-        """``report()``, as an attribute."""
-        return self.report()
 
 
 def live_loader(loader_or_dataset: DataLoader | Any, /, *, autotune: bool = False,
@@ -335,3 +563,19 @@ def live_loader(loader_or_dataset: DataLoader | Any, /, *, autotune: bool = Fals
     (2, True)
     """
     return LiveLoader(loader_or_dataset, autotune=autotune, **settings)
+
+
+# NOTE [ A worker that dies ]
+# When a worker process dies (the OOM killer, os._exit in a dataset), what PyTorch raises depends
+# on when the main process notices: DataLoader's own RuntimeError "worker (pid ...) exited
+# unexpectedly" if it was waiting on the queue, but an EOFError or ConnectionError if it was
+# receiving a batch the worker shares by file descriptor at that moment (the worker's resource
+# sharer is gone). A live epoch raises the same RuntimeError in every case, naming the workers
+# found dead, so a loop's `except RuntimeError` sees one error, with the lost connection chained.
+
+
+def _dead_workers(iterator: Any) -> str:
+    """'(pid(s) 123) ' for the iterator's workers that have exited, or '' when none is seen yet."""
+    workers = getattr(iterator, "_workers", None) or []
+    pids = [str(w.pid) for w in workers if not w.is_alive()]
+    return f"(pid(s) {', '.join(pids)}) " if pids else ""
