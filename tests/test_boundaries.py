@@ -197,7 +197,8 @@ import torch
 import batchwidgets as bw
 model = torch.nn.Linear(8, 2)
 report = bw.find_batch(model, torch.zeros(8), budget="64KB", max_batch_size=64)
-from batchwidgets.engine import find_batch, parse_bytes
+from batchwidgets.engine.memory import parse_bytes
+from batchwidgets.engine.probe import find_batch
 extra = {"max": report.max_batch_size,
          "engine": sorted(m for m in sys.modules if m.startswith("batchwidgets.engine."))}
 """)
