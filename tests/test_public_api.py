@@ -104,8 +104,9 @@ def test_measure_noise_parameters():
 
 def test_loader_functions_parameters():
     assert parameters(bw.tune_loader)[:2] == ["loader_or_dataset", "device"]
-    assert {"on_progress", "on_trial", "should_stop", "step", "batch_size",
+    assert {"on_progress", "should_stop", "step", "batch_size",
             "max_workers"} <= set(parameters(bw.tune_loader))
+    assert "on_trial" not in parameters(bw.tune_loader)  # an alias, removed (CHANGELOG.md)
     assert {"num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "batch_size",
             "device", "should_stop"} <= set(parameters(bw.measure_loader))
     make = inspect.signature(bw.make_loader).parameters
