@@ -270,18 +270,6 @@ def test_on_step_sees_every_attempt_as_it_finishes():
     assert tuple(seen) == report.attempts
 
 
-def test_on_progress_is_the_same_callback_under_tune_loaders_name():
-    heard = []
-    model = mlp()
-    report = bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy,
-                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                           budget=64 * KIB, on_progress=heard.append)
-    assert tuple(heard) == report.attempts
-    with pytest.raises(TypeError, match="on_progress and on_step should not both be given"):
-        bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy, budget=64 * KIB,
-                      on_progress=heard.append, on_step=heard.append)
-
-
 def test_each_attempt_records_size_fit_peak_memory_time_and_throughput():
     model = mlp()
     report = bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy,

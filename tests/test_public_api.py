@@ -73,9 +73,9 @@ def test_find_batch_parameters():
     assert signature.parameters["make_batch"].default is None  # find_batch(step)
     assert signature.parameters["headroom"].default == 0.9
     assert signature.parameters["multiple_of"].default == 1
-    assert "on_step" in signature.parameters  # the earlier name of on_progress
     keywords = list(signature.parameters)
-    assert "on_progress" in keywords
+    assert "on_step" in keywords  # as docs/find_batch.md names it
+    assert "on_progress" not in keywords  # an alias, removed (CHANGELOG.md)
     assert keywords.index("scaler") < keywords.index("scheduler")  # as accumulate's order
 
 
@@ -83,7 +83,7 @@ def test_the_vocabulary_names_each_step_and_choice_once():
     from batchwidgets.engine import _types, probe
     from batchwidgets.engine.loader import TrainStep
 
-    assert probe.Step is _types.ProbeStep
+    assert not hasattr(probe, "Step")  # ProbeStep's alias, removed (CHANGELOG.md)
     assert TrainStep is _types.TrainStep
     assert inspect.signature(bw.accumulate).parameters["remainder"].annotation == "Remainder"
     assert _types.REMAINDERS == ("apply", "drop")

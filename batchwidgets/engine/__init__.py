@@ -13,6 +13,7 @@ Shared pieces beside them, which import none of the rooms:
 
 - ``_util.py``       walking nested batches, the default device, world size, int checks
 - ``_types.py``      the vocabulary: step, progress and data names, Literal choices
+- ``_options.py``    Option, Options, Spelling: each public function's options declared once
 - ``_batches.py``    batches of any size from a callable, Dataset, DataLoader or tensor
 - ``_state.py``      bit-exact snapshot and restore of model, optimizer, RNGs, flags
 - ``_background.py`` a panel's background probe: private RNG, a copy or a held model
