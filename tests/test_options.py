@@ -201,6 +201,20 @@ def test_a_magic_error_is_the_functions_check_in_flags(ip_with_model):
                                        "--target (e.g. --target A100-80GB)")
 
 
+def test_step_names_a_function_in_the_notebook(ip_with_model):
+    import torch
+
+    def steps(batch_size: int) -> None:
+        if batch_size > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+    ip_with_model.push({"steps": steps})
+    report = ip_with_model.run_line_magic("find_batch", "model --step steps --device cpu -q")
+    assert (report.max_batch_size, report.first_oom_batch_size) == (40, 41)
+    with pytest.raises(UsageError, match="--step: name 'stesp' is not defined"):
+        ip_with_model.run_line_magic("find_batch", "model --step stesp -q")
+    ip_with_model.user_ns.pop("steps")
+
+
 @pytest.fixture
 def ip_with_model():
     import torch
