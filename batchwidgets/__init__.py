@@ -50,16 +50,11 @@ _LAZY = {
     "plot_live_loader": "batchwidgets.plots",
     "plot_loader": "batchwidgets.plots",
     "LoaderPanel": "batchwidgets.widgets",
-    "BatchwidgetsWarning": "batchwidgets._warnings",
-    # Internals, importable from here as before but not part of the public set (``__all__``):
-    # use them from their modules.
-    "BudgetExceededError": "batchwidgets.engine.memory",
+    # track_tensor_memory: measure a step of your own
     "track_tensor_memory": "batchwidgets.engine.memory",
-    "SyntheticBatches": "batchwidgets.engine._batches",
-    "MemoryModel": "batchwidgets.results",
+    "BatchwidgetsWarning": "batchwidgets._warnings",
 }
-_INTERNAL = ("BudgetExceededError", "track_tensor_memory", "SyntheticBatches", "MemoryModel")
-__all__ = sorted(name for name in _LAZY if name not in _INTERNAL)
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name):

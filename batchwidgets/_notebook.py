@@ -1,5 +1,6 @@
-"""Names in the notebook and argument types for the magics: each mistake is a one-line
-``UsageError`` that says what was wrong and what is available."""
+"""The magics' flags, read from each function's declared options, and the names in the notebook
+they take: each mistake is a one-line ``UsageError`` that says what was wrong and what is
+available."""
 
 from __future__ import annotations
 
@@ -8,18 +9,18 @@ import difflib
 import functools
 import re
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import parse_argstring
+from IPython.core.magic_arguments import argument, parse_argstring
 
 from .engine._batches import SyntheticBatches
-from .engine.memory import parse_bytes, parse_gpus, parse_target
+from .engine._options import FLAGS, Option, Options, positive_integer
 from .engine.noise import NoiseTracker
-from .engine.probe import check_arguments, find_batch
+from .engine.probe import FIND_BATCH, check_arguments, find_batch
 from .results import BatchSizeReport
 
 
@@ -66,6 +67,8 @@ _ROLES = {
                          lambda v: hasattr(v, "get_last_lr"), lambda v: hasattr(v, "get_last_lr")),
     "--scaler": _Role("a torch.amp.GradScaler", "scalers", lambda v: hasattr(v, "unscale_"),
                       lambda v: hasattr(v, "unscale_")),
+    "--step": _Role("a step(batch_size) function", "functions", _is_function,
+                    lambda v: isinstance(v, _FUNCTIONS)),
     "--model": _Role("a torch.nn.Module", "models", lambda v: isinstance(v, torch.nn.Module),
                      lambda v: isinstance(v, torch.nn.Module)),
     "--probe": _Role("a find_batch report (BatchSizeReport)", "probe reports",
@@ -108,50 +111,74 @@ def resolve(shell: Any, text: str | None, role: str) -> Any:
     return value
 
 
-# -- argument types: a bad value is a one-line UsageError naming what would do -------------------
+# -- flags: each declared option's @argument, and what a line gave --------------------------------
 
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"should be a positive integer, but got {text!r}.")
-    return int(text)
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"should be in (0, 1], but got {text!r}; use e.g. 0.9 "
-                                         f"to keep 10% of the memory free.")
-    return value
+def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from an engine parser: its error is argparse's one line, after the flag
+    (``argument --budget: budget should be a size such as ...``)."""
+    def typed(text: str) -> Any:
+        try:
+            return parse(text)
+        except (TypeError, ValueError) as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    typed.__name__ = getattr(parse, "__name__", "value")
+    return typed
 
 
-def budget_size(text: str) -> str:
-    try:
-        parse_bytes(text, "budget")
-    except (TypeError, ValueError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text  # find_batch parses it again, exactly as when called with the string
+def _argument(option: Option) -> Callable[[Callable], Callable]:
+    """The @argument of one option's flag (NOTE [ Options declared once ] in engine/_options.py);
+    argparse %-formats help."""
+    text = option.help_line.replace("%", "%%")
+    if option.flag == "switch":
+        return argument(option.flag_name, action="store_true", help=text)
+    if option.flag == "name":
+        return argument(option.flag_name, metavar="NAME", help=text)
+    if option.flag == "positional":
+        return argument(option.name, nargs="?", type=flag_type(option.parse),
+                        metavar=option.metavar, choices=option.choices, help=text)
+    return argument(option.flag_name, type=flag_type(option.parse), metavar=option.metavar,
+                    choices=option.choices, help=text)
 
 
-def lengths(text: str) -> list[int]:
-    """``--seq-len 128,256,512`` -> [128, 256, 512]."""
-    parts = [part.strip() for part in text.split(",")]
-    if not parts or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise argparse.ArgumentTypeError(f"should be sequence lengths such as 128,256,512, but "
-                                         f"got {text!r}.")
-    return [int(part) for part in parts]
+def flags(options: Options) -> Callable[[Callable], Callable]:
+    """A magic's flags for the options that have one, in their declaration's order (under the
+    magic's positionals, above its own flags)."""
+    def add(magic: Callable) -> Callable:
+        for option in reversed([option for option in options if option.flag]):
+            magic = _argument(option)(magic)
+        return magic
+    return add
 
 
-def gpu_target(text: str) -> str:
-    """``--target T4``, ``--target 24GiB`` or ``--target 8xA100-80GB``: checked now, as
-    find_batch will read it."""
-    try:
-        parse_target(parse_gpus(text)[1])
-    except (TypeError, ValueError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+def in_flags(message: str, flag_names: dict[str, str]) -> str:
+    """A function's message that names its keywords, in a magic's words (``seeds=0`` ->
+    ``--seeds 0``), for a function whose checks do not take a Spelling yet (critical_batch:
+    its checks are in engine/noise). ``flag_names``: keyword -> flag."""
+    for name, flag in flag_names.items():
+        message = message.replace(f"{name}=", f"{flag} ")
+        if "_" in name:  # batch_sizes is the keyword wherever it stands
+            message = re.sub(rf"\b{name}\b", flag, message)
+        elif message.startswith(f"{name} "):  # a plain word (seeds) only as the subject
+            message = flag + message[len(name):]
+    return message
+
+
+def given(shell: Any, options: Options, args: argparse.Namespace) -> dict[str, Any]:
+    """The options a line gave (the others keep the function's defaults): values as parsed,
+    notebook names resolved."""
+    found = {}
+    for option in options:
+        value = getattr(args, option.name, None) if option.flag else None
+        if value is None or value is False:
+            continue
+        found[option.name] = (resolve(shell, value, option.flag_name) if option.flag == "name"
+                              else value)
+    return found
+
+
+# -- argument types of the magics' own flags and positionals -------------------------------------
+
+positive_int = flag_type(positive_integer)
 
 
 def example_shape(text: str) -> tuple[int, ...]:
@@ -160,25 +187,6 @@ def example_shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"should be the shape of one example such as 3,32,32, "
                                          f"but got {text!r}.")
     return tuple(int(part) for part in parts)
-
-
-def _devices_here() -> list[str]:
-    devices = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
-    return [*devices, "mps"] if torch.backends.mps.is_available() else devices
-
-
-def device_name(text: str) -> str:
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    missing = device is not None and (
-        (device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count())
-        or (device.type == "mps" and not torch.backends.mps.is_available()))
-    if device is None or missing:
-        raise argparse.ArgumentTypeError(f"should be a device of this machine, but got {text!r}; "
-                                         f"available here: {', '.join(_devices_here())}.")
-    return text
 
 
 def parse(magic: Callable, line: str) -> argparse.Namespace:
@@ -192,10 +200,10 @@ def parse(magic: Callable, line: str) -> argparse.Namespace:
         unknown = [word for word in str(error).split() if word.startswith("-")]
         if not str(error).startswith("unrecognized arguments") or not unknown:
             raise
-        flags = sorted(flag for flag in magic.parser._option_string_actions if flag[:2] == "--")
-        close = difflib.get_close_matches(unknown[0], flags, n=1)
+        known = sorted(flag for flag in magic.parser._option_string_actions if flag[:2] == "--")
+        close = difflib.get_close_matches(unknown[0], known, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
-        raise UsageError(f"{error}; {hint}flags: {', '.join(flags)} "
+        raise UsageError(f"{error}; {hint}flags: {', '.join(known)} "
                          f"(see %{magic.__name__}?).") from None
 
 
@@ -274,15 +282,6 @@ def noise_tracker(shell: Any, text: str | None) -> NoiseTracker | None:
 
 
 # ---- %find_batch's line as a find_batch call ----------------------------------------------
-# find_batch options given as values (the rest name objects in the notebook; see _notebook.py)
-_VALUE_OPTIONS = ("device", "budget", "amp", "max_batch_size", "multiple_of", "headroom",
-                  "steps_per_trial", "start", "seq_len", "target", "trace", "parallel")
-_NAMED_OPTIONS = {"loss_fn": "--loss-fn", "optimizer": "--optimizer",
-                  "scheduler": "--scheduler", "scaler": "--scaler", "step": "--step"}
-_CHECKED = ("step", "seq_len", "amp", "max_batch_size", "multiple_of", "headroom",
-            "steps_per_trial", "start", "optimizer", "target", "trace",
-            "parallel")  # check_arguments' keywords
-
 
 def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:
     if args.input_shape is not None:
@@ -304,39 +303,15 @@ def _make_batch(shell: Any, args: argparse.Namespace, model: Any) -> Any:
 
 def probe_call(shell: Any, args: argparse.Namespace) -> functools.partial:
     """``%find_batch``'s line as a ``find_batch`` call with the notebook's objects and only the
-    options given (its defaults stay); not run yet."""
+    options given (its defaults stay); checked as find_batch checks it, in the line's words
+    (one UsageError); not run yet."""
     model = resolve(shell, args.model, "MODEL")
     make_batch = _make_batch(shell, args, model)
-    options = {name: getattr(args, name) for name in _VALUE_OPTIONS
-               if getattr(args, name) is not None}
-    options.update({name: resolve(shell, getattr(args, name), flag)
-                    for name, flag in _NAMED_OPTIONS.items() if getattr(args, name) is not None})
+    options = given(shell, FIND_BATCH, args)
     if args.num_classes is not None:
         options.setdefault("loss_fn", torch.nn.functional.cross_entropy)
-    if args.what_if:
-        options["what_if"] = True
-    _check(model, make_batch, options)
-    return functools.partial(find_batch, model, make_batch, **options)
-
-
-def _check(model: Any, make_batch: Any, options: dict[str, Any]) -> None:
-    """find_batch's own argument checks, before anything runs: a mistake is one line."""
     try:
-        check_arguments(model, make_batch, **{name: options[name] for name in _CHECKED
-                                              if name in options})
+        check_arguments(model, make_batch, said=FLAGS, **options)
     except (TypeError, ValueError) as error:
-        raise UsageError(flags(str(error))) from None
-
-
-def flags(message: str, names: Iterable[str] = _VALUE_OPTIONS) -> str:
-    """An engine message in the magic's words: max_batch_size=4 -> --max-batch-size 4, for
-    the options ``names``."""
-    for name in names:
-        flag = "--" + name.replace("_", "-")
-        message = message.replace(f"{name}=", f"{flag} ")
-        if "_" in name:  # a plain word (device, budget) stays a word past the first one;
-            # a parameter in code, make_batch(batch_size, seq_len), stays as written
-            message = re.sub(rf"(?<![\w-]){name}(?![\w)]| parameter)", flag, message)
-        elif message.startswith(f"{name} "):
-            message = flag + message[len(name):]
-    return message
+        raise UsageError(str(error)) from None
+    return functools.partial(find_batch, model, make_batch, **options)

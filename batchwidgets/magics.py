@@ -27,14 +27,11 @@ from IPython.display import display
 
 from ._notebook import (
     available,
-    budget_size,
-    device_name,
     example_shape,
     find_one,
     flags,
-    fraction,
-    gpu_target,
-    lengths,
+    given,
+    in_flags,
     noise_tracker,
     parse,
     positive_int,
@@ -42,8 +39,9 @@ from ._notebook import (
     resolve,
     training_model,
 )
-from .engine.accumulate import accumulate
-from .engine.noise import NoiseTracker, critical_batch
+from .engine.accumulate import ACCUMULATE, accumulate
+from .engine.noise import CRITICAL_BATCH, NoiseTracker, critical_batch
+from .engine.probe import FIND_BATCH
 from .results import AccumulationReport, BatchSizeReport, CriticalBatchReport
 from .widgets import ProbePanel
 from .widgets.noise import NoisePanel
@@ -119,7 +117,7 @@ def _micro_batch(shell: Any, args: argparse.Namespace, model: Any = None,
         if args.probe is not None:
             raise UsageError("--probe goes with --batch-size, e.g. %%accumulate --batch-size "
                              "4096 --probe report.")
-        return {"steps": args.steps or 4}
+        return {}
     if args.steps is not None:
         raise UsageError(f"give N or --batch-size, not both, but got N={args.steps} and "
                          f"--batch-size {args.batch_size}.")
@@ -134,11 +132,7 @@ def _micro_batch(shell: Any, args: argparse.Namespace, model: Any = None,
     if probe is None:
         raise UsageError("--batch-size needs a find_batch report to take the micro-batch from: "
                          "run %find_batch first, or pass --probe NAME.")
-    return {"batch_size": args.batch_size, "micro_batch_size": probe.recommended_batch_size}
-
-
-def _steps_or_auto(text: str) -> int | str:
-    return "auto" if text == "auto" else positive_int(text)
+    return {"micro_batch_size": probe.recommended_batch_size}
 
 
 # NOTE [ The magics, a long module ]
@@ -172,51 +166,13 @@ class BatchMagics(Magics):
     @argument("make_batch", metavar="MAKE_BATCH", nargs="?",
               help="a make_batch(batch_size) function, a Dataset, a DataLoader or one example "
                    "tensor (leave out with --input-shape, or with a step function)")
-    @argument("--loss-fn", metavar="NAME",
-              help="loss_fn(output, target) (default: the output's .loss, or its mean)")
-    @argument("--optimizer", metavar="NAME",
-              help="a torch.optim.Optimizer (default: a fresh AdamW)")
-    @argument("--device", type=device_name, help="cpu, cuda, cuda:1 or mps (default: the model's)")
-    @argument("--budget", type=budget_size, metavar="SIZE",
-              help="memory cap such as 512MB or 16GiB; on CUDA it emulates a smaller GPU "
-                   "(default: the whole GPU; half of the available RAM on the CPU)")
-    @argument("--amp", choices=["bf16", "fp16"], help="probe under autocast")
-    @argument("--max-batch-size", type=positive_int, metavar="N",
-              help="largest batch size to try")
-    @argument("--multiple-of", type=positive_int, metavar="N",
-              help="try only multiples of N (default: 1)")
-    @argument("--headroom", type=fraction, metavar="F",
-              help="recommend at most F x max_batch_size (default: 0.9)")
-    @argument("--scheduler", metavar="NAME", help="an LR scheduler to restore afterwards")
-    @argument("--scaler", metavar="NAME", help="a GradScaler to use and restore afterwards")
-    @argument("--steps-per-trial", type=positive_int, metavar="N",
-              help="training steps at each batch size (default: 2)")
-    @argument("--start", type=positive_int, metavar="N", help="first batch size tried")
+    @flags(FIND_BATCH)  # every option of find_batch that has a flag (probe/_options.py)
     @argument("--input-shape", type=example_shape, metavar="SHAPE",
               help="instead of MAKE_BATCH: random inputs with one example of this shape, "
                    "e.g. 3,32,32")
     @argument("--num-classes", type=positive_int, metavar="N",
               help="with --input-shape: random labels in [0, N) too, and cross-entropy as the "
                    "loss unless --loss-fn is given")
-    @argument("--step", metavar="NAME",
-              help="your own step(batch_size) that trains MODEL: MODEL is then protected and "
-                   "counted (leave MAKE_BATCH out)")
-    @argument("--seq-len", type=lengths, metavar="N,N,...",
-              help="sequence lengths, e.g. 128,256,512: MAKE_BATCH is make_batch(batch_size, "
-                   "seq_len) and the report's frontier maps each length to its largest batch")
-    @argument("--target", type=gpu_target, metavar="GPU",
-              help="predict for a GPU that is not here: T4, L4, A10G, V100-16GB, A100-40GB, "
-                   "A100-80GB, H100-80GB, H200, or a size such as 24GiB; 8xA100-80GB for "
-                   "8 of them with --parallel (predicted, not run)")
-    @argument("--parallel", choices=("ddp", "zero1", "zero2", "zero3", "fsdp", "compare"),
-              help="with --target NxGPU (e.g. 8xA100-80GB): plan each rank under DDP, ZeRO "
-                   "stage 1-3 or FSDP2, or compare them; the answer is per rank")
-    @argument("--trace", choices=("fake", "real"),
-              help="how a --target plan traces its small sizes: on fake tensors (nothing runs; "
-                   "the default, and the only way for a model on the meta device) or by real "
-                   "steps")
-    @argument("--what-if", action="store_true",
-              help="also probe under bf16, fp16, SGD and foreach=False (report.what_if)")
     @argument("-q", "--quiet", action="store_true",
               help="no panel: only the static report (a trailing ';' shows nothing)")
     @line_magic
@@ -259,9 +215,7 @@ class BatchMagics(Magics):
         return report
 
     @magic_arguments()
-    @argument("steps", metavar="N", nargs="?", type=_steps_or_auto,
-              help="micro-steps per optimizer update (default: 4), or auto: follow the noise "
-                   "tracker's batch-size schedule (implies --noise)")
+    @flags(ACCUMULATE)  # N and the flags that are accumulate's keywords (accumulate/_options.py)
     @argument("--optimizer", metavar="NAME",
               help="the optimizer the cell steps (default: the only one in the notebook)")
     @argument("--scaler", metavar="NAME",
@@ -271,18 +225,13 @@ class BatchMagics(Magics):
                    "optimizer, if any)")
     @argument("--model", metavar="NAME",
               help="the model (default: the one the optimizer trains); needed for DDP")
-    @argument("--remainder", choices=["apply", "drop"],
-              help="micro-steps left at the end: one smaller step (apply, the default) or none")
-    @argument("--track-grad-norms", action="store_true",
-              help="record each micro-batch's gradient norm in the report")
-    @argument("--batch-size", type=positive_int, metavar="B",
-              help="instead of N: the batch each update should see; the micro-batch is the "
-                   "probe report's recommended_batch_size and N = ceil(B / micro-batch)")
     @argument("--probe", metavar="NAME",
-              help="with --batch-size: the find_batch report (default: the only one, or _)")
+              help="with --batch-size: the find_batch report whose recommended_batch_size is "
+                   "the micro-batch (default: the only one, or _)")
     @argument("--noise", metavar="NAME", nargs="?", const="",
               help="also track the gradient noise scale and per-batch losses, in a live panel: "
-                   "a new NoiseTracker kept as noise_tracker, or the NoiseTracker NAME")
+                   "a new NoiseTracker kept as noise_tracker, or the NoiseTracker NAME (auto "
+                   "implies it)")
     @cell_magic
     def accumulate(self, line: str, cell: str) -> AccumulationReport:
         """Gradient accumulation around the cell: the same as ``batchwidgets.accumulate``.
@@ -319,14 +268,13 @@ class BatchMagics(Magics):
             args.noise = ""  # the schedule needs a tracker: a new one
         optimizer = find_one(self.shell, args.optimizer, "--optimizer", True)
         model = training_model(self.shell, args.model, optimizer)
-        options = _micro_batch(self.shell, args, model, self.probed)
+        options = given(self.shell, ACCUMULATE, args)  # N, --remainder, ... as given
         options.update(
+            _micro_batch(self.shell, args, model, self.probed),
             scaler=find_one(self.shell, args.scaler, "--scaler", False),
             scheduler=find_one(self.shell, args.scheduler, "--scheduler", False,
                                 lambda v: getattr(v, "optimizer", None) is optimizer),
-            model=model,
-            remainder=args.remainder or "apply", track_grad_norms=args.track_grad_norms,
-            noise=noise_tracker(self.shell, args.noise))
+            model=model, noise=noise_tracker(self.shell, args.noise))
         code = compile(self.shell.transform_cell(cell), "<%%accumulate cell>", "exec")
         panel = _noise_panel(self.shell, options["noise"])
         try:
@@ -347,28 +295,7 @@ class BatchMagics(Magics):
     @argument("--optimizer", metavar="NAME",
               help="the model's optimizer (default: the only one in the notebook that trains "
                    "MODEL); its learning rate is the base batch's")
-    @argument("--loss-fn", metavar="NAME",
-              help="loss_fn(output, target) (default: the output's .loss)")
-    @argument("--scheduler", metavar="NAME", help="an LR scheduler stepped in the branches")
-    @argument("--target-loss", type=float, metavar="X",
-              help="the loss every branch runs to (default: 90%% of the way to the loss the "
-                   "base batch reaches in --base-steps steps)")
-    @argument("--base-batch-size", type=positive_int, metavar="N",
-              help="the ladder's first batch (default: the DataLoader's, else 8)")
-    @argument("--batch-sizes", type=lengths, metavar="N,N,...",
-              help="the ladder, e.g. 8,16,32,64,128 (default: the base x 1, 2, 4 ... 32)")
-    @argument("--base-steps", type=positive_int, metavar="N",
-              help="steps of the base batch that set the target (default: 64)")
-    @argument("--max-steps", type=positive_int, metavar="N",
-              help="steps a branch may take (default: 4 x --base-steps)")
-    @argument("--seeds", type=positive_int, metavar="N",
-              help="draws of the batches; two or more give an error bar (default: 2)")
-    @argument("--lr-scaling", choices=("linear", "sqrt", "none"),
-              help="how each branch's learning rate follows its batch (default: sqrt for the "
-                   "Adam family, linear otherwise)")
-    @argument("--criterion", choices=("steps", "loss"),
-              help="loss: also Merrill et al.'s largest batch within 1%% of the base's loss at "
-                   "equal examples")
+    @flags(CRITICAL_BATCH)  # the flags that are critical_batch's keywords (noise/_options.py)
     @argument("--probe", metavar="NAME",
               help="a find_batch report: batches above what fits accumulate micro-batches")
     @argument("--noise", metavar="NAME",
@@ -402,22 +329,20 @@ class BatchMagics(Magics):
         if optimizer is None:
             raise UsageError(f"--optimizer is needed: no optimizer in the notebook trains "
                              f"{args.model}; {available(self.shell, '--optimizer')}.")
-        options: dict[str, Any] = {
-            name: getattr(args, name) for name in (
-                "target_loss", "base_batch_size", "batch_sizes", "base_steps", "max_steps",
-                "seeds", "lr_scaling", "criterion") if getattr(args, name) is not None}
-        options.update(loss_fn=resolve(self.shell, args.loss_fn, "--loss-fn"),
-                       scheduler=resolve(self.shell, args.scheduler, "--scheduler"),
-                       fits_batch_size=resolve(self.shell, args.probe, "--probe"))
+        options = given(self.shell, CRITICAL_BATCH, args)
+        if args.probe is not None:
+            options["fits_batch_size"] = resolve(self.shell, args.probe, "--probe")
         tracker = resolve(self.shell, args.noise, "--noise")
         try:
             report = critical_batch(model, data, optimizer=optimizer, **options)
         except (TypeError, ValueError) as error:
             message = str(error)
-            named = [name for name in options if message.startswith(f"{name} should")]
-            if "\n" in message or not named:  # not about a flag: the engine's own error
-                raise
-            raise UsageError(flags(message, named)) from None
+            named = {name: "--probe" if name == "fits_batch_size" else
+                     CRITICAL_BATCH[name].flag_name for name in options}
+            if "\n" in message or not any(message.startswith(f"{name} should")
+                                          for name in named):
+                raise  # not about a flag: the engine's own error
+            raise UsageError(in_flags(message, named)) from None
         if tracker is not None:
             tracker.critical = report
         return None if silenced else report

@@ -175,7 +175,7 @@ def test_no_module_is_over_the_line_ceiling_unless_it_says_why():
 # -- the engine's rooms (issue 22) ---------------------------------------------------------------
 
 SHARED = {"_util", "_types", "_batches", "_state", "_background", "_own_steps", "_grads",
-          "_unsharded"}
+          "_unsharded", "_options"}
 # What each room may import besides itself and the shared modules; another room only through
 # its package (``from ..memory import replay``), never one of its private modules.
 MAY_IMPORT = {"memory": set(), "probe": {"memory"}, "accumulate": {"noise"}, "noise": set(),
@@ -282,7 +282,8 @@ import torch
 import batchwidgets as bw
 model = torch.nn.Linear(8, 2)
 report = bw.find_batch(model, torch.zeros(8), budget="64KB", max_batch_size=64)
-from batchwidgets.engine import find_batch, parse_bytes
+from batchwidgets.engine.memory import parse_bytes
+from batchwidgets.engine.probe import find_batch
 extra = {"max": report.max_batch_size,
          "engine": sorted(m for m in sys.modules if m.startswith("batchwidgets.engine."))}
 """)

@@ -128,7 +128,7 @@ WORKER = textwrap.dedent("""
     model = sharded(mlp())
     seen = []
     report = bw.find_batch(model, make_batch, loss_fn=nn.functional.cross_entropy,
-                           optimizer=trained(model), budget=1024 * KIB, on_progress=seen.append,
+                           optimizer=trained(model), budget=1024 * KIB, on_step=seen.append,
                            should_stop=lambda: rank == 1 and len(seen) >= 2)
     results["stopped"] = dataclasses.asdict(report)
 

@@ -239,7 +239,7 @@ def test_the_users_own_error_in_a_fake_plan_propagates_as_it_is():
 
 @pytest.mark.parametrize(("options", "match"), [
     ({"trace": "symbolic", "target": "T4"}, r"trace should be one of \['fake', 'real'\]"),
-    ({"trace": "fake"}, "trace='fake' plans for a GPU that is not here: pass target="),
+    ({"trace": "fake"}, "trace='fake' plans for a GPU that is not here: pass target "),
 ])
 def test_bad_trace_options_are_one_line(options, match):
     with pytest.raises(ValueError, match=match):

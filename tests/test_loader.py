@@ -625,11 +625,3 @@ def test_make_loader_takes_the_data_positionally_and_only_known_settings():
     with pytest.raises(TypeError, match="settings should be among"):
         bw.make_loader(data, data=data)
 
-
-def test_on_trial_is_the_earlier_name_of_on_progress():
-    seen = []
-    report = bw.tune_loader(SleepyDataset(n=16, seconds=0), "cpu", max_workers=0,
-                            duration_s=0.01, on_trial=seen.append)
-    assert seen == list(report.trials)
-    with pytest.raises(TypeError, match="on_progress and on_trial should not both be given"):
-        bw.tune_loader(SleepyDataset(), "cpu", on_progress=print, on_trial=print)

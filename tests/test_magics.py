@@ -141,7 +141,7 @@ def test_a_step_function_needs_no_make_batch(ip):
 
 def test_every_find_batch_option_is_a_flag(ip):
     manual = ip.find_line_magic("find_batch").__doc__
-    callables = ("model", "make_batch", "on_step", "on_progress", "should_stop")
+    callables = ("model", "make_batch", "on_step", "should_stop")
     options = [p for p in inspect.signature(bw.find_batch).parameters if p not in callables]
     assert [o for o in options if f"--{o.replace('_', '-')}" not in manual] == []
     assert "batchwidgets.find_batch" in manual
@@ -170,8 +170,11 @@ def test_question_mark_shows_the_manual(ip, capsys):
     ("model make_batch --budget 12XB", "argument --budget: budget should be a size such as"),
     ("model make_batch --amp bf61", "invalid choice: 'bf61'"),
     ("model make_batch --device cuda:7", "available here: cpu"),
-    ("model make_batch --headroom 1.5", "argument --headroom: should be in (0, 1]"),
-    ("model make_batch --max-batch-size 0", "should be a positive integer, but got '0'"),
+    ("model make_batch --headroom 1.5", "--headroom should be in (0, 1], but got --headroom "
+                                        "1.5; use e.g. --headroom 0.9"),
+    ("model make_batch --headroom x", "argument --headroom: should be a number, but got 'x'"),
+    ("model make_batch --max-batch-size 0", "--max-batch-size should be an int >= "
+                                            "--multiple-of (1), but got --max-batch-size 0"),
     ("model --input-shape 3,a", "should be the shape of one example such as 3,32,32"),
     ("model make_batch --input-shape 16", "give MAKE_BATCH or --input-shape, not both"),
     ("model make_batch --num-classes 4", "--num-classes goes with --input-shape"),

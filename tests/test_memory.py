@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import batchwidgets as bw
-from batchwidgets.engine import BudgetExceededError, is_oom, parse_bytes, track_tensor_memory
+from batchwidgets.engine.memory import BudgetExceededError, is_oom, parse_bytes, track_tensor_memory
 
 # Real messages, one per backend (copied from the allocators' error strings).
 OOM_MESSAGES = {

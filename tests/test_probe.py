@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import batchwidgets as bw
-from batchwidgets.engine import BudgetExceededError
-from batchwidgets.engine.memory import TensorMemoryTracker
+from batchwidgets.engine._batches import SyntheticBatches
+from batchwidgets.engine.memory import BudgetExceededError, TensorMemoryTracker
 
 KIB = 2**10
 
@@ -270,18 +270,6 @@ def test_on_step_sees_every_attempt_as_it_finishes():
     assert tuple(seen) == report.attempts
 
 
-def test_on_progress_is_the_same_callback_under_tune_loaders_name():
-    heard = []
-    model = mlp()
-    report = bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy,
-                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                           budget=64 * KIB, on_progress=heard.append)
-    assert tuple(heard) == report.attempts
-    with pytest.raises(TypeError, match="on_progress and on_step should not both be given"):
-        bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy, budget=64 * KIB,
-                      on_progress=heard.append, on_step=heard.append)
-
-
 def test_each_attempt_records_size_fit_peak_memory_time_and_throughput():
     model = mlp()
     report = bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy,
@@ -424,13 +412,13 @@ def test_a_model_with_sparse_gradients_is_probed():
 
 
 def test_synthetic_batches_make_random_inputs_and_labels_of_the_given_shape():
-    make = bw.SyntheticBatches((3, 8, 8), num_classes=10)
+    make = SyntheticBatches((3, 8, 8), num_classes=10)
     inputs, labels = make(5)
     assert inputs.shape == (5, 3, 8, 8)
     assert labels.shape == (5,)
     assert int(labels.min()) >= 0
     assert int(labels.max()) < 10
-    assert bw.SyntheticBatches((4,))(2).shape == (2, 4)
+    assert SyntheticBatches((4,))(2).shape == (2, 4)
 
 
 # ---- forced options fail as ours, in one line (issue 22) ---------------------------------------

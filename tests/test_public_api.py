@@ -1,7 +1,7 @@
 """The public contract of /work/shared/DESIGN.md, pinned name by name: what ``import batchwidgets``
-offers (and keeps offering for compatibility), the parameters of every public function, the
-fields and properties of every report, the panels' attributes, the magics, and the import paths
-that tutorials and users already wrote. A rename that breaks one of them fails here first."""
+offers, the parameters of every public function, the fields and properties of every report, the
+panels' attributes, the magics, and the import paths that tutorials and users already wrote. A
+rename that breaks one of them fails here first."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ PUBLIC = {
     "DataStallReport", "plot_loader", "LoaderPanel",
     "live_loader", "LiveLoader", "LiveLoaderReport", "LoaderSegment", "LoaderSwitch",
     "plot_live_loader",
-    "BatchwidgetsWarning",
+    "track_tensor_memory", "BatchwidgetsWarning",
 }
-# Importable from the top level as before, but internals: not in __all__.
-COMPATIBLE = {"track_tensor_memory", "SyntheticBatches", "MemoryModel", "BudgetExceededError"}
+# Internals once importable from the top level, now only from their modules (CHANGELOG.md).
+REMOVED = {"SyntheticBatches", "MemoryModel", "BudgetExceededError"}
 
 
 def parameters(function) -> list[str]:
@@ -45,10 +45,11 @@ def names(report_class) -> set[str]:
 
 def test_all_is_exactly_the_user_facing_set_and_every_name_resolves():
     assert set(bw.__all__) == PUBLIC  # a new public name joins PUBLIC and DESIGN.md
-    assert not set(bw.__all__) & COMPATIBLE
-    for name in sorted(PUBLIC | COMPATIBLE):
+    for name in sorted(PUBLIC):
         assert getattr(bw, name) is not None, name
         assert name in dir(bw)
+    for name in sorted(REMOVED):
+        assert not hasattr(bw, name), name
     with pytest.raises(AttributeError, match="has no attribute 'fnd_batch'"):
         bw.fnd_batch
 
@@ -72,9 +73,9 @@ def test_find_batch_parameters():
     assert signature.parameters["make_batch"].default is None  # find_batch(step)
     assert signature.parameters["headroom"].default == 0.9
     assert signature.parameters["multiple_of"].default == 1
-    assert "on_step" in signature.parameters  # the earlier name of on_progress
     keywords = list(signature.parameters)
-    assert "on_progress" in keywords
+    assert "on_step" in keywords  # as docs/find_batch.md names it
+    assert "on_progress" not in keywords  # an alias, removed (CHANGELOG.md)
     assert keywords.index("scaler") < keywords.index("scheduler")  # as accumulate's order
 
 
@@ -82,7 +83,7 @@ def test_the_vocabulary_names_each_step_and_choice_once():
     from batchwidgets.engine import _types, probe
     from batchwidgets.engine.loader import TrainStep
 
-    assert probe.Step is _types.ProbeStep
+    assert not hasattr(probe, "Step")  # ProbeStep's alias, removed (CHANGELOG.md)
     assert TrainStep is _types.TrainStep
     assert inspect.signature(bw.accumulate).parameters["remainder"].annotation == "Remainder"
     assert _types.REMAINDERS == ("apply", "drop")
@@ -103,8 +104,9 @@ def test_measure_noise_parameters():
 
 def test_loader_functions_parameters():
     assert parameters(bw.tune_loader)[:2] == ["loader_or_dataset", "device"]
-    assert {"on_progress", "on_trial", "should_stop", "step", "batch_size",
+    assert {"on_progress", "should_stop", "step", "batch_size",
             "max_workers"} <= set(parameters(bw.tune_loader))
+    assert "on_trial" not in parameters(bw.tune_loader)  # an alias, removed (CHANGELOG.md)
     assert {"num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "batch_size",
             "device", "should_stop"} <= set(parameters(bw.measure_loader))
     make = inspect.signature(bw.make_loader).parameters
@@ -235,9 +237,6 @@ OLD_PATHS = [
     ("batchwidgets.widgets.loader", ["LoaderPanel"]),
     ("batchwidgets.plots", ["plot_probe", "plot_accumulate", "plot_noise", "plot_noise_tracker",
                             "plot_loader", "plot"]),
-    ("batchwidgets.engine", ["find_batch", "NoBatchSizeFits", "measure_noise",
-                             "SyntheticBatches", "BudgetExceededError", "track_tensor_memory",
-                             "parse_bytes", "is_oom"]),
     ("batchwidgets.engine.probe", ["find_batch", "NoBatchSizeFits"]),
     ("batchwidgets.engine.accumulate", ["accumulate"]),
     ("batchwidgets.engine.noise", ["measure_noise"]),
@@ -261,10 +260,11 @@ def test_old_import_paths_still_work(module, attributes):
 
 def test_top_level_names_are_the_objects_of_their_modules():
     from batchwidgets.engine.loader import make_loader
-    from batchwidgets.results import LoaderReport, MemoryModel
+    from batchwidgets.engine.memory import track_tensor_memory
+    from batchwidgets.results import LoaderReport
     from batchwidgets.widgets import LoaderPanel
-    assert (bw.make_loader, bw.LoaderReport, bw.MemoryModel, bw.LoaderPanel) == (
-        make_loader, LoaderReport, MemoryModel, LoaderPanel)
+    assert (bw.make_loader, bw.LoaderReport, bw.track_tensor_memory, bw.LoaderPanel) == (
+        make_loader, LoaderReport, track_tensor_memory, LoaderPanel)
 
 
 # -- this round's contract additions (DESIGN.md, "Contract additions for the current round") ----
@@ -292,7 +292,7 @@ def test_the_next_rounds_plan_without_running_names():
 
 
 def test_sizes_as_people_write_them():
-    from batchwidgets.engine import parse_bytes
+    from batchwidgets.engine.memory import parse_bytes
     assert parse_bytes("512M") == 512 * 2**20
     assert parse_bytes("1G") == 2**30
     assert parse_bytes("512MiB") == 512 * 2**20

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import batchwidgets as bw
-from batchwidgets.engine import track_tensor_memory
+from batchwidgets.engine.memory import track_tensor_memory
 
 KIB = 2**10
 

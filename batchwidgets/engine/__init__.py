@@ -13,6 +13,7 @@ Shared pieces beside them, which import none of the rooms:
 
 - ``_util.py``       walking nested batches, the default device, world size, int checks
 - ``_types.py``      the vocabulary: step, progress and data names, Literal choices
+- ``_options.py``    Option, Options, Spelling: each public function's options declared once
 - ``_batches.py``    batches of any size from a callable, Dataset, DataLoader or tensor
 - ``_state.py``      bit-exact snapshot and restore of model, optimizer, RNGs, flags
 - ``_background.py`` a panel's background probe: private RNG, a copy or a held model
@@ -28,28 +29,3 @@ through its package (``from ..memory import replay``), never its private modules
 ``find_batch`` loads no module of noise, accumulate or loader. A new module adds its line to
 its room's ``__init__.py``; its tests go in tests/test_<public module it serves>.py.
 """
-
-import importlib
-
-# NOTE [ The engine's names load on first use ]
-# ``from batchwidgets.engine import find_batch`` should load the probe's rooms and no other: a
-# module-level __getattr__ (PEP 562, as batchwidgets/__init__.py) imports each name's room when
-# it is first read, so importing one room never runs another's imports through this package.
-_LAZY = {
-    "find_batch": ".probe", "NoBatchSizeFits": ".probe",
-    "measure_noise": ".noise",
-    "BudgetExceededError": ".memory", "is_oom": ".memory", "parse_bytes": ".memory",
-    "track_tensor_memory": ".memory",
-    "SyntheticBatches": "._batches",
-}
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'batchwidgets.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name], __name__), name)
-
-
-def __dir__():
-    return sorted([*globals(), *_LAZY])

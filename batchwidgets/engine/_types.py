@@ -15,13 +15,12 @@ from typing import Any, Literal, get_args
 #   Positional names are kept as they were: renaming one breaks every keyword call.
 # - Steps. A ``ProbeStep`` is ``step(batch_size)``: it builds its own batch and trains once
 #   (find_batch(step), find_batch(model, step=...)); a ``TrainStep`` is ``step(batch)``: one
-#   training step on the batch it is given (tune_loader(step=...), data_stall). ``Step`` is the
-#   probe's earlier name.
-# - Progress and cancelling. A long measurement calls ``on_progress(row)`` on the measuring
-#   thread with each row its report will hold, as soon as it exists (find_batch: an Attempt;
-#   tune_loader: a LoaderTrial); ``on_step`` and ``on_trial`` are their earlier names. A
-#   NoiseTracker, which lives across a whole training run, takes listeners instead
-#   (``add_listener``). ``should_stop()`` is polled between units of work to cancel.
+#   training step on the batch it is given (tune_loader(step=...), data_stall).
+# - Progress and cancelling. A long measurement calls back on the measuring thread with each
+#   row its report will hold, as soon as it exists: find_batch's ``on_step(attempt)``,
+#   tune_loader's ``on_progress(trial)`` (the names the guides teach). A NoiseTracker, which
+#   lives across a whole training run, takes listeners instead (``add_listener``).
+#   ``should_stop()`` is polled between units of work to cancel.
 # - AMP objects. ``scaler`` comes before ``scheduler`` wherever both are taken (accumulate's
 #   positional order).
 # - Choices among strings are ``Literal`` aliases below, and their tuples of allowed values
@@ -42,13 +41,3 @@ REMAINDERS: tuple[str, ...] = get_args(Remainder)
 NOISE_METHODS: tuple[str, ...] = get_args(NoiseMethod)
 TRACES: tuple[str, ...] = get_args(Trace)
 
-
-def progress(on_progress: OnProgress | None, earlier: OnProgress | None,
-             earlier_name: str) -> OnProgress | None:
-    """The progress callback given under its name or its earlier one (NOTE [ One vocabulary ])."""
-    if on_progress is not None and earlier is not None:
-        raise TypeError(f"on_progress and {earlier_name} should not both be given ("
-                        f"{earlier_name} is the earlier name of on_progress), but got "
-                        f"on_progress={on_progress!r} and {earlier_name}={earlier!r}; pass "
-                        f"on_progress alone.")
-    return on_progress if on_progress is not None else earlier

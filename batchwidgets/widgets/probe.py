@@ -23,7 +23,7 @@ from typing import Any
 from .. import _html
 from ..engine import _background, memory
 from ..engine._util import usable_device
-from ..engine.probe import find_batch
+from ..engine.probe import FIND_BATCH, find_batch
 from ..plots import plot_probe
 from ..results import Attempt, BatchSizeReport, attempts_table
 from ..results.probe import details_html
@@ -69,8 +69,7 @@ def _off_the_main_thread(probe: Probe) -> Iterator[Probe]:
         yield probe
 
 
-TARGETS = ("this device", "T4", "L4", "A10G", "V100-16GB", "V100-32GB", "A100-40GB",
-           "A100-80GB", "H100-80GB", "H200")
+HERE = "this device"  # the target dropdown's first entry: no target, probe here
 
 
 def _accepts(probe: Probe, name: str) -> bool:
@@ -147,10 +146,10 @@ class ProbePanel(ReportDisplay, widgets.Panel):
         self._stop = threading.Event()
         self.stop_button = widgets.Button(description="Stop", disabled=True,
                                           tooltip="end the probe now, with the sizes it finished")
+        target, headroom = FIND_BATCH["target"], FIND_BATCH["headroom"]
         self.target = widgets.Dropdown(
-            options=TARGETS, value="this device", description="target",
-            disabled=probe is None or not _accepts(probe, "target"),
-            tooltip="predict for a GPU that is not here (traced on the CPU, not run)")
+            options=(HERE, *target.offered), value=HERE, description=target.name,
+            disabled=probe is None or not _accepts(probe, target.name), tooltip=target.help)
         self.details = widgets.HTML()
         self.progress = widgets.IntProgress(value=0, min=0, max=EXPECTED_ATTEMPTS,
                                             description="attempts")
@@ -159,8 +158,9 @@ class ProbePanel(ReportDisplay, widgets.Panel):
         self.summary = widgets.HTML()
         self.attempts = widgets.HTML()
         self.headroom = widgets.FloatSlider(
-            value=0.9, min=0.5, max=1.0, step=0.01, description="headroom", disabled=True,
-            continuous_update=False, readout_format=".2f")
+            value=headroom.default, min=0.5, max=1.0, step=0.01, description=headroom.name,
+            disabled=True, continuous_update=False, readout_format=".2f",
+            tooltip=headroom.help_line)
         self.code = widgets.Text(value="", description="code")
         self.probe_button.on_click(self._on_probe_click)
         self.stop_button.on_click(self._on_stop_click)
@@ -242,7 +242,7 @@ class ProbePanel(ReportDisplay, widgets.Panel):
             options["headroom"] = self.headroom.value
         if _accepts(probe, "should_stop"):
             options["should_stop"] = self._stop.is_set
-        if self.target.value != "this device":
+        if self.target.value != HERE:
             options["target"] = self.target.value
         self._begin()
         try:

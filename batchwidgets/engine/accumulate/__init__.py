@@ -3,6 +3,7 @@
 - ``_accumulate.py``   accumulate(): its argument checks, steps from a batch size or "auto"
 - ``_accumulator.py``  the context manager: the calls a block replaces (step, backward,
                        clipping) and for whom, micro-steps, real steps, DDP, the remainder
+- ``_options.py``      accumulate's options declared once (%%accumulate's N and flags)
 
 It imports ``noise`` (a tracker fed from the micro-batches, the "auto" schedule) and the shared
 modules.
@@ -10,5 +11,6 @@ modules.
 
 from ._accumulate import accumulate
 from ._accumulator import Accumulator
+from ._options import ACCUMULATE
 
-__all__ = ["Accumulator", "accumulate"]
+__all__ = ["ACCUMULATE", "Accumulator", "accumulate"]

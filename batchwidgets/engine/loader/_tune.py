@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..._warnings import BatchwidgetsWarning
 from ...results import DataStallReport, LoaderReport, LoaderTrial
 from ...results.loader import with_factory
-from .._types import Clock, OnProgress, ShouldStop, TrainStep, progress
+from .._types import Clock, OnProgress, ShouldStop, TrainStep
 from .._util import check_int, has_accelerator
 from . import _search
 from ._checks import (
@@ -189,8 +189,7 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
                 batch_size: int | None = None, max_workers: int | None = None,
                 duration_s: float = 1.0, threshold: float = 0.05, step: TrainStep | None = None,
                 clock: Clock = time.perf_counter, on_progress: OnProgress | None = None,
-                should_stop: ShouldStop | None = None,
-                on_trial: OnProgress | None = None) -> LoaderReport:
+                should_stop: ShouldStop | None = None) -> LoaderReport:
     """Find the fastest DataLoader settings by measuring a few, not the whole grid.
 
     The grid is num_workers in {0, 1, 2, 4, ..., max_workers} x pin_memory (True only with an
@@ -217,9 +216,8 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
     step : callable, optional
         ``step(batch)``, one training step: fills ``report.stall`` (see ``data_stall``).
     clock, on_progress, should_stop : callable, optional
-        Time source; called with each ``LoaderTrial`` as it is measured (``on_trial``: the
-        earlier name, still accepted; NOTE [ One vocabulary ]); polled to cancel (returns
-        what ran).
+        Time source; called with each ``LoaderTrial`` as it is measured; polled to cancel
+        (returns what ran).
 
     Returns
     -------
@@ -241,7 +239,6 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
     if max_workers:  # fail before any measurement, with the fix (not once per setting)
         check_workers_can_unpickle(make_loader(loader_or_dataset, num_workers=max_workers,
                                                batch_size=batch_size))
-    report_progress = progress(on_progress, on_trial, "on_trial")
     started = clock()
     trials: list[LoaderTrial] = []
     while (chosen := _search.next_setting(trials, max_workers=max_workers,
@@ -254,8 +251,8 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
             if loader.num_workers == 0:
                 raise
             trials.append(failed_trial(loader, target, error))
-        if report_progress is not None:
-            report_progress(trials[-1])
+        if on_progress is not None:
+            on_progress(trials[-1])
         if trials[-1].cancelled:
             break
     report = loader_report(trials, max_workers=max_workers, search_time_s=clock() - started)

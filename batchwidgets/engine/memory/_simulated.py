@@ -360,10 +360,6 @@ def simulated_cuda(workspaces: Workspaces = Workspaces()) -> Iterator[None]:
 _SIMULATED: Workspaces | None = None
 
 
-def simulated_workspaces() -> Workspaces | None:
-    return _SIMULATED
-
-
 def probe_meter(device: torch.device, budget_bytes: int | None,
                 target: str | None = None) -> ProbeMeter | TensorMeter | CudaMeter:
     """The meter a probe reads: the simulated device with a target's workspaces for a plan

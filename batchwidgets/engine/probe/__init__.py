@@ -1,8 +1,9 @@
 """``find_batch``: the largest batch that trains, as stages read top to bottom.
 
-- ``_find_batch.py``  find_batch: plan, search under the guard, report
+- ``_find_batch.py``  find_batch: set up, search under the guard, report
+- ``_options.py``     find_batch's options declared once: default, check, help, flag
 - ``_nothing_fits.py`` NoBatchSizeFits: not even the smallest batch trains, and what would help
-- ``_plan.py``        the arguments resolved once into a frozen ProbePlan
+- ``_setup.py``       the arguments resolved once into a frozen ProbeSetup
 - ``_checks.py``      the argument checks (one line each), what the report says was probed
 - ``_trials.py``      the step each size runs, and one size's steps measured
 - ``_fake.py``        fake trials: the step on fake tensors, for a plan (meta models too)
@@ -22,7 +23,8 @@ It imports ``memory`` and the shared modules; nothing of accumulate, noise or lo
 """
 
 from ._checks import check_arguments
-from ._find_batch import MakeBatch, Step, find_batch
+from ._find_batch import MakeBatch, find_batch
 from ._nothing_fits import NoBatchSizeFits
+from ._options import FIND_BATCH
 
-__all__ = ["MakeBatch", "NoBatchSizeFits", "Step", "check_arguments", "find_batch"]
+__all__ = ["FIND_BATCH", "MakeBatch", "NoBatchSizeFits", "check_arguments", "find_batch"]

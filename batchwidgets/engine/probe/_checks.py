@@ -11,9 +11,8 @@ import torch
 
 from ..._warnings import BatchwidgetsWarning
 from .. import memory
-from .._types import AMP_NAMES, TRACES
-from .._util import check_int
-from ._parallel import PARALLEL
+from .._options import PYTHON, Spelling
+from ._options import FIND_BATCH
 from ._ranks import in_job
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -51,34 +50,27 @@ def notes_on(owner: torch.nn.Module | None, device: torch.device, amp: str | Non
     return notes
 
 
-def check_arguments(model: Any, make_batch: Any = None, *, step: Any = None, seq_len: Any = None,
-                    amp: str | None = None, max_batch_size: int | None = None,
-                    multiple_of: int = 1, headroom: float = 0.9, steps_per_trial: int = 2,
-                    start: int | None = None, optimizer: Any = None, scaler: Any = None,
-                    scheduler: Any = None, target: Any = None, trace: str | None = None,
-                    parallel: str | None = None) -> None:
-    """Every rule find_batch has for its arguments, one ``if`` each; a one-line TypeError or
-    ValueError naming the argument and the fix."""
-    _check_trace(model, target, trace, step)
-    if parallel is not None:
+def check_arguments(model: Any, make_batch: Any = None, *, said: Spelling = PYTHON,
+                    **given: Any) -> None:
+    """Every rule find_batch has for its arguments, one ``if`` each: each option's own (in
+    probe/_options.py), then the rules between them; a one-line TypeError or ValueError naming
+    the argument and the fix, as the caller wrote it (``said``: find_batch's keywords or
+    %find_batch's flags). ``given``: find_batch's options given (the rest are the defaults)."""
+    options = FIND_BATCH.complete(given)
+    FIND_BATCH.check(options, said)
+    step, seq_len, target = options["step"], options["seq_len"], options["target"]
+    _check_trace(model, target, options["trace"], step, said)
+    if options["parallel"] is not None:
         count = memory.parse_gpus(target)[0] if target is not None else 1
-        check_parallel(parallel, target, count,
-                       step is None and isinstance(model, torch.nn.Module))
+        check_parallel(options["parallel"], target, count,
+                       step is None and isinstance(model, torch.nn.Module), said)
     if step is not None:
-        _check_step(model, make_batch, step, seq_len)
+        _check_step(model, make_batch, seq_len, said)
         model = step
-    _check_values(model, make_batch, amp, max_batch_size, multiple_of, headroom,
-                  steps_per_trial, start, optimizer)
+    _check_model(model, make_batch)
+    _check_sizes(options["max_batch_size"], options["multiple_of"], options["start"], said)
     if seq_len is not None:
-        _check_lengths(make_batch, seq_len)
-    for name, value in (("scaler", scaler), ("scheduler", scheduler)):
-        if value is not None and not all(hasattr(value, method) for method in _RESTORED):
-            raise TypeError(f"{name} should have state_dict() and load_state_dict() (a "
-                            f"GradScaler, an LR scheduler) so the probe can put it back, but got "
-                            f"{name}={value!r}; pass the object your loop steps, or leave it out.")
-
-
-_RESTORED = ("state_dict", "load_state_dict")  # how the probe puts a scaler or scheduler back
+        _check_lengths(make_batch, said)
 
 
 def check_sharded(owner: torch.nn.Module | None, device: torch.device) -> None:
@@ -113,48 +105,42 @@ def has_meta_tensors(model: Any) -> bool:
         t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def _check_trace(model: Any, target: Any, trace: str | None, step: Any) -> None:
+def _check_trace(model: Any, target: Any, trace: str | None, step: Any,
+                 said: Spelling) -> None:
     """trace= and a model built on the meta device: what can be planned, and how."""
-    if trace is not None and trace not in TRACES:
-        raise ValueError(f"trace should be one of {list(TRACES)} or None, but got "
-                         f"trace={trace!r}; 'fake' traces on fake tensors (nothing runs), "
-                         f"'real' runs real steps.")
     on_meta = has_meta_tensors(model)
     if on_meta and target is None:
-        raise ValueError("target should name a GPU to plan for when the model is on the meta "
-                         "device (it has no weights to run here), but got target=None; pass "
-                         "e.g. target='A100-80GB', or build the model on a real device.")
+        raise ValueError(f"{said('target')} should name a GPU to plan for when the model is on "
+                         f"the meta device (it has no weights to run here), but got "
+                         f"{said('target', None)}; pass e.g. {said('target', 'A100-80GB')}, or "
+                         f"build the model on a real device.")
     if on_meta and trace == "real":
-        raise ValueError("trace should be 'fake' (or left out) for a model on the meta device, "
-                         "but got trace='real': it has no weights to run real steps with.")
+        raise ValueError(f"{said('trace')} should be 'fake' (or left out) for a model on the meta "
+                         f"device, but got {said('trace', 'real')}: it has no weights to run "
+                         f"real steps with.")
     if trace == "fake" and target is None:
-        raise ValueError("trace='fake' plans for a GPU that is not here: pass target= (e.g. "
-                         "target='A100-80GB'), or leave trace out to probe this device with "
-                         "real steps.")
+        raise ValueError(f"{said('trace', 'fake')} plans for a GPU that is not here: pass "
+                         f"{said('target')} (e.g. {said('target', 'A100-80GB')}), or leave "
+                         f"{said('trace')} out to probe this device with real steps.")
     if trace == "fake" and (step is not None or not isinstance(model, torch.nn.Module)):
-        raise ValueError("trace='fake' needs the model form, find_batch(model, make_batch, ...): "
-                         "a step(batch_size) of your own runs on your real tensors; leave trace "
-                         "out (or trace='real').")
+        raise ValueError(f"{said('trace', 'fake')} needs the model form, find_batch(model, "
+                         f"make_batch, ...): a step(batch_size) of your own runs on your real "
+                         f"tensors; leave {said('trace')} out (or {said('trace', 'real')}).")
 
 
-def _check_lengths(make_batch: Any, seq_len: Any) -> None:
-    lengths = list(seq_len) if not isinstance(seq_len, (int, str)) else None
-    if (not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
-                           for n in lengths)):
-        raise ValueError(f"seq_len should be a list of positive ints such as [128, 256, 512], "
-                         f"but got seq_len={seq_len!r}.")
+def _check_lengths(make_batch: Any, said: Spelling) -> None:
     if not callable(make_batch) or isinstance(make_batch, (torch.Tensor, torch.utils.data.Dataset,
                                                            torch.utils.data.DataLoader)):
         raise TypeError(f"make_batch should be a callable make_batch(batch_size, seq_len) with "
-                        f"seq_len, but got {type(make_batch).__name__}; write one that builds a "
-                        f"batch of that many samples of that length.")
+                        f"{said('seq_len')}, but got {type(make_batch).__name__}; write one that "
+                        f"builds a batch of that many samples of that length.")
     try:
         inspect.signature(make_batch).bind(1, 1)
     except TypeError:
         name = getattr(make_batch, "__name__", type(make_batch).__name__)
-        raise TypeError(f"make_batch should take (batch_size, seq_len) with seq_len, but got "
-                        f"{name}{inspect.signature(make_batch)}; add the seq_len parameter, e.g. "
-                        f"def {name}(batch_size, seq_len).") from None
+        raise TypeError(f"make_batch should take (batch_size, seq_len) with {said('seq_len')}, "
+                        f"but got {name}{inspect.signature(make_batch)}; add the seq_len "
+                        f"parameter, e.g. def {name}(batch_size, seq_len).") from None
     except ValueError:  # no signature to read (a builtin): the call will tell
         pass
 
@@ -180,21 +166,19 @@ def check_amp(amp: str | None, device: torch.device) -> None:
                          f"out, or try the other of 'bf16' and 'fp16'.")
 
 
-def _check_step(model: Any, make_batch: Any, step: Any, seq_len: Any) -> None:
+def _check_step(model: Any, make_batch: Any, seq_len: Any, said: Spelling) -> None:
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model should be the torch.nn.Module that step trains, when step= is "
-                        f"given, but got model={model!r}; call find_batch(model, step=my_step, "
-                        f"optimizer=optimizer), or find_batch(my_step) without a model.")
-    if not callable(step):
-        raise TypeError(f"step should be a step(batch_size) function, but got step={step!r}.")
+        raise TypeError(f"model should be the torch.nn.Module that step trains, when "
+                        f"{said('step')} is given, but got model={model!r}; call "
+                        f"find_batch(model, step=my_step, optimizer=optimizer), or "
+                        f"find_batch(my_step) without a model.")
     if make_batch is not None or seq_len is not None:
-        raise TypeError("make_batch and seq_len should be left out with step=: the step makes its "
-                        "own batches; call find_batch(model, step=my_step, optimizer=optimizer).")
+        raise TypeError(f"make_batch and {said('seq_len')} should be left out with "
+                        f"{said('step')}: the step makes its own batches; call "
+                        f"find_batch(model, step=my_step, optimizer=optimizer).")
 
 
-def _check_values(model: Any, make_batch: Any, amp: str | None, max_batch_size: int | None,
-                  multiple_of: int, headroom: float, steps_per_trial: int, start: int | None,
-                  optimizer: Any) -> None:
+def _check_model(model: Any, make_batch: Any) -> None:
     if isinstance(model, type):
         raise TypeError(f"model should be a model instance or a step(batch_size) function, but "
                         f"got model={model.__name__} (a class); create it first, e.g. "
@@ -206,55 +190,46 @@ def _check_values(model: Any, make_batch: Any, amp: str | None, max_batch_size: 
         raise TypeError("make_batch is required with a model: pass make_batch(batch_size) -> "
                         "batch, a Dataset, a DataLoader or one example tensor, e.g. "
                         "find_batch(model, torch.randn(3, 32, 32)).")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        name = optimizer.title() if isinstance(optimizer, str) else "Adam"
-        name = name if hasattr(torch.optim, name) else "Adam"
-        raise TypeError(f"optimizer should be a torch.optim.Optimizer, but got "
-                        f"optimizer={optimizer!r}; create it first, e.g. "
-                        f"optimizer=torch.optim.{name}(model.parameters()).")
-    if amp is not None and amp not in AMP_NAMES:
-        raise ValueError(f"amp should be one of {sorted(AMP_NAMES)} or None, but got amp={amp!r}.")
-    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
-        raise ValueError(f"multiple_of should be a positive int, but got "
-                         f"multiple_of={multiple_of!r}; use e.g. multiple_of=8 for tensor cores.")
-    if max_batch_size is not None and (not isinstance(max_batch_size, int)
+
+
+def _check_sizes(max_batch_size: Any, multiple_of: int, start: Any, said: Spelling) -> None:
+    """The sizes tried: max_batch_size and start against multiple_of, and each other."""
+    if max_batch_size is not None and (isinstance(max_batch_size, bool)
+                                       or not isinstance(max_batch_size, int)
                                        or max_batch_size < multiple_of):
-        raise ValueError(f"max_batch_size should be an int >= multiple_of ({multiple_of}), but "
-                         f"got max_batch_size={max_batch_size!r}; raise it or lower multiple_of.")
-    if not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
-        raise ValueError(f"headroom should be in (0, 1], but got headroom={headroom!r}; use "
-                         f"e.g. 0.9 to keep 10% of the memory free.")
-    check_int("steps_per_trial", steps_per_trial, 1)
+        raise ValueError(f"{said('max_batch_size')} should be an int >= {said('multiple_of')} "
+                         f"({multiple_of}), but got {said('max_batch_size', max_batch_size)}; "
+                         f"raise it or lower {said('multiple_of')}.")
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 1
                               or start % multiple_of):
-        raise ValueError(f"start should be a positive multiple of multiple_of ({multiple_of}), "
-                         f"but got start={start!r}.")
+        raise ValueError(f"{said('start')} should be a positive multiple of "
+                         f"{said('multiple_of')} ({multiple_of}), but got "
+                         f"{said('start', start)}.")
     if start is not None and max_batch_size is not None and start > max_batch_size:
-        raise ValueError(f"max_batch_size should be >= start ({start}), but got "
-                         f"max_batch_size={max_batch_size!r}; raise max_batch_size or lower start.")
+        raise ValueError(f"{said('max_batch_size')} should be >= {said('start')} ({start}), but "
+                         f"got {said('max_batch_size', max_batch_size)}; raise "
+                         f"{said('max_batch_size')} or lower {said('start')}.")
 
 
-def check_parallel(parallel: str | None, target: Any, count: int,
-                   is_module: bool) -> tuple[str | None, int]:
+def check_parallel(parallel: str | None, target: Any, count: int, is_module: bool,
+                   said: Spelling = PYTHON) -> tuple[str | None, int]:
     """``parallel=`` and the GPUs it plans for: ``(strategy, world_size)``. A target that counts
     several GPUs without ``parallel`` is planned under DDP, what torchrun with
     DistributedDataParallel gives; inside a job a one-GPU target takes the job's world size."""
-    if parallel is not None and parallel not in PARALLEL:
-        raise ValueError(f"parallel should be one of {list(PARALLEL)} or None, but got "
-                         f"parallel={parallel!r}; 'fsdp' is FSDP2 fully_shard, 'zero1'-'zero3' "
-                         f"DeepSpeed's stages, 'compare' plans each.")
     if parallel is None:
         return ("ddp", count) if count > 1 else (None, 1)
+    given = said("parallel", parallel)
     if target is None:
-        raise ValueError(f"parallel={parallel!r} plans GPUs that are not here: pass a target "
-                         f"with a count, e.g. target='8xA100-80GB', parallel={parallel!r}; inside "
-                         f"a job, find_batch probes the real ranks without parallel=.")
+        raise ValueError(f"{given} plans GPUs that are not here: pass a target with a count, "
+                         f"e.g. {said('target', '8xA100-80GB')} {given}; inside a job, "
+                         f"find_batch probes the real ranks without {said('parallel')}.")
     if count == 1 and not in_job():
-        raise ValueError(f"parallel={parallel!r} should come with more than one GPU, but got "
-                         f"target={target!r} and no initialised process group; count the GPUs in "
-                         f"the target, e.g. target='8x{target}', or leave parallel out.")
+        raise ValueError(f"{given} should come with more than one GPU, but got "
+                         f"{said('target', target)} and no initialised process group; count the "
+                         f"GPUs in the target, e.g. {said('target', f'8x{target}')}, or leave "
+                         f"{said('parallel')} out.")
     if not is_module:
-        raise ValueError(f"parallel={parallel!r} needs the model form, find_batch(model, "
-                         f"make_batch, ...): the plan reads the model's parameters to shard them; "
-                         f"pass the model, or leave parallel out.")
+        raise ValueError(f"{given} needs the model form, find_batch(model, make_batch, ...): "
+                         f"the plan reads the model's parameters to shard them; pass the model, "
+                         f"or leave {said('parallel')} out.")
     return parallel, count if count > 1 else torch.distributed.get_world_size()

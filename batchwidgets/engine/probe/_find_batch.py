@@ -24,7 +24,7 @@ from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport
 from .. import memory
 from .._state import InterruptGuard, TrainingState, restore_home
-from .._types import Amp, ProbeStep, ShouldStop, Trace, progress
+from .._types import Amp, ProbeStep, ShouldStop, Trace
 from .._util import first_line
 from . import _search, _what_if
 from ._checks import has_meta_tensors
@@ -33,9 +33,10 @@ from ._fake_group import FakeGroupUnavailable, fake_group
 from ._loop import Search, planned
 from ._nothing_fits import NoBatchSizeFits
 from ._optimizer_shapes import OptimizerStateError, StateRule, state_rule
+from ._options import FIND_BATCH
 from ._parallel import plan_ranks
-from ._plan import ProbePlan, resolve
 from ._ranks import agree_limit, alone, in_job
+from ._setup import ProbeSetup, resolve
 from ._sharded import ShardedWorld, ShardingError
 from ._trials import (
     Marks,
@@ -50,8 +51,7 @@ from ._trials import (
 # NOTE [ find_batch, a long module ]
 # Over 400 lines: the public function's docstring is its manual (a hundred lines), and the
 # stages it runs (search under the guard, the report, a target's plans for one GPU and for N
-# ranks, the frontier) call one another; split them only with the ProbePlan they share.
-Step = ProbeStep  # the earlier name (NOTE [ One vocabulary ] in engine/_types.py)
+# ranks, the frontier) call one another; split them only with the ProbeSetup they share.
 MakeBatch = (Callable[[int], Any] | torch.utils.data.Dataset | torch.utils.data.DataLoader
              | torch.Tensor)
 
@@ -64,12 +64,11 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
                amp: Amp | None = None, max_batch_size: int | None = None, multiple_of: int = 1,
                headroom: float = 0.9, *, scaler: Any = None, scheduler: Any = None,
                steps_per_trial: int = 2, start: int | None = None,
-               on_progress: OnStep | None = None,
-               should_stop: ShouldStop | None = None,
+               on_step: OnStep | None = None, should_stop: ShouldStop | None = None,
                seq_len: Sequence[int] | None = None,
                what_if: bool = False, target: str | int | None = None,
                trace: Trace | None = None, step: ProbeStep | None = None,
-               on_step: OnStep | None = None, parallel: str | None = None) -> BatchSizeReport:
+               parallel: str | None = None) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -113,9 +112,8 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
     start : int, optional
         First size tried (default 2, or ``multiple_of`` when larger); if it does not fit, the
         probe halves down to ``multiple_of``.
-    on_progress : callable, optional
-        Called with each ``Attempt`` as it finishes (progress for front ends); ``on_step`` is
-        its earlier name, still accepted (NOTE [ One vocabulary ] in engine/_types.py).
+    on_step : callable, optional
+        Called with each ``Attempt`` as it finishes (progress for front ends).
     should_stop : callable, optional
         Polled before each size (as in ``tune_loader``) and between the ops of a step (at most
         every 0.05 s); True ends the search with the sizes it finished (``stop_reason=
@@ -183,100 +181,94 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
     >>> report.max_batch_size, report.first_oom_batch_size
     (622, 623)
     """
-    plan = resolve(model, make_batch, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                   budget=budget, amp=amp, max_batch_size=max_batch_size,
-                   multiple_of=multiple_of, headroom=headroom, scaler=scaler,
-                   scheduler=scheduler, steps_per_trial=steps_per_trial, start=start,
-                   on_progress=progress(on_progress, on_step, "on_step"),
-                   should_stop=should_stop, seq_len=seq_len, what_if=what_if, target=target,
-                   step=step, trace=trace, parallel=parallel)
-    if plan.seq_len is not None:
-        return _frontier(plan)
-    return _probe(plan)
+    setup = resolve(model, make_batch, FIND_BATCH.pick(locals()))  # see probe/_options.py
+    if setup.seq_len is not None:
+        return _frontier(setup)
+    return _probe(setup)
 
 
-def _probe(plan: ProbePlan) -> BatchSizeReport:
-    """The stages after the plan: the search under the meter and the state guard, the report,
+def _probe(setup: ProbeSetup) -> BatchSizeReport:
+    """The stages after the setup: the search under the meter and the state guard, the report,
     then what the report adds (a target's prediction, the what-ifs)."""
-    with alone() if plan.target is not None else contextlib.nullcontext():
-        plan, search = _searched(plan)
-    report = _report(plan, search)
-    if plan.target is not None:
-        report = planned(report, search, *plan.target)
-        if plan.parallel is not None:  # see NOTE [ Per-rank memory by strategy ]
-            report = _ranks_planned(plan, report, search)
+    with alone() if setup.target is not None else contextlib.nullcontext():
+        setup, search = _searched(setup)
+    report = _report(setup, search)
+    if setup.target is not None:
+        report = planned(report, search, *setup.target)
+        if setup.parallel is not None:  # see NOTE [ Per-rank memory by strategy ]
+            report = _ranks_planned(setup, report, search)
         if report.max_batch_size == 0 and report.stop_reason != "stopped":
             raise NoBatchSizeFits(report)
         # each row planned, never measured; a plan for N GPUs has its strategies' rows instead
-        if plan.what_if and plan.model is not None and plan.parallel is None:
+        if setup.what_if and setup.model is not None and setup.parallel is None:
             modules = {name: type(module).__name__ for name, module in
-                       plan.model.named_modules() if name}
+                       setup.model.named_modules() if name}
             report = dataclasses.replace(report, what_if=_what_if.for_target(
-                search.model, report.max_batch_size, plan.target[1],
-                lambda **change: _probe(plan.with_change(**change)), plan.optimizer, plan.amp,
-                multiple_of=plan.multiple_of, ceiling=plan.ceiling, modules=modules,
-                module=plan.model))
+                search.model, report.max_batch_size, setup.target[1],
+                lambda **change: _probe(setup.with_change(**change)), setup.optimizer, setup.amp,
+                multiple_of=setup.multiple_of, ceiling=setup.ceiling, modules=modules,
+                module=setup.model))
         return report
-    rows = _predicted_what_ifs(plan, report, search)
-    if plan.what_if and plan.model is not None:
-        rows += _what_if.measured(lambda **change: _probe(plan.with_change(**change)),
-                                  plan.optimizer, plan.amp, plan.model)
+    rows = _predicted_what_ifs(setup, report, search)
+    if setup.what_if and setup.model is not None:
+        rows += _what_if.measured(lambda **change: _probe(setup.with_change(**change)),
+                                  setup.optimizer, setup.amp, setup.model)
     return dataclasses.replace(report, what_if=tuple(rows)) if rows else report
 
 
-def _ranks_planned(plan: ProbePlan, report: BatchSizeReport,
+def _ranks_planned(setup: ProbeSetup, report: BatchSizeReport,
                    search: Search) -> BatchSizeReport:
     """Each strategy's per-rank plan: FSDP2 traced on one rank of a fake group where it can be
     (NOTE [ One FSDP2 rank, traced ]), the rest by each storage's share on a rank."""
     traced: dict[str, BatchSizeReport] = {}
-    if plan.parallel in ("fsdp", "compare"):
-        fsdp, why_not = _fsdp_traced(plan) if plan.trace == "fake" else (
+    if setup.parallel in ("fsdp", "compare"):
+        fsdp, why_not = _fsdp_traced(setup) if setup.trace == "fake" else (
             None, "the step was traced by real steps")
         if fsdp is not None:
             traced["fsdp"] = fsdp
         else:
             report = dataclasses.replace(report, method=f"{report.method} FSDP2 planned by its "
                                                         f"published rules: {why_not}.")
-    name, usable = plan.target
-    return plan_ranks(report, plan.model, plan.parallel, plan.world_size, search._event_pair(),
+    name, usable = setup.target
+    return plan_ranks(report, setup.model, setup.parallel, setup.world_size, search._event_pair(),
                       lambda pair: planned(report, search, name, usable, pair), traced)
 
 
-def _fsdp_traced(plan: ProbePlan) -> tuple[BatchSizeReport | None, str]:
+def _fsdp_traced(setup: ProbeSetup) -> tuple[BatchSizeReport | None, str]:
     """One FSDP2 rank's plan, traced on a fake process group; or None and why it could not be."""
-    if state_rule(plan.optimizer) is not None:
+    if state_rule(setup.optimizer) is not None:
         return None, "its optimizer's state cannot be made on fake tensors"
     try:
-        with fake_group(plan.world_size) as mesh:
-            sharded = dataclasses.replace(plan, mesh=mesh, what_if=False, on_progress=None)
+        with fake_group(setup.world_size) as mesh:
+            sharded = dataclasses.replace(setup, mesh=mesh, what_if=False, on_step=None)
             search = _search_guarded(sharded)
-            report = planned(_report(sharded, search), search, *plan.target)
+            report = planned(_report(sharded, search), search, *setup.target)
     except FakeGroupUnavailable as error:
         return None, str(error)
     except ShardingError:
-        if plan.parallel == "fsdp":
+        if setup.parallel == "fsdp":
             raise
         return None, "fully_shard cannot wrap this model"
     except Exception as error:  # what the plain trace ran, one FSDP2 rank could not
         memory.drop_own_frames(error)
         return None, f"one FSDP2 rank could not be traced ({first_line(error)})"
-    method = (f"{report.method} One FSDP2 rank of {plan.world_size} traced on a fake process "
+    method = (f"{report.method} One FSDP2 rank of {setup.world_size} traced on a fake process "
               f"group: its shards, all-gathers and reduce-scatters as they run.")
     return dataclasses.replace(report, method=method), ""
 
 
-def _searched(plan: ProbePlan) -> tuple[ProbePlan, Search]:
+def _searched(setup: ProbeSetup) -> tuple[ProbeSetup, Search]:
     """The search; a fake trace that cannot run is traced by real steps, the reason kept in
-    the plan's notes (a meta model has none to run: one line naming the op and the module)."""
-    if plan.trace == "real":
-        return plan, _search_guarded(plan)
+    the setup's notes (a meta model has none to run: one line naming the op and the module)."""
+    if setup.trace == "real":
+        return setup, _search_guarded(setup)
     try:
-        rule = state_rule(plan.optimizer)  # see NOTE [ Optimizer state by shape ]
-        planned_plan = plan if rule is None else dataclasses.replace(
-            plan, notes=(*plan.notes, rule.note))
-        return planned_plan, _search_guarded(planned_plan, rule)
+        rule = state_rule(setup.optimizer)  # see NOTE [ Optimizer state by shape ]
+        with_rule = setup if rule is None else dataclasses.replace(
+            setup, notes=(*setup.notes, rule.note))
+        return with_rule, _search_guarded(with_rule, rule)
     except Exception as error:
-        on_meta = has_meta_tensors(plan.model)
+        on_meta = has_meta_tensors(setup.model)
         if isinstance(error, FakeTraceError) and on_meta:
             raise ValueError(
                 f"model should run on fake tensors to be planned from the meta device, but "
@@ -287,92 +279,92 @@ def _searched(plan: ProbePlan) -> tuple[ProbePlan, Search]:
             raise
         reason = (str(error).rstrip(".") if isinstance(error, (FakeTraceError, OptimizerStateError))
                   else first_line(error))
-        notes = (*plan.notes, f"Traced by real steps: {reason}.")
-        plan = dataclasses.replace(plan, trace="real", notes=notes)
-        return plan, _search_guarded(plan)
+        notes = (*setup.notes, f"Traced by real steps: {reason}.")
+        setup = dataclasses.replace(setup, trace="real", notes=notes)
+        return setup, _search_guarded(setup)
 
 
-def _search_guarded(plan: ProbePlan, rule: StateRule | None = None) -> Search:
+def _search_guarded(setup: ProbeSetup, rule: StateRule | None = None) -> Search:
     """Enter the meter and the state guard, run the search; every trial starts from the user's
     state, and the user's state comes back however it ends (NOTE [ Restoring under Ctrl-C ] in
     engine/_state.py). A fake trace touches none of the user's tensors: only the modes, RNGs
     and flags are guarded then (see NOTE [ Fake trials ] in _fake.py)."""
-    fake = plan.trace == "fake"
-    home_state = (TrainingState(plan.owner, None, (), weights=False, loss_fn=plan.loss_fn,
-                                trains=plan.optimizer)
-                  if fake else TrainingState(plan.owner, plan.optimizer, plan.extras,
-                                             loss_fn=plan.loss_fn))
-    meter = memory.probe_meter(plan.device, plan.budget_bytes,
-                               plan.target[0] if plan.target is not None else None)
+    fake = setup.trace == "fake"
+    home_state = (TrainingState(setup.owner, None, (), weights=False, loss_fn=setup.loss_fn,
+                                trains=setup.optimizer)
+                  if fake else TrainingState(setup.owner, setup.optimizer, setup.extras,
+                                             loss_fn=setup.loss_fn))
+    meter = memory.probe_meter(setup.device, setup.budget_bytes,
+                               setup.target[0] if setup.target is not None else None)
     guard = InterruptGuard()
     search = trainer = None
     try:
         with meter.capped():
-            trainer = (_fake_trainer(plan, meter, rule) if fake
-                       else _trainer(plan, meter, home_state))
+            trainer = (_fake_trainer(setup, meter, rule) if fake
+                       else _trainer(setup, meter, home_state))
             limit_bytes = agree_limit(meter.limit_bytes)
             # real steps in a job run to their end: NOTE [ Over the budget inside a job ]
             meter.defer_budget = in_job() and not fake
-            meter.held_bytes = 0 if fake else held_outside_ops(plan.owner)
+            meter.held_bytes = 0 if fake else held_outside_ops(setup.owner)
             meter.warm_up()
-            search = Search(trainer, meter, start=plan.start, multiple_of=plan.multiple_of,
-                            ceiling=plan.ceiling, limit_bytes=limit_bytes,
-                            traced_only=plan.target is not None)
-            if plan.fake_first:  # see NOTE [ A free first guess ] in _loop.py
-                search.seed(lambda: _fake_trainer(plan, meter, paused=True), plan.on_progress,
-                            plan.should_stop)
-            search.run(plan.on_progress, plan.should_stop)
+            search = Search(trainer, meter, start=setup.start, multiple_of=setup.multiple_of,
+                            ceiling=setup.ceiling, limit_bytes=limit_bytes,
+                            traced_only=setup.target is not None)
+            if setup.fake_first:  # see NOTE [ A free first guess ] in _loop.py
+                search.seed(lambda: _fake_trainer(setup, meter, paused=True), setup.on_step,
+                            setup.should_stop)
+            search.run(setup.on_step, setup.should_stop)
     except BaseException as error:  # its traceback (kept by IPython) must not keep them alive
         memory.drop_own_frames(error)
         raise
     finally:
-        failed = restore_home(home_state, plan.model if plan.moves else None, plan.home, guard)
+        failed = restore_home(home_state, setup.model if setup.moves else None, setup.home, guard)
         home_state = trainer = None  # the traceback keeps this frame
         if search is not None:
             search.trainer = None
-        memory.free_memory(plan.device, collect=not fake)  # fake tensors hold no memory
+        memory.free_memory(setup.device, collect=not fake)  # fake tensors hold no memory
         if failed is not None:
             raise failed
     return search
 
 
-def _trainer(plan: ProbePlan, meter: Any, home_state: TrainingState) -> Trainer:
+def _trainer(setup: ProbeSetup, meter: Any, home_state: TrainingState) -> Trainer:
     """Real trials: each starts from the user's state (moved to the device probed)."""
-    state = (moved(plan.model, plan.optimizer, plan.device, plan.extras, plan.loss_fn) if plan.moves
-             else home_state)
-    owned = [] if plan.owner is None else [*plan.owner.parameters(), *plan.owner.buffers()]
-    return Trainer(_step(plan, meter), meter, state, plan.steps_per_trial,
-                   lambda: state_tensors(plan.owner, plan.optimizer),
-                   Marks(owned, plan.optimizer))
+    state = (moved(setup.model, setup.optimizer, setup.device, setup.extras, setup.loss_fn)
+             if setup.moves else home_state)
+    owned = [] if setup.owner is None else [*setup.owner.parameters(), *setup.owner.buffers()]
+    return Trainer(_step(setup, meter), meter, state, setup.steps_per_trial,
+                   lambda: state_tensors(setup.owner, setup.optimizer),
+                   Marks(owned, setup.optimizer))
 
 
-def _fake_trainer(plan: ProbePlan, meter: Any, rule: StateRule | None = None,
+def _fake_trainer(setup: ProbeSetup, meter: Any, rule: StateRule | None = None,
                   paused: bool = False) -> Trainer:
     """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ]).
     ``rule``: the optimizer's state by shape (NOTE [ Optimizer state by shape ]). ``paused``: the
     caller holds the cycle collector paused over all the trials (one collection instead of one
     per trial, which costs more than a small fake trial in a large process: see Search.seed)."""
     mode = fake_mode()
-    world = (ShardedWorld(plan.model, plan.optimizer, mode, plan.mesh) if plan.mesh is not None
-             else FakeWorld(plan.model, plan.optimizer, mode, rule))
-    return Trainer(fake_step(world, plan.make, plan.loss_fn, plan.amp, meter), meter, world,
-                   plan.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
+    world = (ShardedWorld(setup.model, setup.optimizer, mode, setup.mesh) if setup.mesh is not None
+             else FakeWorld(setup.model, setup.optimizer, mode, rule))
+    return Trainer(fake_step(world, setup.make, setup.loss_fn, setup.amp, meter), meter, world,
+                   setup.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
                    around=(lambda: mode) if paused else world.active)
 
 
 
-def _step(plan: ProbePlan, meter: Any) -> ProbeStep:
+def _step(setup: ProbeSetup, meter: Any) -> ProbeStep:
     """What each real trial runs: the model form's training step, or the user's own step."""
-    if plan.model is None:
-        return plan.step
-    scaler = plan.scaler
-    if plan.amp == "fp16" and scaler is None:
-        scaler = torch.amp.GradScaler(plan.device.type)
-    return model_step(plan.model, plan.make, plan.loss_fn, plan.optimizer, plan.device,
-                      plan.amp, scaler, meter)
+    if setup.model is None:
+        return setup.step
+    scaler = setup.scaler
+    if setup.amp == "fp16" and scaler is None:
+        scaler = torch.amp.GradScaler(setup.device.type)
+    return model_step(setup.model, setup.make, setup.loss_fn, setup.optimizer, setup.device,
+                      setup.amp, scaler, meter)
 
 
-def _report(plan: ProbePlan, search: Search) -> BatchSizeReport:
+def _report(setup: ProbeSetup, search: Search) -> BatchSizeReport:
     """The report of what the search found (``NoBatchSizeFits`` when nothing fits)."""
     attempts = search.attempts
     lo, hi = _search.bracket([a for a in attempts if not a.fake])  # what ran decides
@@ -380,60 +372,60 @@ def _report(plan: ProbePlan, search: Search) -> BatchSizeReport:
         stop = "stopped"
     elif lo == 0:
         stop = "nothing fits"
-    elif lo >= plan.ceiling:
-        stop = "max_batch_size" if plan.max_batch_size else "ceiling"
+    elif lo >= setup.ceiling:
+        stop = "max_batch_size" if setup.max_batch_size else "ceiling"
         if stop == "ceiling" and _search.memory_stayed_flat(attempts):
             stop = f"ceiling: {_FLAT}"
-            warnings.warn(f"find_batch reached its ceiling of {plan.ceiling} samples, but the "
+            warnings.warn(f"find_batch reached its ceiling of {setup.ceiling} samples, but the "
                           f"step's {_FLAT} (it must return a batch of the size it is given), "
-                          f"or the step allocates nothing on {plan.device}.",
+                          f"or the step allocates nothing on {setup.device}.",
                           BatchwidgetsWarning, stacklevel=4)  # _probe, find_batch, the user
     else:
         stop = "boundary"
     segments = () if search.model is None else search.model.envelope(
         1, max(a.batch_size for a in attempts))
-    if plan.trace == "fake":  # nothing ran: no step times, every size marked
+    if setup.trace == "fake":  # nothing ran: no step times, every size marked
         attempts = [dataclasses.replace(a, fake=True, step_time_s=None) for a in attempts]
     report = BatchSizeReport(
         max_batch_size=lo, first_oom_batch_size=hi, attempts=tuple(attempts),
-        device=str(plan.device), budget_bytes=plan.budget_bytes, limit_bytes=search.limit_bytes,
+        device=str(setup.device), budget_bytes=setup.budget_bytes, limit_bytes=search.limit_bytes,
         baseline_bytes=search.meter.baseline_bytes, memory_model=_search.fit_memory(attempts),
-        headroom=plan.headroom, multiple_of=plan.multiple_of, amp=plan.amp, stop_reason=stop,
-        peak_segments=segments, method=" ".join([search.method(), *plan.notes]),
-        worst_case=plan.batch_description, memory_split=search.split,
-        memory_timeline=search.timeline, trace=plan.trace)
+        headroom=setup.headroom, multiple_of=setup.multiple_of, amp=setup.amp, stop_reason=stop,
+        peak_segments=segments, method=" ".join([search.method(), *setup.notes]),
+        worst_case=setup.batch_description, memory_split=search.split,
+        memory_timeline=search.timeline, trace=setup.trace)
     if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report
 
 
-def _predicted_what_ifs(plan: ProbePlan, report: BatchSizeReport, search: Search) -> list:
+def _predicted_what_ifs(setup: ProbeSetup, report: BatchSizeReport, search: Search) -> list:
     """The what-if rows the per-op model predicts (see probe/_what_if.py), where it was fitted."""
     if search.model is None or search.limit_bytes is None:
         return []
-    modules = ({name: type(module).__name__ for name, module in plan.owner.named_modules()
-                if name} if plan.owner is not None else {})
+    modules = ({name: type(module).__name__ for name, module in setup.owner.named_modules()
+                if name} if setup.owner is not None else {})
     # On CUDA the tensors' bytes are not what runs out: the boundary found says where, in
     # tensor bytes, the reserved memory ran out, and the rows are predicted against that.
     row_limit = (search.model.peak_bytes(report.max_batch_size)
                  if search.replays and report.max_batch_size
                  else search.limit_bytes - search.overhead_bytes)
-    rows = _what_if.predicted(search.model, row_limit, multiple_of=plan.multiple_of,
-                              ceiling=plan.ceiling, modules=modules)
+    rows = _what_if.predicted(search.model, row_limit, multiple_of=setup.multiple_of,
+                              ceiling=setup.ceiling, modules=modules)
     if search.replays:  # the allocator's segments and rounding gone: tensors and workspaces
         rows += _what_if.expandable(search.model, search.limit_bytes - search.unseen_bytes,
-                                    report.max_batch_size, multiple_of=plan.multiple_of,
-                                    ceiling=plan.ceiling)
+                                    report.max_batch_size, multiple_of=setup.multiple_of,
+                                    ceiling=setup.ceiling)
     return rows
 
 
-def _frontier(plan: ProbePlan) -> BatchSizeReport:
+def _frontier(setup: ProbeSetup) -> BatchSizeReport:
     """The probe at each sequence length; the longest length's report, with the frontier."""
     frontier: dict[int, int] = {}
     report: BatchSizeReport | None = None
-    for length in plan.seq_len:
+    for length in setup.seq_len:
         at_length = dataclasses.replace(
-            plan, seq_len=None, make=functools.partial(_at_length, plan.make, length))
+            setup, seq_len=None, make=functools.partial(_at_length, setup.make, length))
         try:
             report = _probe(at_length)
         except NoBatchSizeFits as error:

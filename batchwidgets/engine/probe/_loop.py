@@ -17,8 +17,8 @@ from .._util import first_line
 from ..memory import OpTrace, PeakModel, Reading
 from . import _search
 from ._fake import FakeTraceError
-from ._plan import SEARCH_CEILING
 from ._ranks import agree, agree_size, in_job, share_error
+from ._setup import SEARCH_CEILING
 from ._stop import StepStopped, stop_between_ops
 from ._timeline import memory_split, memory_timeline
 from ._trials import OnStep, Trainer

@@ -1,10 +1,10 @@
-"""find_batch's first stage: its arguments, checked and resolved once into a frozen ``ProbePlan``
+"""find_batch's first stage: its arguments, checked and resolved once into a frozen ``ProbeSetup``
 (what trains, where, under which limit, from which batches), which the later stages only read."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ from .. import memory
 from .._batches import as_batch_maker
 from .._grads import is_sharded
 from .._state import RngState
-from .._types import OnProgress, ProbeStep, ShouldStop
+from .._types import ProbeStep, ShouldStop
 from .._unsharded import meta_replica
 from .._util import default_device, usable_device
 from ._checks import (
@@ -25,12 +25,13 @@ from ._checks import (
     check_sharded_plan,
     notes_on,
 )
+from ._trials import OnStep
 
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
 
 
 @dataclass(frozen=True)
-class ProbePlan:
+class ProbeSetup:
     """What one probe does, each argument resolved once (see ``resolve``)."""
 
     # what trains
@@ -62,7 +63,7 @@ class ProbePlan:
     steps_per_trial: int
     seq_len: tuple[int, ...] | None  # lengths for make(batch_size, seq_len): a frontier
     what_if: bool
-    on_progress: OnProgress | None
+    on_step: OnStep | None
     should_stop: ShouldStop | None
     notes: tuple[str, ...]  # what the report says about what was probed
     mesh: Any = None  # a fake mesh: the trials run one FSDP2 rank (NOTE [ One FSDP2 rank, traced ])
@@ -77,9 +78,9 @@ class ProbePlan:
         """The model is probed on another device than its own, and moved back afterwards."""
         return self.model is not None and self.home != self.device and self.trace == "real"
 
-    def with_change(self, **change: Any) -> ProbePlan:
+    def with_change(self, **change: Any) -> ProbeSetup:
         """The same probe with one change (``amp=`` or ``optimizer=``: a what-if, measured)."""
-        return dataclasses.replace(self, on_progress=None, what_if=False, **change)
+        return dataclasses.replace(self, on_step=None, what_if=False, **change)
 
 
 def _target(gpu: Any, budget_bytes: int | None) -> tuple[str, int]:
@@ -130,28 +131,21 @@ def _fake_first(trace: str | None, planned: bool, is_module: bool,
 # reductions over the batch, squeezes and kernel choices make its memory fall off the line that
 # larger sizes lie on, so a fit through it misleads the jump. Starting at 2 (as Lightning's tuner
 # does) costs nothing when 2 fits; when it does not, the search halves down to 1.
-def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer: Any,
-            device: torch.device | str | None, budget: int | str | None, amp: str | None,
-            max_batch_size: int | None, multiple_of: int, headroom: float, scaler: Any,
-            scheduler: Any, steps_per_trial: int, start: int | None,
-            on_progress: OnProgress | None, should_stop: ShouldStop | None,
-            seq_len: Sequence[int] | None, what_if: bool, target: str | int | None,
-            step: ProbeStep | None, trace: str | None,
-            parallel: str | None = None) -> ProbePlan:
-    """find_batch's arguments as one plan: checked first (one-line errors, nothing run), then
-    each resolved in one place. Reads a Dataset's samples (``make``) but trains nothing."""
-    check_arguments(model, make_batch, step=step, seq_len=seq_len, amp=amp,
-                    max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom,
-                    steps_per_trial=steps_per_trial, start=start, optimizer=optimizer,
-                    scaler=scaler, scheduler=scheduler, target=target, trace=trace,
-                    parallel=parallel)
+def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSetup:
+    """find_batch's arguments as one setup: checked first (one-line errors, nothing run), then
+    each resolved in one place. Reads a Dataset's samples (``make``) but trains nothing.
+    ``options``: every option of FIND_BATCH (probe/_options.py), as find_batch was called."""
+    check_arguments(model, make_batch, **options)
+    step, target, trace, optimizer = (options[name] for name in
+                                      ("step", "target", "trace", "optimizer"))
+    amp, multiple_of = options["amp"], options["multiple_of"]
     owner = model if step is not None or isinstance(model, torch.nn.Module) else None
     bare = model if step is None and owner is None else step  # a step(batch_size), or None
     is_module = bare is None
-    budget_bytes = memory.parse_bytes(budget, "budget")
-    resolved = _device(owner, device)
+    budget_bytes = memory.parse_bytes(options["budget"], "budget")
+    resolved = _device(owner, options["device"])
     count, gpu = memory.parse_gpus(target) if target is not None else (1, None)
-    parallel, world_size = check_parallel(parallel, target, count, is_module)
+    parallel, world_size = check_parallel(options["parallel"], target, count, is_module)
     planned = _target(gpu, budget_bytes) if target is not None else None
     if planned is None:
         check_sharded(owner, resolved)
@@ -173,20 +167,24 @@ def resolve(model: Any, make_batch: Any, *, loss_fn: Callable | None, optimizer:
     notes = notes_on(owner=owner, device=resolved, amp=amp) + why_not
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
-    ceiling = (max_batch_size or SEARCH_CEILING) // multiple_of * multiple_of
+    ceiling = (options["max_batch_size"] or SEARCH_CEILING) // multiple_of * multiple_of
+    start = options["start"]
     if start is None:
         start = min(max(multiple_of, 2), ceiling)  # see NOTE [ Why the probe starts at 2 ]
+    seq_len = options["seq_len"]
     make = None
     if is_module:  # a frontier's make_batch(batch_size, seq_len) is taken at each length
         make = make_batch if seq_len is not None else _batches(make_batch)
-    return ProbePlan(
+    return ProbeSetup(
         model=model if is_module else None, step=bare, owner=owner, make=make,
-        batch_description=getattr(make, "description", ""), loss_fn=loss_fn,
-        optimizer=optimizer, scaler=scaler, scheduler=scheduler, amp=amp, device=resolved,
-        home=_device(model, None) if is_module else resolved, budget_bytes=budget_bytes,
-        target=planned, parallel=parallel, world_size=world_size, trace=trace,
-        fake_first=fake_first, start=start, ceiling=ceiling,
-        multiple_of=multiple_of, max_batch_size=max_batch_size, headroom=float(headroom),
-        steps_per_trial=steps_per_trial,
-        seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None, what_if=what_if,
-        on_progress=on_progress, should_stop=should_stop, notes=tuple(notes))
+        batch_description=getattr(make, "description", ""), optimizer=optimizer,
+        device=resolved, home=_device(model, None) if is_module else resolved,
+        budget_bytes=budget_bytes, target=planned, parallel=parallel, world_size=world_size,
+        trace=trace, fake_first=fake_first, start=start, ceiling=ceiling,
+        headroom=float(options["headroom"]),
+        seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None,
+        notes=tuple(notes), **{name: options[name] for name in _AS_GIVEN})
+
+
+_AS_GIVEN = ("loss_fn", "scaler", "scheduler", "amp", "multiple_of", "max_batch_size",
+             "steps_per_trial", "what_if", "on_step", "should_stop")  # options kept as given

@@ -1,0 +1,152 @@
+"""find_batch's options, each declared once (NOTE [ Options declared once ] in engine/_options.py):
+its checks, ``%find_batch``'s flags and the ProbePanel's controls read them from here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import memory
+from .._options import Option, Options, Spelling, integer, integers, number
+from .._types import AMP_NAMES, TRACES
+from .._util import usable_device
+from ._parallel import PARALLEL
+
+_RESTORED = ("state_dict", "load_state_dict")  # how the probe puts a scaler or scheduler back
+
+
+def _optimizer(value: Any, said: Spelling) -> None:
+    if not isinstance(value, torch.optim.Optimizer):
+        name = value.title() if isinstance(value, str) else "Adam"
+        name = name if hasattr(torch.optim, name) else "Adam"
+        raise TypeError(f"{said('optimizer')} should be a torch.optim.Optimizer, but got "
+                        f"{said('optimizer', value)}; create it first, e.g. "
+                        f"optimizer=torch.optim.{name}(model.parameters()).")
+
+
+def _amp(value: Any, said: Spelling) -> None:
+    if value not in AMP_NAMES:
+        raise ValueError(f"{said('amp')} should be one of {sorted(AMP_NAMES)} or None, but got "
+                         f"{said('amp', value)}.")
+
+
+def _multiple_of(value: Any, said: Spelling) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{said('multiple_of')} should be a positive int, but got "
+                         f"{said('multiple_of', value)}; use e.g. {said('multiple_of', 8)} for "
+                         f"tensor cores.")
+
+
+def _headroom(value: Any, said: Spelling) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{said('headroom')} should be in (0, 1], but got "
+                         f"{said('headroom', value)}; use e.g. {said('headroom', 0.9)} to keep "
+                         f"10% of the memory free.")
+
+
+def _steps_per_trial(value: Any, said: Spelling) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{said('steps_per_trial')} should be an int >= 1, but got "
+                         f"{said('steps_per_trial', value)}.")
+
+
+def _restorable(name: str) -> Any:
+    def check(value: Any, said: Spelling) -> None:
+        if not all(hasattr(value, method) for method in _RESTORED):
+            raise TypeError(f"{said(name)} should have state_dict() and load_state_dict() (a "
+                            f"GradScaler, an LR scheduler) so the probe can put it back, but "
+                            f"got {said(name, value)}; pass the object your loop steps, or "
+                            f"leave it out.")
+    return check
+
+
+def _seq_len(value: Any, said: Spelling) -> None:
+    lengths = list(value) if not isinstance(value, (int, str)) else None
+    if (not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                           for n in lengths)):
+        raise ValueError(f"{said('seq_len')} should be a list of positive ints such as "
+                         f"{said('seq_len', [128, 256, 512])}, but got {said('seq_len', value)}.")
+
+
+def _trace(value: Any, said: Spelling) -> None:
+    if value not in TRACES:
+        raise ValueError(f"{said('trace')} should be one of {list(TRACES)} or None, but got "
+                         f"{said('trace', value)}; 'fake' traces on fake tensors (nothing runs), "
+                         f"'real' runs real steps.")
+
+
+def _step(value: Any, said: Spelling) -> None:
+    if not callable(value):
+        raise TypeError(f"{said('step')} should be a step(batch_size) function, but got "
+                        f"{said('step', value)}.")
+
+
+def _parallel(value: Any, said: Spelling) -> None:
+    if value not in PARALLEL:
+        raise ValueError(f"{said('parallel')} should be one of {list(PARALLEL)} or None, but got "
+                         f"{said('parallel', value)}; 'fsdp' is FSDP2 fully_shard, "
+                         f"'zero1'-'zero3' DeepSpeed's stages, 'compare' plans each.")
+
+
+def _read_as_given(parse: Any) -> Any:
+    """A flag's text checked as find_batch will read it, and kept as the text: find_batch then
+    reads the string exactly as when it is called with it."""
+    def text(value: str) -> str:
+        parse(value)
+        return value
+    return text
+
+
+def _target(text: str) -> None:
+    memory.parse_target(memory.parse_gpus(text)[1])
+
+
+FIND_BATCH = Options(
+    "find_batch",
+    Option("loss_fn", None, "loss_fn(output, target) (default: the output's .loss, or its "
+                            "mean)", flag="name"),
+    Option("optimizer", None, "a torch.optim.Optimizer (default: a fresh AdamW)",
+           check=_optimizer, flag="name"),
+    Option("device", None, "cpu, cuda, cuda:1 or mps (default: the model's)",
+           parse=_read_as_given(usable_device)),
+    Option("budget", None, "memory cap such as 512MB or 16GiB; on CUDA it emulates a smaller "
+                           "GPU (default: the whole GPU; half of the available RAM on the CPU)",
+           metavar="SIZE", parse=_read_as_given(memory.parse_bytes)),
+    Option("amp", None, "probe under autocast", check=_amp, choices=("bf16", "fp16")),
+    Option("max_batch_size", None, "largest batch size to try", metavar="N", parse=integer),
+    Option("multiple_of", 1, "try only multiples of N", check=_multiple_of, metavar="N",
+           parse=integer),
+    Option("headroom", 0.9, "recommend at most F x max_batch_size", check=_headroom,
+           metavar="F", parse=number),
+    Option("scaler", None, "a GradScaler to use and restore afterwards",
+           check=_restorable("scaler"), flag="name"),
+    Option("scheduler", None, "an LR scheduler to restore afterwards",
+           check=_restorable("scheduler"), flag="name"),
+    Option("steps_per_trial", 2, "training steps at each batch size", check=_steps_per_trial,
+           metavar="N", parse=integer),
+    Option("start", None, "first batch size tried", metavar="N", parse=integer),
+    Option("on_step", None, "on_step(attempt): each Attempt as it finishes (progress)",
+           flag=""),
+    Option("should_stop", None, "should_stop() -> True ends the search with the sizes it "
+                                "finished (a Stop button)", flag=""),
+    Option("seq_len", None, "sequence lengths, e.g. 128,256,512: MAKE_BATCH is "
+                            "make_batch(batch_size, seq_len) and the report's frontier maps "
+                            "each length to its largest batch", check=_seq_len,
+           metavar="N,N,...", parse=integers),
+    Option("what_if", False, "also probe under bf16, fp16, SGD and foreach=False "
+                             "(report.what_if)", flag="switch"),
+    Option("target", None, f"predict for a GPU that is not here: "
+                           f"{', '.join(memory.GPU_TARGETS)}, or a size such as 24GiB; "
+                           f"8xA100-80GB for 8 of them with --parallel (predicted, not run)",
+           metavar="GPU", parse=_read_as_given(_target), offered=tuple(memory.GPU_TARGETS)),
+    Option("trace", None, "how a --target plan traces its small sizes: on fake tensors "
+                          "(nothing runs; the default, and the only way for a model on the meta "
+                          "device) or by real steps", check=_trace, choices=TRACES),
+    Option("step", None, "your own step(batch_size) that trains MODEL: MODEL is then "
+                         "protected and counted (leave MAKE_BATCH out)", check=_step,
+           flag="name"),
+    Option("parallel", None, "with --target NxGPU (e.g. 8xA100-80GB): plan each rank under "
+                             "DDP, ZeRO stage 1-3 or FSDP2, or compare them; the answer is per "
+                             "rank", check=_parallel, choices=PARALLEL),
+)
