@@ -54,9 +54,10 @@ MAX_MISSES = 2  # of the fake search, which keeps predicting after a miss (its s
 # - the window, first, where P ran out of memory: P - P/WINDOW, a size that most likely runs
 #   (misses recorded on real GPUs were up to 5% of P), so the model is refitted on a real step
 #   near the boundary (NOTE [ One real size after a miss ] in _loop.py);
-# - the pair, once: q, the first size the refitted model says fails (its edge + m), then q's
-#   neighbour across the edge, q + m where q ran, q - m where q failed before any step: a
-#   refitted model right or one sample low ends there, 4 real sizes and 2 OOMs in all;
+# - the pair, once: q, the first size the refitted model says fails (its edge + m, where no
+#   size tried belies the edge), then q's neighbour across the edge, q + m where q ran, q - m
+#   where q failed before any step: a refitted model right or one sample low ends there, 4 real
+#   sizes and 2 OOMs in all;
 # - else steps out from A, the end of the bracket on P's side when the first step is taken (P,
 #   or the window or the pair where they went P's way): A -+ m, 3m, 7m, ..., each doubling the
 #   distance proven, never past the bracket's middle, until one goes the other way; then
@@ -231,8 +232,9 @@ def _after_miss(attempts: Sequence[Attempt], miss: int, predicted: int | None, m
         second = attempts[-1].batch_size + (m if attempts[-1].fits else -m)  # across the edge
         if lo < second <= top:
             return second
-    if "pair" not in kinds and predicted is not None:  # the first size the model says fails
-        return min(max(predicted // m * m, lo) + m, top)
+    edge = None if predicted is None else predicted // m * m
+    if "pair" not in kinds and edge is not None and lo <= edge and (hi is None or edge < hi):
+        return min(edge + m, top)  # the first size the model says fails, where nothing belies it
     return _step_or_bisect(attempts, went_up, anchor, m, ceiling)
 
 
