@@ -1,5 +1,6 @@
 """The search: exact boundaries with few sizes tried, for a pure out-of-memory threshold (gallop and
-bisect) and for steps whose memory can be measured (predict, then verify), linear or not."""
+bisect) and for steps whose memory can be measured (predict, then verify), linear or not; after a
+prediction misses, within its proven bound (issue 37)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import math
 
 import pytest
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn import functional as F
 
 import batchwidgets as bw
+from batchwidgets.engine.memory import BudgetExceededError, TensorMemoryTracker
 from batchwidgets.engine.probe._search import next_batch_size
 from batchwidgets.results import Attempt, BatchSizeReport
 
@@ -270,3 +275,175 @@ def test_with_measured_memory_multiple_of_and_max_batch_size_hold():
                            steps_per_trial=1)
     assert max(sizes_tried(capped)) == capped.max_batch_size == 200
     assert capped.stop_reason == "max_batch_size"
+
+
+# -- after a miss (issue 37, NOTE [ After a miss ] in probe/_search.py) ---------------------------
+
+def after_miss_bound(d: int) -> int:
+    """The sizes the search may try after a miss whose boundary is d sizes away."""
+    return 2 * math.ceil(math.log2(d + 1)) + 2
+
+
+def search_after_miss(largest: int, miss: int, multiple_of: int, pair_at: int,
+                      edge: int | None, sticky: bool) -> list[Attempt]:
+    """The policy alone after a real size ``miss`` went the other way than predicted, against a
+    threshold at ``largest``: the model says nothing, except ``edge`` as the sizes tried since
+    the miss number ``pair_at`` (and on, where ``sticky``)."""
+    m = multiple_of
+    before = [Attempt(2 * m, True, 0, None), Attempt(4 * m, True, 0, None)]
+    attempts = [*before, Attempt(miss, miss <= largest, 0, None, predicted_fits=miss > largest)]
+    while True:
+        tried = len(attempts) - len(before) - 1
+        said = tried == pair_at or (sticky and tried > pair_at)
+        size = next_batch_size(attempts, start=2 * m, multiple_of=m, ceiling=2**20,
+                               limit_bytes=None, predicted=edge if said else None)
+        if size is None or tried > 64:
+            return attempts[len(before) + 1:]
+        attempts.append(Attempt(size, size <= largest, 0, None))
+
+
+@pytest.mark.parametrize("multiple_of", [1, 3])
+@pytest.mark.parametrize("went_up", [False, True], ids=["ran out", "ran"])
+def test_after_a_miss_d_away_at_most_2_log2_d_plus_2_sizes_whatever_the_model_says(went_up,
+                                                                                 multiple_of):
+    m, largest = multiple_of, 60 * multiple_of
+    wrong = {}
+    for d in (1, 2, 3, 5, 8, 9, 17):  # 2^k and 2^k + 1 are where the bound is tightest
+        miss = largest - (d - 1) * m if went_up else largest + d * m
+        bound = after_miss_bound(d)
+        edges = [None, 0, *range(largest - (2 * d + 2) * m, largest + (2 * d + 2) * m, m)]
+        for pair_at in range(bound):
+            for edge in edges:
+                for sticky in (False, True):
+                    after = search_after_miss(largest, miss, m, pair_at, edge, sticky)
+                    sizes = [a.batch_size for a in after]
+                    ran = [a.batch_size for a in after if a.fits] + [miss] * went_up
+                    failed = [a.batch_size for a in after if not a.fits] + [miss] * (not went_up)
+                    if (len(sizes) > bound or (max(ran), min(failed)) != (largest, largest + m)
+                            or len({*sizes, miss}) != len(sizes) + 1
+                            or any(size % m for size in sizes)):
+                        wrong[(d, pair_at, edge, sticky)] = sizes
+    assert wrong == {}
+
+
+MIB = 2**20
+SAMPLE_BYTES = 2 * MIB + 12 * 1024  # a buffer a sample, a little over an allocator block
+
+
+class Miscounted(nn.Module):
+    """Holds ``SAMPLE_BYTES`` a sample through backward. Its real steps hold ``1 + skew`` times
+    that (less where skew < 0), rounded up to 2 MiB blocks as a caching allocator rounds, above
+    ``above`` samples; its fake trace counts the plain bytes: a meter that counts a little
+    otherwise than the one the prediction was made with. With ``device_bytes`` the real steps
+    hold the plain bytes too, and run out of memory where that other count passes
+    ``device_bytes``: a device whose count no meter sees, so a refitted model misses again."""
+
+    def __init__(self, skew: float, above: int = 0, device_bytes: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(8, 4)
+        self.skew, self.above, self.device_bytes = skew, above, device_bytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        held_bytes = counted = n * SAMPLE_BYTES
+        if not isinstance(x, FakeTensor) and n > self.above:
+            counted = -(-int(held_bytes * (1 + self.skew)) // (2 * MIB)) * 2 * MIB
+            if self.device_bytes is None:
+                held_bytes = counted
+            elif counted > self.device_bytes:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {counted}")
+        held = torch.empty(held_bytes, dtype=torch.uint8).view(torch.float32)  # never touched
+        return self.head(x) + (held[:1].zero_() * self.head.bias[:1]).sum()  # saved for backward
+
+
+def rows(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 8), torch.randint(0, 4, (batch_size,))
+
+
+def runs_for_real(model: Miscounted, batch_size: int, budget: int) -> bool:
+    """The oracle: two SGD steps of a copy of ``model`` under the budget, as the tracker counts."""
+    model = Miscounted(model.skew, model.above, model.device_bytes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with TensorMemoryTracker("cpu", budget, [*model.parameters(), *model.buffers()]):
+            for _ in range(2):
+                x, y = rows(batch_size)
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                del x, y
+    except (BudgetExceededError, torch.OutOfMemoryError):
+        return False
+    return True
+
+
+MISS_BUDGET = 300 * SAMPLE_BYTES + MIB  # the trace says 300 samples fit
+# d: (skew, above) with the real boundary d samples below, or above, the prediction of 300
+MISCOUNTS = {"1 below": (1, 0.0025), "1 above": (1, -0.0042), "2 below": (2, 0.0058),
+             "2 above": (2, -0.0075), "5 below": (5, 0.016), "5 above": (5, -0.0172),
+             "20 below": (20, 0.0704), "20 above": (20, -0.0632)}
+
+
+def assert_exact_within_the_bound(report: BatchSizeReport, model: Miscounted, d: int,
+                                  multiple_of: int = 1) -> list[Attempt]:
+    real = [a for a in report.attempts if not a.fake]
+    sizes = [a.batch_size for a in real]
+    assert len(set(sizes)) == len(sizes)
+    assert all(size % multiple_of == 0 for size in sizes)
+    largest = report.max_batch_size
+    assert report.first_oom_batch_size == largest + multiple_of
+    assert runs_for_real(model, largest, MISS_BUDGET)
+    assert not runs_for_real(model, largest + multiple_of, MISS_BUDGET)
+    miss = next(i for i, a in enumerate(real) if a.predicted_fits != a.fits)
+    assert len(real) - miss - 1 <= after_miss_bound(d)
+    assert report.n_ooms <= 2  # the miss, and the size past the refitted edge
+    return real
+
+
+@pytest.mark.parametrize(("d", "skew"), MISCOUNTS.values(), ids=MISCOUNTS.keys())
+def test_a_meter_that_counts_otherwise_costs_at_most_four_real_sizes_exact(d, skew):
+    model = Miscounted(skew)
+    report = bw.find_batch(model, rows, loss_fn=F.cross_entropy, budget=MISS_BUDGET,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    real = assert_exact_within_the_bound(report, model, d)
+    assert real[0].batch_size == 300  # the fake trace's edge, d from the real one
+    assert abs(report.max_batch_size - 300) == d
+    assert len(real) <= 4
+    assert "against the prediction: the search stepped out from it" in report.method
+
+
+@pytest.mark.parametrize(("d", "skew"), [MISCOUNTS["5 below"], MISCOUNTS["20 above"]])
+def test_real_steps_from_size_2_as_on_a_gpu_also_stay_within_the_bound(d, skew):
+    model = Miscounted(skew, above=64)  # sizes 2 and 4 see nothing: the model misses above
+    report = bw.find_batch(model, rows, loss_fn=F.cross_entropy, budget=MISS_BUDGET,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1), trace="real")
+    real = assert_exact_within_the_bound(report, model, d)
+    assert [a.batch_size for a in real[:2]] == [2, 4]
+    assert len(real) <= 6
+
+
+def test_after_a_miss_every_size_is_a_multiple_of_multiple_of():
+    skew = MISCOUNTS["20 below"][1]
+    model = Miscounted(skew)
+    report = bw.find_batch(model, rows, loss_fn=F.cross_entropy, budget=MISS_BUDGET,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1), multiple_of=8)
+    real = assert_exact_within_the_bound(report, model, (296 - 280) // 8, multiple_of=8)
+    assert real[0].batch_size == 296  # the fake trace's edge, two multiples of 8 too high
+    assert report.max_batch_size == 280
+
+
+@pytest.mark.parametrize(("d", "skew"), [(5, 0.016), (20, 0.07)])
+def test_a_device_no_meter_sees_still_ends_exact_within_the_bound(d, skew):
+    model = Miscounted(skew, device_bytes=300 * SAMPLE_BYTES + 2 * MIB)  # each refit says 300
+    report = bw.find_batch(model, rows, loss_fn=F.cross_entropy, budget=MISS_BUDGET,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    real = [a for a in report.attempts if not a.fake]
+    sizes = [a.batch_size for a in real]
+    assert len(set(sizes)) == len(sizes)
+    assert sizes[0] == 300
+    assert report.max_batch_size == 300 - d
+    assert report.first_oom_batch_size == 300 - d + 1
+    assert runs_for_real(model, 300 - d, MISS_BUDGET)
+    assert not runs_for_real(model, 300 - d + 1, MISS_BUDGET)
+    assert len(sizes) - 1 <= after_miss_bound(d)

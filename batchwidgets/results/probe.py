@@ -21,7 +21,7 @@ class Attempt:
     activation_peak_bytes: int | None = None  # forward+backward peak, what the model is fitted on
     error: str = ""  # first line of the out-of-memory message when it did not fit
     # what the per-op model predicted before the size ran (None: no model yet); a miss is a
-    # prediction that went the other way, and the search stops trusting the model after two
+    # prediction that went the other way, and the search steps out from the first real one
     predicted_peak_bytes: int | None = None
     predicted_fits: bool | None = None
     fake: bool = False  # traced on fake tensors (shapes, no storage): nothing ran, nothing fit

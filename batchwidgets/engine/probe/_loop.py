@@ -25,6 +25,10 @@ from ._trials import OnStep, Trainer
 
 Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]  # two traced sizes: (trace, batch size)
 
+# NOTE [ The search loop, a long module ]
+# Over 400 lines: Search is one object (the loop, what it learns from each size, the model it
+# fits on the traces and what that predicts), and a target's plan is read from those traces.
+
 # NOTE [ The band of a plan, from the evidence ]
 # What the plan cannot trace (the real allocator's layout, kernels not modelled, cuDNN's choice)
 # moves the real edge. The band's low end is the answer times the lowest ratio of true boundary
@@ -150,6 +154,15 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+# NOTE [ One real size after a miss ]
+# After a miss (NOTE [ After a miss ] in _search.py) the model is fitted on the largest size
+# traced for real and the smallest size traced, not on the two largest: next to a miss those
+# are often one sample apart (P and P + 1), and a block of allocator rounding makes the slope of
+# such a pair noise. Where the real steps traced no small size, the smallest fake trace serves
+# (dropped from the model at the miss, kept for this). Whatever the real step holds that the
+# trace missed, the line holds it at the real size, near the boundary, where it is used: the
+# window of NOTE [ After a miss ] places that size about 6% below a size that ran out of memory.
+
 # NOTE [ A free first guess ]
 # On this device the search's small sizes need no compute either. The search first runs on fake
 # tensors (NOTE [ Fake trials ] in _fake.py), under the same meter and limit as the real steps:
@@ -194,6 +207,8 @@ class Search:
         self._seeding = False  # trials now are fake (NOTE [ A free first guess ])
         self._fake_sizes: set[int] = set()  # sizes whose trace in self.traces is fake
         self._shadowed: dict[int, OpTrace] = {}  # real traces at those sizes, kept for later
+        self._donors: dict[int, OpTrace] = {}  # fake traces dropped after a miss, kept to fit on
+        self._missed = False  # a real size went the other way (NOTE [ One real size after a miss ])
         self.seed_size: int | None = None  # the fake search's answer, the first real size
         self.seed_note = ""  # why there was no fake search first, when it failed
         self._gave_up = False  # the fake search found no model to predict from
@@ -236,7 +251,7 @@ class Search:
     def _drop_fakes(self) -> None:
         """Forget the fake traces: the per-op model is fitted on real ones alone from here."""
         for size in self._fake_sizes:
-            self.traces.pop(size, None)
+            self._donors[size] = self.traces.pop(size)
         self.traces.update(self._shadowed)
         self._shadowed.clear()
         if self.split is not None and self.split.batch_size in self._fake_sizes:
@@ -287,8 +302,10 @@ class Search:
             attempt = agree(attempt)  # every rank learns from the same outcome
             self._learn(attempt, reading, failed_here)
             self.attempts.append(attempt)
-            if self._fake_sizes and not self._seeding and _search.misses([attempt]):
-                self._drop_fakes()  # the fake trace missed what the real step holds
+            if not self._seeding and _search.misses([attempt]):
+                self._missed = True
+                if self._fake_sizes:
+                    self._drop_fakes()  # the fake trace missed what the real step holds
             if on_step is not None:
                 on_step(self.attempts[-1])
         return self.attempts
@@ -330,13 +347,29 @@ class Search:
         self.model = self._fit()
 
     def _fit(self) -> PeakModel | None:
+        for small, large in self._pairs():
+            model = PeakModel.fit(self._trace(small), small, self._trace(large), large)
+            if model is not None:
+                return model
+        return None
+
+    def _pairs(self) -> Iterator[tuple[int, int]]:
+        """(small, large) traced sizes to fit the model on, the best first: the two largest,
+        and after a miss first the largest with the smallest (NOTE [ One real size after a
+        miss ])."""
+        if self._missed and self.traces:
+            large = max(self.traces)
+            far = large - max(1, large // _search.WINDOW)  # a real size this far below, else a fake
+            for small in [*sorted(s for s in self.traces if s <= far), *sorted(self._donors)]:
+                if small < large:
+                    yield small, large
         sizes = sorted(self.traces, reverse=True)[:4]
         for i, large in enumerate(sizes):
             for small in sizes[i + 1:]:
-                model = PeakModel.fit(self.traces[small], small, self.traces[large], large)
-                if model is not None:
-                    return model
-        return None
+                yield small, large
+
+    def _trace(self, size: int) -> OpTrace:
+        return self.traces[size] if size in self.traces else self._donors[size]
 
     @property
     def replays(self) -> bool:
@@ -345,12 +378,10 @@ class Search:
         return self.meter.device.type == "cuda" or getattr(self.meter, "allocator_model", False)
 
     def _event_pair(self) -> tuple[tuple[OpTrace, int], tuple[OpTrace, int]] | None:
-        sizes = sorted(self.traces, reverse=True)[:4]
-        for i, large in enumerate(sizes):
-            for small in sizes[i + 1:]:
-                a, b = self.traces[small], self.traces[large]
-                if memory.scale_events(a.events, small, b.events, large, small) is not None:
-                    return (a, small), (b, large)
+        for small, large in self._pairs():
+            a, b = self._trace(small), self._trace(large)
+            if memory.scale_events(a.events, small, b.events, large, small) is not None:
+                return (a, small), (b, large)
         return None
 
     def _predicted(self) -> int | None:
@@ -384,15 +415,21 @@ class Search:
         sizes = sorted(self.traces)
         lowered = (" The memory limit was lowered to the live bytes of a real allocator "
                    "failure." if self._lowered else "") + self.seed_note
-        if _search.misses(self.attempts) >= _search.MAX_MISSES:
-            return ("per-op model missed twice (memory not affine in the batch size here); "
-                    "finished by bisection." + lowered)
+        real = [a for a in self.attempts if not a.fake]
+        miss = _search.first_miss(real)
+        missed = ""
+        if miss is not None:  # NOTE [ After a miss ] in _search.py
+            went = "ran" if real[miss].fits else "ran out of memory"
+            missed = (f" Size {real[miss].batch_size} {went}, against the prediction: the "
+                      f"search stepped out from it.")
         if self.model is not None:
             replay = (" replayed through the CUDA caching allocator's model" if self.replays
                       else "")
             return (f"per-op model fitted on sizes {self.model.batch_small} and "
                     f"{self.model.batch_large} ({len(self.model.large.names)} ops){replay}, "
-                    f"then verified." + lowered)
+                    f"then verified." + missed + lowered)
+        if miss is not None:
+            return "per-op model dropped after a miss." + missed + lowered
         if len(sizes) >= 2:
             return (f"op sequences differ between sizes {sizes[-2]} and {sizes[-1]} "
                     f"(data-dependent shapes or unpadded lengths?): no per-op model, searched "
