@@ -69,8 +69,12 @@ from batchwidgets.engine.memory import (
 
 RESULTS = Path(__file__).parent / "results"
 SECTIONS = ("boundaries", "plans", "allocator", "stop", "loader", "ranks", "tests")
+# sections run only when --only names them: find_batch alone against boundaries recorded before
+# (--truths), and the allocations of single CUDA kernels the plans' rules are read from
+EXTRA = ("probes", "kernels")
 SHARE = {"boundaries": 0.48, "allocator": 0.07, "stop": 0.05, "loader": 0.06, "ranks": 0.08,
-         "tests": 0.22}  # of --minutes; plans run beside the GPU sections, on the host's CPU
+         "tests": 0.22, "probes": 0.30, "kernels": 0.08}  # of --minutes; plans run beside
+# the GPU sections, on the host's CPU
 STEPS = 2  # per size, as find_batch: Adam's state exists from the first
 CAPS = ("8GiB", "16GiB")
 DRY_CAPS = ("8MiB",)  # one cap: every path, in the time a test may take
@@ -224,8 +228,9 @@ BY_NAME = {model.name: model for model in MODELS}
 DRY_MODELS = ("wide CNN", "encoder", "GPT-2 small", "Llama 125M bf16, checkpointed")
 
 
-def models(dry: bool) -> list[Model]:
-    return [m for m in MODELS if not dry or m.name in DRY_MODELS]
+def models(dry: bool, chosen: set[str] | None = None) -> list[Model]:
+    return [m for m in MODELS if (not dry or m.name in DRY_MODELS)
+            and (chosen is None or m.name in chosen)]
 
 
 def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: Model, batch: Any,
@@ -345,6 +350,7 @@ class Log:
             self.head["total_memory"] = props.total_memory
             self.head["capability"] = list(torch.cuda.get_device_capability(0))
         self.records: list[dict] = []
+        self.models: set[str] = set(BY_NAME)
         self.write()
 
     def add(self, section: str, model: str, **fields: Any) -> dict:
@@ -404,7 +410,8 @@ def markdown(head: dict, records: list[dict]) -> str:
                 f"{probe.get('wall_s', '-')} | {planned if planned is not None else '-'} | "
                 f"{ratio} |")
         lines.append("")
-    for section in ("plans", "allocator", "stop", "loader", "ranks", "tests", "errors"):
+    for section in ("plans", "probes", "allocator", "stop", "loader", "ranks", "kernels", "tests",
+                    "errors"):
         rows = [r for r in records if r["section"] == section]
         if not rows or (section == "plans" and bounds):
             continue
@@ -514,7 +521,7 @@ def probe(spec: Model, device: Device, cap: str) -> dict:
 def section_boundaries(log: Log, device: Device, caps: tuple[str, ...], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for cap in caps:  # every model at the first cap before any at the second
-        for spec in models(device.dry):
+        for spec in models(device.dry, log.models):
             for keep in ((True, False) if spec.lm else (True,)):
                 loop = "keeps output" if keep else "frees output"
                 if time.monotonic() > deadline:
@@ -557,11 +564,11 @@ def plan_one(name: str, cap: str, gpu: str, dry: bool) -> dict:
         return {"cap": cap, "error": f"{type(error).__name__}: {error}"[:500]}
 
 
-def start_plans(device: Device, caps: tuple[str, ...],
-                pool: concurrent.futures.Executor) -> list[tuple[str, str, Any]]:
+def start_plans(device: Device, caps: tuple[str, ...], pool: concurrent.futures.Executor,
+                chosen: set[str]) -> list[tuple[str, str, Any]]:
     gpu = "H100-80GB" if device.dry else target_name(device.name)
     return [(spec.name, cap, pool.submit(plan_one, spec.name, cap, gpu, device.dry))
-            for spec in models(device.dry) for cap in caps]
+            for spec in models(device.dry, chosen) for cap in caps]
 
 
 def target_name(device_name: str) -> str:
@@ -624,9 +631,16 @@ def compact(snapshot: dict) -> dict:
     return {"segments": segments, "events": events}
 
 
-def section_allocator(log: Log, device: Device, seconds: float) -> None:
+def boundaries_known(log: Log, truths: list[dict]) -> list[dict]:
+    """This run's boundaries, else those of a recorded run (--truths), of the chosen models."""
+    found = [r for r in log.find("boundaries") if r.get("boundary")] or [
+        r for r in truths if r["section"] == "boundaries" and r.get("boundary")]
+    return [r for r in found if r["model"] in log.models]
+
+
+def section_allocator(log: Log, device: Device, seconds: float, truths: list[dict]) -> None:
     deadline = time.monotonic() + seconds
-    for record in [r for r in log.find("boundaries") if r.get("boundary")]:
+    for record in boundaries_known(log, truths):
         spec, cap, n = BY_NAME[record["model"]], record["cap"], record["boundary"]
         keep = record["loop"] == "keeps output"
         if time.monotonic() > deadline:
@@ -811,9 +825,118 @@ def section_ranks(log: Log, device: Device, cap: str, seconds: float) -> None:
                     del model, optimizer
             except Exception as error:
                 log.add("ranks", spec.name, form=form,
-                        error=f"{type(error).__name__}: {error}"[:500])
+                        error=f"{type(error).__name__}: {error}"[:500],
+                        trace=traceback.format_exc()[-3000:])
     finally:
         dist.destroy_process_group()
+
+
+def section_probes(log: Log, device: Device, seconds: float, truths: list[dict]) -> None:
+    """find_batch alone under each cap, against the boundary recorded for its loop: the sizes
+    the search takes on real CUDA out-of-memory errors."""
+    deadline = time.monotonic() + seconds
+    for record in boundaries_known(log, truths):
+        spec = BY_NAME[record["model"]]
+        if spec.lm and record["loop"] != "frees output":
+            continue  # find_batch's step frees the output
+        if time.monotonic() > deadline:
+            log.add("probes", spec.name, cap=record["cap"], skipped="out of time")
+            continue
+        try:
+            with device.capped(record["cap"]):
+                found = probe(spec, device, record["cap"])
+            log.add("probes", spec.name, cap=record["cap"], loop=record["loop"],
+                    real_boundary=record["boundary"],
+                    exact=found["max_batch_size"] == record["boundary"], **found)
+        except Exception as error:
+            log.add("probes", spec.name, cap=record["cap"],
+                    error=f"{type(error).__name__}: {error}"[:500])
+
+
+KERNEL_CASES = (  # (name, build inputs on the device) -> the allocations of forward + backward
+    ("sdpa fp32 dropout 0.1, 64x4x256x32 (encoder)", "sdpa", (64, 4, 256, 32), torch.float32, 0.1,
+     False),
+    ("sdpa fp32 dropout 0.1, 128x4x256x32", "sdpa", (128, 4, 256, 32), torch.float32, 0.1, False),
+    ("sdpa fp32, 32x12x197x64 (ViT)", "sdpa", (32, 12, 197, 64), torch.float32, 0.0, False),
+    ("sdpa fp32, 64x12x197x64 (ViT)", "sdpa", (64, 12, 197, 64), torch.float32, 0.0, False),
+    ("sdpa fp32 dropout 0.1, 16x12x256x64 (BERT)", "sdpa", (16, 12, 256, 64), torch.float32, 0.1,
+     False),
+    ("sdpa bf16 causal, 4x12x2048x64 (Llama)", "sdpa", (4, 12, 2048, 64), torch.bfloat16, 0.0,
+     True),
+    ("sdpa bf16 causal, 8x12x2048x64 (Llama)", "sdpa", (8, 12, 2048, 64), torch.bfloat16, 0.0,
+     True),
+    ("layer_norm fp32, 100352x128", "layer_norm", (100352, 128), torch.float32, 0.0, False),
+    ("layer_norm fp32, 200704x128", "layer_norm", (200704, 128), torch.float32, 0.0, False),
+    ("layer_norm fp32, 10752x768", "layer_norm", (10752, 768), torch.float32, 0.0, False),
+    ("rms_norm bf16, 8192x768", "rms_norm", (8192, 768), torch.bfloat16, 0.0, False),
+    ("linear fp32 bias, 200704x128 -> 512", "linear", (200704, 128, 512), torch.float32, 0.0,
+     False),
+)
+
+
+def _kernel_events(kind: str, shape: tuple, dtype: torch.dtype, dropout: float,
+                   causal: bool) -> dict:
+    torch.manual_seed(0)
+    if kind == "sdpa":
+        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        inputs = (q, k, v)
+        backend = int(torch._fused_sdp_choice(q, k, v, dropout_p=dropout, is_causal=causal))
+
+        def run() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
+    elif kind in ("layer_norm", "rms_norm"):
+        x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+        norm = (nn.LayerNorm(shape[-1]) if kind == "layer_norm" else nn.RMSNorm(shape[-1]))
+        norm = norm.to("cuda", dtype)
+        inputs, backend = (x,), None
+
+        def run() -> torch.Tensor:
+            return norm(x)
+    else:
+        x = torch.randn(shape[:2], device="cuda", dtype=dtype, requires_grad=True)
+        layer = nn.Linear(shape[1], shape[2]).to("cuda", dtype)
+        inputs, backend = (x,), None
+
+        def run() -> torch.Tensor:
+            return layer(x)
+    out = run()  # warm: workspaces and handles made once
+    out.sum().backward()
+    del out
+    for t in inputs:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=100_000, context=None, stacks="python")
+    try:
+        out = run()
+        grad = torch.ones_like(out)
+        torch.cuda.synchronize()
+        marker = len(torch.cuda.memory._snapshot()["device_traces"][0])
+        out.backward(grad)
+        torch.cuda.synchronize()
+        events = compact(torch.cuda.memory._snapshot())["events"]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return {"backend": backend, "forward": events[:marker], "backward": events[marker:],
+            "input_bytes": [t.numel() * t.element_size() for t in inputs]}
+
+
+def section_kernels(log: Log, device: Device, seconds: float) -> None:
+    """What single CUDA kernels allocate, forward and backward, in order: the evidence the
+    plans' kernel rules are read from (torch.cuda.memory history, no stacks)."""
+    if device.dry:
+        log.add("kernels", "all", skipped="no CUDA device (dry run)")
+        return
+    deadline = time.monotonic() + seconds
+    for name, kind, shape, dtype, dropout, causal in KERNEL_CASES:
+        if time.monotonic() > deadline:
+            log.add("kernels", name, skipped="out of time")
+            continue
+        try:
+            log.add("kernels", name, **_kernel_events(kind, shape, dtype, dropout, causal))
+        except Exception as error:
+            log.add("kernels", name, error=f"{type(error).__name__}: {error}"[:500])
+        device.release()
 
 
 def section_tests(log: Log, device: Device, seconds: float) -> None:
@@ -845,23 +968,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="the CPU with tiny models and the budget meter (under 2 minutes)")
     parser.add_argument("--only", default=",".join(SECTIONS),
-                        help=f"comma-separated sections of {', '.join(SECTIONS)}")
+                        help=f"comma-separated sections of {', '.join(SECTIONS + EXTRA)}")
+    parser.add_argument("--models", default="",
+                        help="comma-separated model names (default: every model)")
+    parser.add_argument("--truths", type=Path, default=None,
+                        help="a recorded gpu_truth JSON whose boundaries the allocator and "
+                             "probes sections use when this run measures none")
     parser.add_argument("--minutes", type=float, default=5.0, help="the whole run's time")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and .md go")
     args = parser.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = sorted(set(args.only) - set(SECTIONS))
+    unknown = sorted(set(args.only) - set(SECTIONS + EXTRA))
     if unknown:
-        parser.error(f"--only should name sections of {', '.join(SECTIONS)}, got {unknown}")
+        parser.error(f"--only should name sections of {', '.join(SECTIONS + EXTRA)}, got "
+                     f"{unknown}")
+    chosen = [m.strip() for m in args.models.split(",") if m.strip()] or list(BY_NAME)
+    if set(chosen) - set(BY_NAME):
+        parser.error(f"--models should name models of {', '.join(BY_NAME)}, got "
+                     f"{sorted(set(chosen) - set(BY_NAME))}")
+    truths = json.loads(args.truths.read_text())["records"] if args.truths else []
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: pass --dry-run to run the sections on the CPU")
     device = Device(args.dry_run)
     caps = DRY_CAPS if args.dry_run else CAPS
     clock = Clock(args.minutes)
     log = Log(args.out, device, args)
+    log.models = set(chosen)
     pool = concurrent.futures.ProcessPoolExecutor(
         max_workers=2 if args.dry_run else 4, mp_context=multiprocessing.get_context("spawn"))
-    plans = start_plans(device, caps, pool) if "plans" in args.only else []
+    plans = start_plans(device, caps, pool, log.models) if "plans" in args.only else []
 
     def run(section: str, work: Callable[[float], None]) -> None:
         if section not in args.only:
@@ -879,10 +1014,12 @@ def main(argv: list[str] | None = None) -> int:
         run("boundaries", lambda s: section_boundaries(log, device, caps, s))
         if plans:
             collect_plans(log, plans, min(60.0, max(10.0, clock.left() / 3)))
-        run("allocator", lambda s: section_allocator(log, device, s))
+        run("probes", lambda s: section_probes(log, device, s, truths))
+        run("allocator", lambda s: section_allocator(log, device, s, truths))
         run("stop", lambda s: section_stop(log, device, s))
         run("loader", lambda s: section_loader(log, device, s))
         run("ranks", lambda s: section_ranks(log, device, caps[0], s))
+        run("kernels", lambda s: section_kernels(log, device, s))
         run("tests", lambda s: section_tests(log, device, s))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
