@@ -970,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections of {', '.join(SECTIONS + EXTRA)}")
     parser.add_argument("--models", default="",
-                        help="comma-separated model names (default: every model)")
+                        help="model names, separated by ';' (default: every model)")
     parser.add_argument("--truths", type=Path, default=None,
                         help="a recorded gpu_truth JSON whose boundaries the allocator and "
                              "probes sections use when this run measures none")
@@ -982,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only should name sections of {', '.join(SECTIONS + EXTRA)}, got "
                      f"{unknown}")
-    chosen = [m.strip() for m in args.models.split(",") if m.strip()] or list(BY_NAME)
+    chosen = [m.strip() for m in args.models.split(";") if m.strip()] or list(BY_NAME)
     if set(chosen) - set(BY_NAME):
         parser.error(f"--models should name models of {', '.join(BY_NAME)}, got "
                      f"{sorted(set(chosen) - set(BY_NAME))}")
