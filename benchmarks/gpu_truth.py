@@ -786,47 +786,61 @@ def free_port() -> int:
 
 
 def section_ranks(log: Log, device: Device, cap: str, seconds: float) -> None:
-    """find_batch inside a DDP and an FSDP2 job of one rank against the probe outside it."""
+    """find_batch inside a DDP and an FSDP2 job of one rank against the probe outside it: the
+    same model alone (no process group), then in the job bare, under DDP and under FSDP2."""
     import torch.distributed as dist
     spec = BY_NAME["encoder"]
     deadline = time.monotonic() + seconds
-    outside = None
+    alone = None
     backend = "gloo" if device.dry else "nccl"
+
+    def one(form: str) -> None:
+        nonlocal alone
+        if time.monotonic() > deadline:
+            log.add("ranks", spec.name, form=form, skipped="out of time")
+            return
+        try:
+            with device.capped(cap):
+                torch.manual_seed(0)
+                model = spec.build(device.dry).to(device.type)
+                if form == "DDP":
+                    model = nn.parallel.DistributedDataParallel(model)
+                elif form == "FSDP2":
+                    from torch.distributed.device_mesh import init_device_mesh
+                    from torch.distributed.fsdp import fully_shard
+                    fully_shard(model, mesh=init_device_mesh(device.type, (1,)))
+                optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+                start = time.perf_counter()
+                report = bw.find_batch(model, lambda n: spec.batch(n, device.dry, device.type),
+                                       loss_fn=F.cross_entropy, optimizer=optimizer, budget=cap)
+                found = report.max_batch_size
+                alone = found if form == "alone" else alone
+                log.add("ranks", spec.name, form=form, backend=backend, cap=cap,
+                        max_batch_size=found, equal_to_alone=found == alone,
+                        sizes=", ".join(f"{a.batch_size}{'' if a.fits else 'x'}"
+                                        for a in report.attempts),
+                        method=report.method, wall_s=round(time.perf_counter() - start, 2),
+                        **({} if device.dry else {
+                            "reserved_after": torch.cuda.memory_reserved(),
+                            "free_after": torch.cuda.mem_get_info()[0]}))
+                model = optimizer = None
+        except Exception as error:
+            log.add("ranks", spec.name, form=form,
+                    error=f"{type(error).__name__}: {error}"[:500],
+                    trace=traceback.format_exc()[-3000:])
+
+    one("alone")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
-        for form in ("outside", "DDP", "FSDP2"):
-            if time.monotonic() > deadline:
-                log.add("ranks", spec.name, form=form, skipped="out of time")
-                continue
-            try:
-                with device.capped(cap):
-                    torch.manual_seed(0)
-                    model = spec.build(device.dry).to(device.type)
-                    if form == "DDP":
-                        model = nn.parallel.DistributedDataParallel(model)
-                    elif form == "FSDP2":
-                        from torch.distributed.device_mesh import init_device_mesh
-                        from torch.distributed.fsdp import fully_shard
-                        fully_shard(model, mesh=init_device_mesh(device.type, (1,)))
-                    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-                    start = time.perf_counter()
-                    report = bw.find_batch(model, lambda n: spec.batch(n, device.dry,
-                                                                       device.type),
-                                           loss_fn=F.cross_entropy, optimizer=optimizer,
-                                           budget=cap)
-                    found = report.max_batch_size
-                    outside = found if form == "outside" else outside
-                    log.add("ranks", spec.name, form=form, backend=backend, cap=cap,
-                            max_batch_size=found, equal_to_outside=found == outside,
-                            sizes=", ".join(f"{a.batch_size}{'' if a.fits else 'x'}"
-                                            for a in report.attempts),
-                            wall_s=round(time.perf_counter() - start, 2))
-                    del model, optimizer
-            except Exception as error:
-                log.add("ranks", spec.name, form=form,
-                        error=f"{type(error).__name__}: {error}"[:500],
-                        trace=traceback.format_exc()[-3000:])
+        if not device.dry:
+            dist.all_reduce(torch.ones(1, device="cuda"))
+            torch.cuda.synchronize()
+            log.add("ranks", "process group", backend=backend,
+                    reserved=torch.cuda.memory_reserved(), allocated=torch.cuda.memory_allocated(),
+                    free=torch.cuda.mem_get_info()[0])
+        for form in ("in the job", "DDP", "FSDP2"):
+            one(form)
     finally:
         dist.destroy_process_group()
 
