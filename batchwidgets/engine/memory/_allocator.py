@@ -221,23 +221,59 @@ class CachingAllocatorModel:
 # -- traces ---------------------------------------------------------------------------------
 Event = tuple[str, int, int]  # ("alloc", key, nbytes), ("free", key, 0), ("workspace", key,
 # wanted_bytes): a convolution workspace, allocated as CachingAllocatorModel.malloc_workspace
-# does and freed by a "free" event; or (staging_kind(cap), key, nbytes): an allocation like
-# "alloc" whose size scales with the batch only up to ``cap`` (NOTE [ A reduction's staging
-# buffer ] in _workspaces.py). Traces of tensor storages need only the first two kinds.
+# does and freed by a "free" event; or (staging_kind(...), key, rows): a reduction's staging
+# buffer, sized from the rows it reduces (``event_bytes``; NOTE [ A reduction's staging buffer ]
+# in _workspaces.py). Traces of tensor storages need only the first two kinds.
+WORKSPACE_FREE_FRACTION = 0.5  # default share of the largest free block a workspace may take
 _STAGING = "staging:"
 
 
-def staging_kind(cap_bytes: int) -> str:
-    """The kind of a staging event that grows with the batch up to ``cap_bytes``."""
-    return f"{_STAGING}{cap_bytes}"
+def staging_kind(outputs: int, fastest: bool, acc: int, sms: int, threads_per_sm: int) -> str:
+    """The kind of a reduction's staging event, whose third element is the rows it reduces
+    (NOTE [ A reduction's staging buffer ] in _workspaces.py)."""
+    return f"{_STAGING}{outputs}:{int(fastest)}:{acc}:{sms}:{threads_per_sm}"
 
 
-def staging_cap(kind: str) -> int | None:
-    """The cap of a staging event's kind; None for the other kinds."""
-    return int(kind[len(_STAGING):]) if kind.startswith(_STAGING) else None
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
-WORKSPACE_FREE_FRACTION = 0.5  # default share of the largest free block a workspace may take
+def staging_bytes(outputs: int, rows: int, fastest: bool, acc: int, sms: int,
+                  threads_per_sm: int) -> int:
+    """The staging buffer of a CUDA reduction of ``rows`` values into each of ``outputs``, as
+    PyTorch's setReduceConfig sizes it (Reduce.cuh; 0 when it does not split the inputs across
+    thread blocks)."""
+    vec = 1
+    if fastest:
+        dim0, dim1 = rows // 4 if rows >= 128 else rows, outputs
+    else:
+        vec = 4 if outputs % 4 == 0 else 2 if outputs % 2 == 0 else 1
+        dim0, dim1 = outputs // vec, rows
+    most = 512 // vec
+    d0 = most if dim0 >= most else _floor_pow2(dim0)
+    d1 = most if dim1 >= most else _floor_pow2(dim1)
+    width = min(d0, 32)
+    height = min(d1, most // width)
+    width = min(d0, most // height)
+    step_in, step_out = (width, 1) if fastest else (1, width)
+    if -(-rows // step_in) < min(height * 16, 256):
+        return 0  # one warp per output: no split across warps, nor across blocks
+    step_in *= height
+    target = sms * (threads_per_sm // (width * height))
+    grid = -(-(outputs // vec) // step_out)
+    per_thread = -(-rows // step_in)
+    if per_thread < 256 or grid > target:
+        return 0
+    ctas = max(min(-(-target // grid), -(-per_thread // 16)), -(-per_thread // 256))
+    return 0 if ctas <= 1 else acc * outputs * (1 if fastest else width * vec) * ctas
+
+
+def event_bytes(kind: str, nbytes: int) -> int:
+    """The bytes an allocation event takes: its own, or a staging event's buffer."""
+    if not kind.startswith(_STAGING):
+        return nbytes
+    outputs, fastest, acc, sms, threads = (int(x) for x in kind[len(_STAGING):].split(":"))
+    return staging_bytes(outputs, nbytes, bool(fastest), acc, sms, threads)
 
 
 @dataclass(frozen=True)
@@ -294,7 +330,7 @@ def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
                     continue  # made by the first step, there for the others
                 own = (step, key) if step and key < 0 else key  # a step's own allocations
                 if kind == "alloc" or kind.startswith(_STAGING):
-                    handles[own] = model.malloc(nbytes)
+                    handles[own] = model.malloc(event_bytes(kind, nbytes))
                 elif kind == "workspace":
                     handles[own] = model.malloc_workspace(nbytes, workspace_fraction)
                 elif kind == "free":
@@ -314,19 +350,20 @@ def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
 
 
 # NOTE [ What a step needs ]
-# The capped replay is not monotone in the capacity: under a cap the allocator releases its
-# cached segments and retries, so a step can fit at C and fail at a larger C' whose cap it meets
-# too late to release what it must (the 5 GiB MLP's largest batch fit at 5.00 GiB, failed at
-# 4.95 and at 5.05-5.90, fit again at 5.92). What a step needs is the least capacity C on which
-# it fits with room to spare: it fits at C and at each step of the 2 MiB grid (segments and their
-# caps live on it: an outcome changes only where a cap crosses a multiple of 2 MiB) up to
-# NEED_WINDOW above C. The search: bisection between the peak of the live blocks (below it
-# nothing fits) and a capacity that fits (the uncapped peak of the step's tensors), then up the
+# The capped replay is not monotone in the capacity: under a cap the
+# allocator releases its cached segments and retries, so a step can fit at C and fail at a larger
+# C' whose cap it meets too late to release what it must (the 5 GiB MLP's largest batch fit at 5.00
+# GiB, failed at 4.95 and at 5.05-5.90, fit again at 5.92). What a step needs is the least capacity
+# C on which it fits with room to spare: it fits at C and at each step of the 2 MiB grid (segments
+# and their caps live on it: an outcome changes only where a cap crosses a multiple of 2 MiB) up to
+# NEED_WINDOW above C (a 64th of C on a small device: two GPUs sold as the same model differ by a
+# few MiB, not by a fixed share). The search: bisection between the peak of the live blocks (below
+# it nothing fits) and a capacity that fits (the uncapped peak of the step's tensors), then up the
 # grid past any failure in the window. A batch size fits a device when its need is at most the
-# device's memory, so a plan's answer never sits on a knife edge of the replay; a failure
-# further above the window, where the uncapped allocator's cache outgrows the cap, is not
-# looked for (each look is a replay of the whole step), and the curve of needs is monotone
-# once a running maximum over the sizes is taken (a larger batch holds no fewer bytes).
+# device's memory, so a plan's answer never sits on a knife edge of the replay; a failure further
+# above the window, where the uncapped allocator's cache outgrows the cap, is not looked for (each
+# look is a replay of the whole step), and the curve of needs is monotone once a running maximum
+# over the sizes is taken (a larger batch holds no fewer bytes).
 GRID_BYTES = 2 * MIB
 NEED_WINDOW = 16 * MIB
 
@@ -349,9 +386,10 @@ def _top(events: Sequence[Event], preallocated: Sequence[int | tuple[int, int]],
 
 
 def _window_fails(fits: Callable[[int], bool], cap_bytes: int) -> int | None:
-    """The highest capacity of the grid within NEED_WINDOW above ``cap_bytes`` that fails."""
+    """The highest capacity of the grid within the window above ``cap_bytes`` that fails."""
     start = cap_bytes // GRID_BYTES * GRID_BYTES
-    for cap in range(start + NEED_WINDOW, start, -GRID_BYTES):
+    window = min(NEED_WINDOW, cap_bytes // 64) // GRID_BYTES * GRID_BYTES
+    for cap in range(start + window, start, -GRID_BYTES):
         if not fits(cap):
             return cap
     return None
@@ -425,18 +463,31 @@ def scale_events(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Eve
     for position, ((kind, key_a, n_a), (kind_b, key_b, n_b)) in enumerate(
             zip(events_a, events_b)):
         if kind != kind_b:
-            return None
+            kind = _scale_staging(kind, kind_b, batch_a, batch_b, batch_size)
+            if kind is None:
+                return None
         if kind != "free":
             where_a[key_a] = where_b[key_b] = position
-            nbytes = _affine(n_a, batch_a, n_b, batch_b, batch_size)
-            cap = staging_cap(kind)
-            scaled.append((kind, -1 - position, nbytes if cap is None else min(nbytes, cap)))
+            scaled.append((kind, -1 - position, _affine(n_a, batch_a, n_b, batch_b, batch_size)))
         else:
             at_a, at_b = where_a.pop(key_a, None), where_b.pop(key_b, None)
             if at_a != at_b:
                 return None
             scaled.append(("free", key_a if at_a is None else -1 - at_a, 0))
     return scaled
+
+
+def _scale_staging(kind_a: str, kind_b: str, batch_a: int, batch_b: int,
+                   batch_size: int) -> str | None:
+    """The staging kind at ``batch_size`` of a reduction whose outputs grow with the batch (a
+    mean over each sample's positions), or None when the two kinds are not one reduction's."""
+    if not (kind_a.startswith(_STAGING) and kind_b.startswith(_STAGING)):
+        return None
+    (n_a, *rest_a), (n_b, *rest_b) = (k[len(_STAGING):].split(":") for k in (kind_a, kind_b))
+    if rest_a != rest_b:
+        return None
+    outputs = _affine(int(n_a), batch_a, int(n_b), batch_b, batch_size)
+    return f"{_STAGING}{outputs}:{':'.join(rest_a)}"
 
 
 SCAN_REPLAYS = 512  # the most sizes tried one by one above the bisection's boundary
@@ -452,6 +503,7 @@ def _live_peak(events: Iterable[Event], preallocated: Sequence[int | tuple[int, 
     live = peak = sum(sizes.values())
     for kind, key, nbytes in events:
         if kind != "free":  # a workspace may get nothing: it counts for nothing here
+            nbytes = event_bytes(kind, nbytes)
             counted = kind == "alloc" or kind.startswith(_STAGING)
             sizes[key] = round_size(nbytes) if nbytes > 0 and counted else 0
             live += sizes[key]

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._state import makes_weakref_callbacks
-from ._allocator import CachingAllocatorModel, Event, staging_kind
+from ._allocator import CachingAllocatorModel, Event, staging_bytes, staging_kind
 from ._kernels import cuda_kernels
 from ._meters import (
     CudaMeter,
@@ -43,7 +43,7 @@ from ._workspaces import (
     REDUCE_OPS,
     Workspaces,
     kernel_area,
-    reduction_staging,
+    reduction_shape,
     target_capability,
     target_workspaces,
 )
@@ -89,7 +89,7 @@ class _SimulatedDevice(TorchDispatchMode):
         self.storage_of[entry[0]] = key
 
     def _malloc(self, nbytes: int, workspace_fraction: float | None = None,
-                kind: str = "alloc") -> tuple[int, Any]:
+                kind: str = "alloc", logged: int | None = None) -> tuple[int, Any]:
         self._busy = True
         try:
             if workspace_fraction is None:
@@ -103,7 +103,8 @@ class _SimulatedDevice(TorchDispatchMode):
         key = next(self._keys)
         self.live[key] = nbytes
         if self.log is not None:
-            self.log.append((kind if workspace_fraction is None else "workspace", key, nbytes))
+            self.log.append((kind if workspace_fraction is None else "workspace", key,
+                             nbytes if logged is None else logged))
         return key, block
 
     def _free(self, entry: tuple[int, Any]) -> None:
@@ -138,20 +139,21 @@ class _SimulatedDevice(TorchDispatchMode):
             self.cublas["lt"] = self._malloc(spaces.cublaslt_bytes)
 
     def _stage(self, args: tuple, kwargs: dict) -> None:
-        """A reduction's staging buffer and semaphores, taken after its output and freed after
-        its kernel (NOTE [ A reduction's staging buffer ])."""
+        """A reduction's staging buffer, taken after its output and freed after its kernel
+        (NOTE [ A reduction's staging buffer ]); logged with the rows it reduces, even when it
+        stages nothing at this size, so that the traces of two sizes correspond."""
         tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if tensor is None:
             return
         dims = args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else \
             kwargs.get("dim")
-        staged = reduction_staging(tensor, dims, self.workspaces.sms,
-                                   self.workspaces.threads_per_sm)
-        if staged is not None:
-            buffer_bytes, cap_bytes, semaphore_bytes = staged
-            buffer = self._malloc(buffer_bytes, kind=staging_kind(cap_bytes))
-            self._free(self._malloc(semaphore_bytes))
-            self._free(buffer)
+        shape = reduction_shape(tensor, dims)
+        if shape is not None:
+            outputs, rows, fastest, acc = shape
+            spaces = self.workspaces
+            nbytes = staging_bytes(outputs, rows, fastest, acc, spaces.sms, spaces.threads_per_sm)
+            kind = staging_kind(outputs, fastest, acc, spaces.sms, spaces.threads_per_sm)
+            self._free(self._malloc(nbytes, kind=kind, logged=rows))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tracker = self.tracker

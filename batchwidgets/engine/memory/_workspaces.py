@@ -60,11 +60,12 @@ from ._targets import GPU_CAPABILITY, GPU_SMS, SIZE_CAPABILITY, SIZE_SMS, gpu_na
 # (SMs x resident blocks per SM). On an H200 (132 SMs) every fp32 bias gradient of a transformer
 # at training sizes staged 132 MiB, whatever its width, on top of the step's peak (the truth
 # kit's snapshots, benchmarks/results/gpu_truth_h200.json: encoder plan 816 against a real 784).
-# ``reduction_staging`` follows setReduceConfig for a contiguous input reduced over leading dims
-# (the bias gradient's case) or trailing dims; other layouts stage nothing here. In a trace the
-# buffer is a ("staging", cap) event: linear in the rows up to the full grid's size ``cap``
-# (PyTorch's third bound, more than 256 values per thread, is past 2 million rows and is not
-# modelled).
+# ``staging_bytes`` (memory/_allocator.py) follows setReduceConfig for a contiguous input reduced
+# over leading dims (the bias gradient's case) or trailing dims (``reduction_shape``); other
+# layouts stage nothing here. The buffer is no affine function of the batch (none below 256
+# values per thread, then growing with the rows up to the full grid), so a trace holds the
+# reduction's rows, which are, and the replay sizes the buffer from them at every batch size:
+# the small sizes a plan traces stage nothing, the answer's size may stage tens of MiB.
 REDUCE_OPS = frozenset({"sum", "mean"})
 
 
@@ -72,10 +73,10 @@ def _floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def reduction_staging(tensor: torch.Tensor, dims: object, sms: int,
-                      threads_per_sm: int) -> tuple[int, int, int] | None:
-    """``(buffer_bytes, cap_bytes, semaphore_bytes)`` of a CUDA sum/mean of ``tensor`` over
-    ``dims`` (NOTE [ A reduction's staging buffer ]), or None when it stages nothing."""
+def reduction_shape(tensor: torch.Tensor, dims: object) -> tuple[int, int, bool, int] | None:
+    """``(outputs, rows, fastest, accumulator_bytes)`` of a CUDA sum/mean of ``tensor`` over
+    ``dims``: a contiguous input reduced over leading dims (``fastest`` False: a bias gradient)
+    or trailing ones; None for other layouts (NOTE [ A reduction's staging buffer ])."""
     shape = list(tensor.shape)
     if not shape or 0 in shape or not tensor.is_contiguous():
         return None
@@ -84,42 +85,12 @@ def reduction_staging(tensor: torch.Tensor, dims: object, sms: int,
         d % n for d in ([dims] if isinstance(dims, int) else dims)}
     kept = [i for i in range(n) if i not in wanted and shape[i] != 1]
     reduced = [i for i in range(n) if i in wanted and shape[i] != 1]
-    if not reduced:
-        return None
+    if not reduced or (kept and not (max(reduced) < min(kept) or min(reduced) > max(kept))):
+        return None  # nothing reduced, or reduced dims between kept ones: not modelled
     rows = int(torch.Size([shape[i] for i in reduced]).numel())
     outputs = int(torch.Size([shape[i] for i in kept]).numel())
-    if kept and not (max(reduced) < min(kept) or min(reduced) > max(kept)):
-        return None  # reduced dims between kept ones: not modelled
-    fastest = not kept or min(reduced) > max(kept)
-    vec = 1
-    if fastest:
-        dim0, dim1 = rows // 4 if rows >= 128 and len(reduced) >= 1 else rows, outputs
-    else:
-        vec = 4 if outputs % 4 == 0 else 2 if outputs % 2 == 0 else 1
-        dim0, dim1 = outputs // vec, rows
-    most = 512 // vec
-    d0 = most if dim0 >= most else _floor_pow2(dim0)
-    d1 = most if dim1 >= most else _floor_pow2(dim1)
-    width = min(d0, 32)
-    height = min(d1, most // width)
-    width = min(d0, most // height)
-    step_in, step_out = (width, 1) if fastest else (1, width)
-    if -(-rows // step_in) >= min(height * 16, 256):
-        step_in, across_warps = step_in * height, True
-    else:
-        step_out, across_warps = step_out * height, False
-    target = sms * (threads_per_sm // (width * height))
-    grid = -(-(outputs // vec) // step_out)
-    per_thread = -(-rows // step_in)
-    if not across_warps or per_thread < 256 or grid > target:
-        return None
-    full, by_rows, least = -(-target // grid), -(-per_thread // 16), -(-per_thread // 256)
-    ctas = max(min(full, by_rows), least)
-    if ctas <= 1:
-        return None
     acc = 8 if tensor.dtype in (torch.float64, torch.complex64) else 4
-    per_cta = acc * outputs * (1 if fastest else width * vec)
-    return per_cta * ctas, per_cta * max(full, least), 4 * grid
+    return outputs, rows, not kept or min(reduced) > max(kept), acc
 
 
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul",

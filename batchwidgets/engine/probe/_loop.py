@@ -201,7 +201,8 @@ class Search:
         self.attempts: list[Attempt] = []
         self.stopped = False
         self._lowered = False
-        self.traced_only = traced_only  # stop once two sizes are traced (target=)
+        self.traced_only = traced_only  # stop once two sizes are traced (target=), or
+        # MAX_FAKE_SIZES whose op sequences differ (the plan then says it cannot predict)
         self.split: MemorySplit | None = None  # at the largest size that ran with a trace
         self.timeline: MemoryTimeline | None = None  # the same step over its ops
         self._seeding = False  # trials now are fake (NOTE [ A free first guess ])
@@ -272,8 +273,9 @@ class Search:
             size = _search.next_batch_size(
                 searched, start=self.start, multiple_of=self.multiple_of,
                 ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
-            if self.traced_only and self._event_pair() is not None:
-                size = None
+            if self.traced_only and (self._event_pair() is not None
+                                     or len(self.traces) >= MAX_FAKE_SIZES):
+                size = None  # a plan's traces: two that correspond, or none to predict from
             size, self.stopped = agree_size(size, stopping)  # rank 0's size; any rank's stop
             if size is None or self.stopped:
                 break
