@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _html
+from ._text import TextForm
 
 
 def _label(settings: dict[str, object]) -> str:
@@ -87,7 +88,7 @@ class LoaderSwitch:
 
 
 @dataclass(frozen=True)
-class LiveLoaderReport:
+class LiveLoaderReport(TextForm):
     """What ``live.report()`` says: the loop's throughput and data stall, overall and per
     setting, each switch with its cost, and the settings in force."""
 

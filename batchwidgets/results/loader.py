@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _html
+from ._text import TextForm
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class LoaderTrial:
 
 
 @dataclass(frozen=True)
-class DataStallReport:
+class DataStallReport(TextForm):
     """What ``data_stall`` found: how much of a training step waits on the input pipeline."""
 
     stall_fraction: float  # share of the step's time spent waiting on data, in [0, 1]
@@ -122,7 +123,7 @@ def with_factory(report: LoaderReport, factory: Callable[..., Any]) -> LoaderRep
 
 
 @dataclass(frozen=True)
-class LoaderReport:
+class LoaderReport(TextForm):
     """What ``tune_loader`` (or a ``LoaderPanel``) measured: every DataLoader setting tried, the
     fastest, and the one this report is about (``current``: the best, or the panel's latest)."""
 

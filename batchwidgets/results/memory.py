@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _html
+from ._text import TextForm
 
 
 @dataclass(frozen=True)
-class MemorySplit:
+class MemorySplit(TextForm):
     """Where the memory goes at the peak of a step at ``batch_size``: the parts add up to the
     peak. ``activations_bytes`` are tensors saved for backward, ``temporaries_bytes`` everything
     else alive at the peak (outputs not saved, gradients in flight, optimizer temporaries);
@@ -31,6 +32,12 @@ class MemorySplit:
     def total_bytes(self) -> int:
         return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
                 + self.activations_bytes + self.temporaries_bytes + self.communication_bytes)
+
+    def summary(self) -> str:
+        """The peak and its largest parts, in one line."""
+        parts = ", ".join(f"{name} {value}" for name, value in self.rows())
+        return (f"{_html.format_bytes(self.total_bytes)} at the peak of a step at batch size "
+                f"{self.batch_size}{f' ({self.where})' if self.where else ''}: {parts}")
 
     def rows(self) -> list[tuple[str, str]]:
         total = self.total_bytes or 1
