@@ -207,15 +207,14 @@ def _probe(plan: ProbePlan) -> BatchSizeReport:
             report = _ranks_planned(plan, report, search)
         if report.max_batch_size == 0 and report.stop_reason != "stopped":
             raise NoBatchSizeFits(report)
-        # each row planned, never measured; a plan for N GPUs has its strategies' rows instead
-        if plan.what_if and plan.model is not None and plan.parallel is None:
-            modules = {name: type(module).__name__ for name, module in
-                       plan.model.named_modules() if name}
+        # each row planned, never measured; a plan for N GPUs has its strategies' rows instead.
+        # The per-op model's rows cost nothing: in every plan; what_if=True plans each change
+        if plan.model is not None and plan.parallel is None:
             report = dataclasses.replace(report, what_if=_what_if.for_target(
                 search.model, report.max_batch_size, plan.target[1],
-                lambda **change: _probe(plan.with_change(**change)), plan.optimizer, plan.amp,
-                multiple_of=plan.multiple_of, ceiling=plan.ceiling, modules=modules,
-                module=plan.model))
+                (lambda **change: _probe(plan.with_change(**change))) if plan.what_if else None,
+                plan.optimizer, plan.amp, multiple_of=plan.multiple_of, ceiling=plan.ceiling,
+                modules=_what_if.checkpoint_candidates(plan.model), module=plan.model))
         return report
     rows = _predicted_what_ifs(plan, report, search)
     if plan.what_if and plan.model is not None:
@@ -400,19 +399,32 @@ def _report(plan: ProbePlan, search: Search) -> BatchSizeReport:
         baseline_bytes=search.meter.baseline_bytes, memory_model=_search.fit_memory(attempts),
         headroom=plan.headroom, multiple_of=plan.multiple_of, amp=plan.amp, stop_reason=stop,
         peak_segments=segments, method=" ".join([search.method(), *plan.notes]),
-        worst_case=plan.batch_description, memory_split=search.split,
+        worst_case=_batches_from(plan), memory_split=search.split,
         memory_timeline=search.timeline, trace=plan.trace)
     if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report
 
 
+def _batches_from(plan: ProbePlan) -> str:
+    """What the batches were built from, for the report: a Dataset's sample (its description),
+    else the callable or the step that made them."""
+    if plan.batch_description:
+        return plan.batch_description
+    if plan.model is None:
+        return "the step's own: step(batch_size) builds its batches"
+    make, extra = plan.make, ""
+    if isinstance(make, functools.partial) and make.func is _at_length:
+        make, extra = make.args[0], f", {make.args[1]}"
+    name = getattr(make, "__qualname__", None) or type(make).__name__
+    return f"{name}(batch_size{extra}), called at each size tried"
+
+
 def _predicted_what_ifs(plan: ProbePlan, report: BatchSizeReport, search: Search) -> list:
     """The what-if rows the per-op model predicts (see probe/_what_if.py), where it was fitted."""
     if search.model is None or search.limit_bytes is None:
         return []
-    modules = ({name: type(module).__name__ for name, module in plan.owner.named_modules()
-                if name} if plan.owner is not None else {})
+    modules = _what_if.checkpoint_candidates(plan.owner) if plan.owner is not None else {}
     # On CUDA the tensors' bytes are not what runs out: the boundary found says where, in
     # tensor bytes, the reserved memory ran out, and the rows are predicted against that.
     row_limit = (search.model.peak_bytes(report.max_batch_size)
