@@ -195,7 +195,7 @@ def test_the_learning_rate_advice_gives_each_rule_its_own_factor():
     """It said "multiply it by B'/B (linear scaling) ... from B = 8 to 81: x5.57 (linear
     scaling: x10.1; ...)": the rule named and the factor given differed."""
     advice = whole(81.4).advice
-    assert "from B = 8 to B' = 81: ×5.57 by the noise-scale rule" in advice
+    assert "from B = 8 to B' = 81: ×5.57 by the noise-scale rule at B_simple = 81.4" in advice
     assert "×10.1 by linear scaling B'/B" in advice
     assert "multiply it by B'/B" not in advice
 

@@ -428,7 +428,8 @@ def test_advice_gives_the_trade_off_at_each_batch_size_and_the_learning_rate():
     assert "at batch size B = 32: 3× the fewest steps and 1.5× the fewest examples" in advice
     assert "at batch size B = 256: 1.25× the fewest steps and 5× the fewest examples" in advice
     # from the smallest size, 8, to 64: (1 + 8) / (1 + 1) = 4.5 against linear scaling's 8
-    assert "from B = 8 to 64: ×4.5 (linear scaling: ×8;" in advice
+    assert "from B = 8 to B' = 64: ×4.5 by the noise-scale rule at B_simple = 64" in advice
+    assert "×8 by linear scaling" in advice
     assert "Goyal et al. 2017" in advice
     page = noise_report(64.0)._repr_html_()
     assert "<th>steps / S_min</th><th>examples / E_min</th>" in page
@@ -438,7 +439,7 @@ def test_advice_gives_the_trade_off_at_each_batch_size_and_the_learning_rate():
 def test_advice_at_the_loaders_batch_size_and_for_a_vanishing_gradient():
     advice = noise_report(1234.0, batch_size=128).advice
     assert "at the current batch B = 128: 10.6× the fewest steps and 1.1× the fewest" in advice
-    assert "from B = 128 to 1200:" in advice  # B_simple to two significant digits
+    assert "from B = 128 to B' = 1200:" in advice  # B_simple to two significant digits
     flat = NoiseReport(trace_cov=1.0, grad_norm_sq=0.0, loss_mean=1.0, loss_variance=0.0,
                        n_examples=4, n_available=4, sampled=False, batch_sizes=(1, 2))
     assert "is not finite" in flat.advice

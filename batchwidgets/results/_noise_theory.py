@@ -125,8 +125,9 @@ def noise_advice(b_simple: float, error: float | None, unit: str,
 
 
 # The learning-rate rules the advice names, each with the factor it gives from B to B'. Every
-# factor in a piece of advice is written "×F by <rule>" with the rule's name as here, so that a
-# reader (and tests/test_report_consistency.py) can tell which rule gave which number.
+# factor in a piece of advice is written "from B = b to B' = b': ×F by <rule>", the rule's name
+# as here, the noise-scale rule followed by "at B_noise = x" (or B_simple), so that a reader (and
+# tests/test_report_consistency.py) can tell which rule gave which number from which inputs.
 NOISE_SCALE_RULE = "the noise-scale rule"
 LINEAR_SCALING = "linear scaling"
 
@@ -138,8 +139,9 @@ def lr_advice(b_simple: float, batch_size: int, new_batch_size: int) -> str:
     number = _html.format_number
     return (f"Learning rate from B = {batch_size} to B' = {new_batch_size}: "
             f"×{number(lr_scale(b_simple, batch_size, new_batch_size))} by "
-            f"{NOISE_SCALE_RULE} (1 + B_simple/B)/(1 + B_simple/B') (McCandlish et al. 2018, "
-            f"eq. 2.7); ×{number(new_batch_size / batch_size)} by {LINEAR_SCALING} B'/B "
+            f"{NOISE_SCALE_RULE} at B_simple = {number(b_simple)}, (1 + B_simple/B)/(1 + "
+            f"B_simple/B') (McCandlish et al. 2018, eq. 2.7); "
+            f"×{number(new_batch_size / batch_size)} by {LINEAR_SCALING} B'/B "
             f"(Goyal et al. 2017), which is close to it only while both batches are well below "
             f"B_simple: past B_simple the best rate stops growing. Warm the new rate up over "
             f"the first few epochs.")

@@ -85,21 +85,25 @@ class BatchSchedule(TextForm):
         micro = self.micro_batch_size or 1
         how = (f"{self.steps} micro-batches of {micro}" if self.needs_accumulation else
                f"one batch of {self.batch_size}, no accumulation needed")
-        rule = (f" by {NOISE_SCALE_RULE} from B = {self.current_batch_size} to B' = "
-                f"{self.batch_size}" if self.b_noise is not None else "")
         return (f"batch size {self.batch_size} {self.unit} ({how}), learning rate "
-                f"×{_html.format_number(self.lr_factor)}{rule}: {self.reason}")
+                f"{self.lr_text}: {self.reason}")
+
+    @property
+    def lr_text(self) -> str:
+        """The learning-rate factor with its rule: "from B = 16 to B' = 64: ×2.57 by the
+        noise-scale rule at B_noise = 70"."""
+        if self.b_noise is None:
+            return f"×{_html.format_number(self.lr_factor)} (nothing measured to follow)"
+        return (f"from B = {self.current_batch_size} to B' = {self.batch_size}: "
+                f"×{_html.format_number(self.lr_factor)} by {NOISE_SCALE_RULE} at B_noise = "
+                f"{_html.format_number(self.b_noise)}")
 
     def rows(self) -> list[tuple[str, object]]:
         """The rows of the report's table (label, value)."""
-        number = _html.format_number
         return [
             ("batch size from here", f"{self.batch_size} {self.unit}"),
             ("micro-batches per update (accumulate steps)", self.steps),
-            ("learning-rate factor", f"×{number(self.lr_factor)} by {NOISE_SCALE_RULE} from B = "
-                                     f"{self.current_batch_size} to B' = {self.batch_size}, "
-                                     f"following {number(self.b_noise)} {self.unit}"
-             if self.b_noise is not None else f"×{number(self.lr_factor)} (nothing to follow)"),
+            ("learning-rate factor", self.lr_text),
             ("current batch size", self.current_batch_size or "-"),
             ("follows", {"critical_batch": "the measured critical batch",
                          "critical_batch_bound": "B_simple within critical_batch's bound",
@@ -226,6 +230,6 @@ def accumulation_advice(b_simple: float | None, b_simple_error: float | None,
             f"fewest examples. With {fewer} micro-batch{'es' if fewer > 1 else ''} (B = "
             f"{fewer * micro}): {number(steps_over_min(b_simple, fewer * micro), 3)}× the steps "
             f"and {number(examples_over_min(b_simple, fewer * micro), 3)}× the examples{alone}. "
-            f"Use fewer micro-batches per update (or none), with the learning rate "
-            f"×{number(lr_scale(b_simple, batch, fewer * micro))} by {NOISE_SCALE_RULE} from "
-            f"B = {batch} to B' = {fewer * micro}.")
+            f"Use fewer micro-batches per update (or none), with the learning rate from B = "
+            f"{batch} to B' = {fewer * micro}: ×{number(lr_scale(b_simple, batch, fewer * micro))}"
+            f" by {NOISE_SCALE_RULE} at B_simple = {number(b_simple)}.")
