@@ -134,6 +134,11 @@ class CriticalBatchReport(TextForm):
         return self.critical_batch_size / self.b_simple
 
     @property
+    def n_branches(self) -> int:
+        """Runs to the target loss, every batch, seed and learning rate tried."""
+        return len(self.ladder)
+
+    @property
     def ratio_error(self) -> float | None:
         """The standard error of ``ratio``, from both errors (delta method, independent)."""
         ratio = self.ratio
@@ -180,7 +185,7 @@ class CriticalBatchReport(TextForm):
                    if self.loss_criterion_batch_size is not None else "")
         warned = "".join(f"; warning: {w}" for w in self.warnings)
         return (f"critical batch {estimate} samples {target}, "
-                f"measured from {len(self.ladder)} branches, {self.seeds_fitted} seed(s) fitted "
+                f"measured from {self.n_branches} branches, {self.seeds_fitted} seed(s) fitted "
                 f"({self.examples} examples){noise}{merrill}{warned}")
 
     def rows(self) -> list[tuple[str, object]]:

@@ -163,7 +163,7 @@ class LiveLoaderReport(TextForm):
         segments = _html.table(
             [(i + 1, s.label, s.epoch, s.batch, s.n_batches,
               _html.format_number(s.samples_per_s, 4), f"{s.stall_fraction:.1%}",
-              f"{s.step_s * 1e3:.3g}") for i, s in enumerate(self.segments)],
+              f"{s.step_s * 1e3:.3g} ms") for i, s in enumerate(self.segments)],
             caption="the loop's own numbers, per setting",
             header=("#", "setting", "from epoch", "batch", "batches", "samples/s",
                     "waiting for data", "step ms"))

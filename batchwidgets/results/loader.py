@@ -150,6 +150,11 @@ class LoaderReport(TextForm):
         return self.current.samples_per_s
 
     @property
+    def n_trials(self) -> int:
+        """Settings measured (of ``grid_size`` in the full grid)."""
+        return len(self.trials)
+
+    @property
     def baseline(self) -> LoaderTrial | None:
         """The first trial with no workers that ran (what ``speedup`` compares against)."""
         return next((t for t in self.trials if t.num_workers == 0 and t.ok), None)
@@ -183,7 +188,7 @@ class LoaderReport(TextForm):
         faster = (f", {self.speedup:.2g}x no workers" if self.speedup and best.num_workers
                   else "")
         return (f"best: {best.label} at {_html.format_number(best.samples_per_s)} samples/s"
-                f"{faster} ({len(self.trials)} of {self.grid_size} settings tried in "
+                f"{faster} ({self.n_trials} of {self.grid_size} settings tried in "
                 f"{self.search_time_s:.1f} s on {self.device})")
 
     def rows(self) -> list[tuple[str, object]]:
@@ -196,7 +201,7 @@ class LoaderReport(TextForm):
             ("speedup over no workers", "-" if self.speedup is None
              else f"{self.speedup:.2f}x"),
             ("time to first batch (best)", f"{best.first_batch_s:.3f} s"),
-            ("settings tried", f"{len(self.trials)} of {self.grid_size} in the full grid, "
+            ("settings tried", f"{self.n_trials} of {self.grid_size} in the full grid, "
                                f"{self.search_time_s:.1f} s"),
         ]
         if self.current_index != self.best_index:

@@ -161,6 +161,21 @@ class NoiseReport(TextForm):
                             self.batch_size)
         return " ".join([text, *(f"Warning: {w}." for w in self.warnings)])
 
+    @property
+    def steps_over_min(self) -> dict[int, float]:
+        """S / S_min at each of ``batch_sizes`` (NOTE [ The steps-versus-examples trade-off ]);
+        empty while B_simple is not measurable."""
+        if not self.measurable:
+            return {}
+        return {b: steps_over_min(self.b_simple, b) for b in self.batch_sizes}
+
+    @property
+    def examples_over_min(self) -> dict[int, float]:
+        """E / E_min at each of ``batch_sizes``; empty while B_simple is not measurable."""
+        if not self.measurable:
+            return {}
+        return {b: examples_over_min(self.b_simple, b) for b in self.batch_sizes}
+
     def _per_batch(self, variance: float, replacement: bool) -> dict[int, float]:
         return {b: batch_variance(variance, self.n_examples, b, replacement)
                 for b in self.batch_sizes if replacement or b <= self.n_examples}
@@ -241,12 +256,11 @@ class NoiseReport(TextForm):
         with_r = self.grad_variance_with_replacement
         without_r = self.grad_variance_without_replacement
         losses = self.loss_variance_per_batch
-        finite = self.measurable
+        steps, examples = self.steps_over_min, self.examples_over_min
         batches = _html.table(
             [(b, _html.format_number(with_r.get(b)), _html.format_number(without_r.get(b)),
-              _html.format_number(losses.get(b)),
-              _html.format_number(steps_over_min(self.b_simple, b) if finite else None),
-              _html.format_number(examples_over_min(self.b_simple, b) if finite else None))
+              _html.format_number(losses.get(b)), _html.format_number(steps.get(b)),
+              _html.format_number(examples.get(b)))
              for b in self.batch_sizes],
             header=("batch size", "grad variance (with repl.)", "grad variance (without)",
                     f"loss variance ({sampling})", "steps / S_min", "examples / E_min"),

@@ -194,6 +194,12 @@ class NoiseTrackerReport(TextForm):
         return tuple(means), tuple(stds)
 
     @property
+    def extra_compute(self) -> float | None:
+        """NoiseTracker.measure's cost: one more forward and backward of a batch on 1 step in
+        ``every``, a share of the training's compute; None under accumulate (no extra pass)."""
+        return 1 / self.every if self.measured_by == "split batches" else None
+
+    @property
     def measurement(self) -> str:
         """How the noise scale was measured, and what that costs."""
         if self.n_micro is None:
@@ -202,11 +208,16 @@ class NoiseTrackerReport(TextForm):
             steps = "every step" if self.every == 1 else f"1 step in {self.every}"
             return (f"on {steps}, splitting the batch into {self.n_micro} parts: one extra "
                     f"forward and backward of the batch per measured step, about "
-                    f"{100 / self.every:.3g}% more compute")
+                    f"{100 * self.extra_compute:.3g}% more compute")
         return (f"from the {self.n_micro} micro-batches of each update: by default one "
                 f"gradient-norm reduction per parameter per micro-step (with "
                 f"every_micro_batch=False, one fused reduction per update), and no host sync "
                 f"per update (the tracker reads the device when its report is read)")
+
+    @property
+    def n_losses_recent(self) -> int:
+        """The losses behind ``loss_mean`` and ``loss_std``: the last ``LOSS_WINDOW``."""
+        return len(self.losses[-LOSS_WINDOW:])
 
     @property
     def loss_mean(self) -> float | None:
@@ -330,7 +341,7 @@ class NoiseTrackerReport(TextForm):
             ("effective batch size", self.effective_batch_size or "-"),
             ("steps / S_min, examples / E_min", f"{_html.format_number(self.steps_over_min)}, "
                                                 f"{_html.format_number(self.examples_over_min)}"),
-            (f"loss (last {LOSS_WINDOW}): mean / std",
+            (f"loss (last {self.n_losses_recent}): mean / std",
              f"{_html.format_number(self.loss_mean)} / {_html.format_number(self.loss_std)}"),
             ("per-example loss: mean / std (reduction='none')",
              f"{_html.format_number(self.example_loss_mean)} / "
