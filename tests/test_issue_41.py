@@ -320,3 +320,34 @@ def test_the_install_cell_installs_from_the_repository_and_says_so(path):
     intro = "".join(cells[0]["source"])
     assert "colab-badge" in intro
     assert "installs batchwidgets from this repository" in intro
+
+
+# ---- docs/ says what each field means ---------------------------------------------------------
+
+def test_docs_say_what_every_field_of_every_report_means():
+    """docs/reports.md: under the heading that names each report (or part), a row per field,
+    `field` | one line (parts listed together write `Class.field`)."""
+    import dataclasses
+
+    from batchwidgets import results
+
+    page = (ROOT / "docs" / "reports.md").read_text()
+    sections = re.split(r"^#{2,3} ", page, flags=re.MULTILINE)[1:]
+    row = re.compile(r"^\| `([\w.]+)` \| (?:[^|\\]|\\.)+ \|$", re.MULTILINE)
+    missing = []
+    for name in results.__all__:
+        cls = getattr(results, name)
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            continue
+        rows = set()
+        for section in sections:
+            heading, _, body = section.partition("\n")
+            found = set(row.findall(body))
+            rows |= {r.removeprefix(f"{name}.") for r in found if r.startswith(f"{name}.")}
+            if f"`{name}`" in heading:
+                rows |= found
+            for line in body.splitlines():  # a part named in a row, its fields in brackets
+                if f"`{name}`" in line and "(" in line:
+                    rows |= set(re.findall(r"`(\w+)`", line.partition(f"`{name}`")[2]))
+        missing += [f"{name}.{f.name}" for f in dataclasses.fields(cls) if f.name not in rows]
+    assert missing == []
