@@ -98,7 +98,7 @@ class _HideOnce:
         if report is self.report:
             self.disarm()
         else:
-            printer.text(repr(report))
+            printer.text(str(report))  # the text form, as any report shows (issue 41)
 
 
 def _noise_panel(shell: Any, tracker: NoiseTracker | None) -> NoisePanel | None:

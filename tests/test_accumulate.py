@@ -2,6 +2,7 @@
 the oracle), with schedulers, GradScaler, clipping, remainders and DDP handled."""
 
 import gc
+import html
 import math
 import os
 import re
@@ -539,7 +540,7 @@ for j in range(16):
     # the cell's own two updates moved the estimate a little off 16
     assert re.search(r"B_simple ≈ 1[67](\.\d)? ± .*E_min·\(1 \+ B/B_simple\) = 3\.\d+× the "
                      r"fewest examples", report.advice), report.advice
-    assert report.advice in report._repr_html_()
+    assert html.escape(report.advice) in report._repr_html_()  # escaped, as every value is
     assert report.advice in report.summary()
 
 

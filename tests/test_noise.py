@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
 
 import batchwidgets as bw
 from batchwidgets._warnings import BatchwidgetsWarning
@@ -41,6 +41,17 @@ def oracle_gradients(model, dataset, loss=loss_fn):
     return torch.stack(rows).double(), torch.stack(losses).double(), blocks
 
 
+class Stream(IterableDataset):
+    """A dataset of unknown size: measure_noise measures its first items as a sample of an
+    infinite population (the rule the tests of the data's generating distribution need)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return iter(self.data)
+
+
 def trace_cov(g):
     return (g - g.mean(0)).square().sum(1).mean().item()
 
@@ -60,10 +71,11 @@ def test_measure_noise_matches_per_example_autograd(method):
     assert not report.sampled
     assert_close(report.trace_cov, trace_cov(g))
     assert_close(report.grad_norm_sq, g.mean(0).square().sum().item())
-    n, g2 = 23, g.mean(0).square().sum().item()
+    g2 = g.mean(0).square().sum().item()
     assert_close(report.b_simple_plain, trace_cov(g) / g2)
-    # both parts unbiased: tr(cov) N/(N-1) over |G_N|^2 less its floor tr(cov)/(N-1)
-    assert_close(report.b_simple, trace_cov(g) * n / (n - 1) / (g2 - trace_cov(g) / (n - 1)))
+    # the whole data set: B_simple of the data is exactly tr(cov) / |G|^2 (issue 41)
+    assert report.population_rule == "whole"
+    assert report.b_simple == report.b_simple_plain
     assert_close(report.loss_mean, losses.mean().item())
     assert_close(report.loss_variance, losses.var(correction=0).item())
     names = [name for name, _ in model.named_parameters()]
@@ -175,8 +187,8 @@ def test_finite_sample_identities_hold_exactly():
     assert 20 not in report.grad_variance_without_replacement  # no 20 of 10 without replacement
     assert report.grad_variance[20] == report.trace_cov / 20
     assert report.b_simple_plain == report.trace_cov / report.grad_norm_sq
-    assert report.b_simple == report.trace_cov * 10 / 9 / (report.grad_norm_sq
-                                                          - report.noise_floor)
+    assert report.noise_floor == 0.0  # the whole data set: nothing sampled (issue 41)
+    assert report.b_simple == report.trace_cov / report.grad_norm_sq
 
 
 def test_linear_regression_matches_its_closed_form_noise():
@@ -402,10 +414,8 @@ def test_a_loader_that_does_not_shuffle_is_a_warning_and_is_kept_in_the_report()
 
 
 def noise_report(b_simple, batch_sizes=(8, 32, 256), batch_size=None, n=1000):
-    """A report whose (bias-corrected) B_simple is ``b_simple``: tr(cov) N/(N-1) = b/2 and
-    |G_N|^2 - tr(cov)/(N-1) = 1/2."""
-    return NoiseReport(trace_cov=b_simple * 0.5 * (n - 1) / n,
-                       grad_norm_sq=0.5 + 0.5 * b_simple / n,
+    """A report of a whole data set whose B_simple is ``b_simple``: tr(cov) = b/2, |G|^2 = 1/2."""
+    return NoiseReport(trace_cov=b_simple * 0.5, grad_norm_sq=0.5,
                        loss_mean=1.0, loss_variance=0.25, n_examples=n, n_available=n,
                        sampled=False, batch_sizes=batch_sizes, batch_size=batch_size)
 
@@ -418,7 +428,8 @@ def test_advice_gives_the_trade_off_at_each_batch_size_and_the_learning_rate():
     assert "at batch size B = 32: 3× the fewest steps and 1.5× the fewest examples" in advice
     assert "at batch size B = 256: 1.25× the fewest steps and 5× the fewest examples" in advice
     # from the smallest size, 8, to 64: (1 + 8) / (1 + 1) = 4.5 against linear scaling's 8
-    assert "from B = 8 to 64: ×4.5 (linear scaling: ×8;" in advice
+    assert "from B = 8 to B' = 64: ×4.5 by the noise-scale rule at B_simple = 64" in advice
+    assert "×8 by linear scaling" in advice
     assert "Goyal et al. 2017" in advice
     page = noise_report(64.0)._repr_html_()
     assert "<th>steps / S_min</th><th>examples / E_min</th>" in page
@@ -428,7 +439,7 @@ def test_advice_gives_the_trade_off_at_each_batch_size_and_the_learning_rate():
 def test_advice_at_the_loaders_batch_size_and_for_a_vanishing_gradient():
     advice = noise_report(1234.0, batch_size=128).advice
     assert "at the current batch B = 128: 10.6× the fewest steps and 1.1× the fewest" in advice
-    assert "from B = 128 to 1200:" in advice  # B_simple to two significant digits
+    assert "from B = 128 to B' = 1200:" in advice  # B_simple to two significant digits
     flat = NoiseReport(trace_cov=1.0, grad_norm_sq=0.0, loss_mean=1.0, loss_variance=0.0,
                        n_examples=4, n_available=4, sampled=False, batch_sizes=(1, 2))
     assert "is not finite" in flat.advice
@@ -454,8 +465,9 @@ def regression(n, offset, seed, dim=20):
 @pytest.mark.parametrize("n", [16, 32, 64])
 def test_few_examples_where_the_noise_dominates_are_not_measurable(n):
     """Issue 13: B_simple came out close to N (15.4, 31.7, 63.2) with confident advice."""
-    model, data = regression(n, offset=0.0, seed=n)
-    report = bw.measure_noise(model, data, nn.functional.mse_loss, batch_sizes=(1,))
+    model, data = regression(8 * n, offset=0.0, seed=n)
+    report = bw.measure_noise(model, data, nn.functional.mse_loss, batch_sizes=(1,),
+                              max_examples=n)
     assert not report.measurable
     assert report.reason.startswith(f"not measurable from {n} examples")
     assert "noise floor" in report.reason
@@ -468,8 +480,9 @@ def test_few_examples_where_the_noise_dominates_are_not_measurable(n):
 def test_enough_examples_measure_b_simple_with_an_honest_error_bar():
     """Across 16 seeds the spread of B_simple matches the reported standard error (within the
     factor 2 a jackknife over 16 groups allows), and the true B_simple (22) lies inside."""
-    reports = [bw.measure_noise(*regression(512, offset=1.0, seed=s), nn.functional.mse_loss,
-                                batch_sizes=(1,), chunk_size=512) for s in range(16)]
+    streams = [regression(1024, offset=1.0, seed=s) for s in range(16)]
+    reports = [bw.measure_noise(model, Stream(data), nn.functional.mse_loss, batch_sizes=(1,),
+                                chunk_size=512, max_examples=512) for model, data in streams]
     assert all(r.measurable and r.reason == "" for r in reports)
     values = torch.tensor([r.b_simple for r in reports], dtype=torch.float64)
     errors = torch.tensor([r.b_simple_error for r in reports], dtype=torch.float64)
@@ -479,9 +492,11 @@ def test_enough_examples_measure_b_simple_with_an_honest_error_bar():
 
 
 def test_the_error_bar_is_the_delete_a_group_jackknife_of_the_examples():
-    model, data = make_mlp(), make_data(40)
+    model, data = make_mlp(), make_data(80)
     g, _, _ = oracle_gradients(model, data)
-    report = bw.measure_noise(model, data, loss_fn, batch_sizes=(1,), chunk_size=7)
+    g = g[:40]  # the first 40 of data of unknown size: the infinite-population rule
+    report = bw.measure_noise(model, Stream(data), loss_fn, batch_sizes=(1,), chunk_size=7,
+                              max_examples=40)
     groups = [torch.arange(40)[torch.arange(40) % 16 != k] for k in range(16)]
 
     def statistics(rows):
@@ -552,9 +567,10 @@ def test_b_simple_does_not_grow_with_the_examples_and_its_error_bar_covers_the_t
     for n in (64, 256, 1024):
         rows = []
         for seed in range(12):
-            model, data, truth, _ = analytic_regression(n, seed)
-            report = bw.measure_noise(model, data, nn.functional.mse_loss, batch_sizes=(1,),
-                                      chunk_size=n)
+            model, data, truth, _ = analytic_regression(2 * n, seed)
+            # the data's generating distribution is the population: data of unknown size
+            report = bw.measure_noise(model, Stream(data), nn.functional.mse_loss,
+                                      batch_sizes=(1,), chunk_size=n, max_examples=n)
             assert report.measurable, report.reason
             rows.append((report.b_simple - truth, report.b_simple_error,
                          report.b_simple_plain - truth))
@@ -568,9 +584,10 @@ def test_b_simple_does_not_grow_with_the_examples_and_its_error_bar_covers_the_t
 
 
 def test_the_error_bar_of_b_simple_is_the_jackknife_of_the_unbiased_ratio():
-    model, data, _, g = analytic_regression(256, seed=3)
-    report = bw.measure_noise(model, data, nn.functional.mse_loss, batch_sizes=(1,),
-                              chunk_size=100)
+    model, data, _, g = analytic_regression(512, seed=3)
+    g = g[:256]
+    report = bw.measure_noise(model, Stream(data), nn.functional.mse_loss, batch_sizes=(1,),
+                              chunk_size=100, max_examples=256)
 
     def ratio(rows):
         n, mean = len(rows), rows.mean(0)

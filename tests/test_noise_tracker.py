@@ -424,9 +424,10 @@ def test_advice_gives_the_trade_off_and_the_learning_rate_at_the_current_batch()
     assert "at the current batch B = 32: 14.4× the fewest steps and 1.07× the fewest examples" \
         in advice
     # from 32 to B_simple: (1 + 430/32) / (1 + 1) = 7.22, against linear scaling's 430/32 = 13.4
-    assert "from B = 32 to 430: ×7.22 (linear scaling: ×13.4" in advice
+    assert "from B = 32 to B' = 430: ×7.22 by the noise-scale rule at B_simple = 430" in advice
+    assert "×13.4 by linear scaling" in advice
     assert "Goyal et al. 2017" in advice
-    assert "warm it up" in advice
+    assert "Warm the new rate up" in advice
 
 
 def test_advice_above_the_critical_batch_says_examples_are_wasted():
@@ -435,7 +436,8 @@ def test_advice_above_the_critical_batch_says_examples_are_wasted():
     assert report.examples_over_min == pytest.approx(11.24)
     assert "1.1× the fewest steps and 11.2× the fewest examples" in report.advice
     # (1 + 50/512) / (1 + 1) = 0.549: a lower learning rate, but not linear scaling's 0.0977
-    assert "from B = 512 to 50: ×0.549 (linear scaling: ×0.0977" in report.advice
+    assert "from B = 512 to B' = 50: ×0.549 by the noise-scale rule" in report.advice
+    assert "×0.0977 by linear scaling" in report.advice
 
 
 def test_rolling_loss_is_the_trailing_mean_and_standard_deviation():

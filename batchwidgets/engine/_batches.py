@@ -34,6 +34,13 @@ class SyntheticBatches:
             return inputs
         return inputs, torch.randint(0, self.num_classes, (batch_size,))
 
+    @property
+    def description(self) -> str:
+        """What the report's "batches from" says."""
+        labels = (f" with labels of {self.num_classes} classes" if self.num_classes is not None
+                  else "")
+        return f"random inputs of shape {self.input_shape}{labels} (--input-shape)"
+
 
 def as_keywords(batch: Any) -> dict[str, Any] | None:
     """A dict, ``BatchEncoding`` or dataclass batch as the keywords it is fed with; else None."""
@@ -111,7 +118,7 @@ def _dataset_maker(dataset: Dataset, collate: Callable) -> Callable[[int], Any]:
             smallest = (index, size, sample)
         if read >= N_SAMPLES_SCANNED and time.perf_counter() - started > SCAN_SECONDS:
             break
-    scanned = "all" if read == n else f"{read} of {n} (time limit)"
+    scanned = f"all {n:,}" if read == n else f"{read:,} of {n:,} (time limit)"
     last = None  # the one slot of a batch that takes the smallest sample
     if largest[1] > smallest[1]:  # variable-size samples: the largest is the worst case
         samples = [largest[2]]
@@ -120,8 +127,9 @@ def _dataset_maker(dataset: Dataset, collate: Callable) -> Callable[[int], Any]:
         if _collates(collate, [largest[2], smallest[2]]):
             last = smallest[2]
             description += f", with the smallest (index {smallest[0]}) once, as padding"
-    else:
-        description = f"{len(samples)} samples of one size ({scanned} samples read)"
+    else:  # every sample read is the same size: the first ones stand for them all
+        description = (f"{len(samples)} of the {n:,} samples, in turn ({scanned} samples read, "
+                       f"all of one size)")
 
     def make(batch_size: int) -> Any:
         items = [samples[i % len(samples)] for i in range(batch_size)]
@@ -173,6 +181,7 @@ def as_batch_maker(make_batch: Any) -> Callable[[int], Any]:
         def repeat(batch_size: int) -> torch.Tensor:
             return example.unsqueeze(0).repeat(batch_size, *([1] * example.dim()))
 
+        repeat.description = f"one example tensor of shape {tuple(example.shape)}, repeated"
         return repeat
     if isinstance(make_batch, DataLoader):
         return _dataset_maker(make_batch.dataset, collate_of(make_batch))

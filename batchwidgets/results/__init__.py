@@ -20,6 +20,8 @@ from ._noise_theory import (
     examples_over_min,
     lr_scale,
     noise_advice,
+    population_estimates,
+    population_rule,
     steps_over_min,
 )
 from .accumulate import AccumulationReport
@@ -75,5 +77,7 @@ __all__ = [
     "lr_scale",
     "noise_advice",
     "plan_batch",
+    "population_estimates",
+    "population_rule",
     "steps_over_min",
 ]

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _html
+from ._text import TextForm
 from .schedule import ScheduleChange
 
 
 @dataclass(frozen=True)
-class AccumulationReport:
+class AccumulationReport(TextForm):
     """What ``accumulate`` did: micro-steps, real optimizer steps, and per micro-batch numbers."""
 
     steps: int  # micro-steps per real optimizer step

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 
 from .. import _html
+from ._noise_theory import verdict
+from ._text import TextForm
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class Branch:
 
 
 @dataclass(frozen=True)
-class CriticalBatchReport:
+class CriticalBatchReport(TextForm):
     """The critical batch from the current weights: the batch that needs twice the fewest
     examples (and twice the fewest steps) to reach ``target_loss``, from S(B) = S_min (1 +
     B_noise / B) fitted on the steps each batch of the ladder took (McCandlish et al. 2018).
@@ -131,13 +133,51 @@ class CriticalBatchReport:
             return None
         return self.critical_batch_size / self.b_simple
 
+    @property
+    def n_branches(self) -> int:
+        """Runs to the target loss, every batch, seed and learning rate tried."""
+        return len(self.ladder)
+
+    @property
+    def ratio_error(self) -> float | None:
+        """The standard error of ``ratio``, from both errors (delta method, independent)."""
+        ratio = self.ratio
+        if ratio is None or self.critical_batch_size_error is None or (
+                self.b_simple_error is None):
+            return None
+        return ratio * math.hypot(self.critical_batch_size_error / self.critical_batch_size,
+                                  self.b_simple_error / self.b_simple)
+
+    @property
+    def b_simple_basis(self) -> str:
+        """What ``b_simple`` rests on, in words: "from 512 examples" (measure_noise's)."""
+        return f"from {self.examples_noise} examples"
+
+    @property
+    def b_simple_text(self) -> str:
+        """``b_simple`` with its error and the examples behind it: "67.3 ± 7.3 from 512
+        examples"; "-" when not measured."""
+        if self.b_simple is None:
+            return "-"
+        return f"{_html.format_estimate(self.b_simple, self.b_simple_error)} {self.b_simple_basis}"
+
+    @property
+    def agreement(self) -> str:
+        """Whether the critical batch and B_simple differ by more than their errors ('' without
+        both): B_simple estimates the critical batch (NOTE [ The batch-size schedule ])."""
+        if self.ratio is None:
+            return ""
+        return verdict(self.critical_batch_size, self.critical_batch_size_error,
+                       self.b_simple, self.b_simple_error)
+
     def summary(self) -> str:
         number = _html.format_number
         target = (f"to loss {number(self.target_loss)} from {number(self.start_loss)}")
         if not self.measurable:
             return f"critical batch: not measurable ({self.reason}); {target}"
-        noise = (f"; B_simple {number(self.b_simple)} at the same weights (ratio "
-                 f"{number(self.ratio, 2)})" if self.ratio is not None else "")
+        noise = (f"; B_simple {self.b_simple_text} at the same weights (ratio "
+                 f"{_html.format_estimate(self.ratio, self.ratio_error)}: {self.agreement})"
+                 if self.ratio is not None else "")
         estimate = _html.format_estimate(self.critical_batch_size,
                                          self.critical_batch_size_error)
         merrill = (f"; loss within {number(100 * self.loss_tolerance)}% of the base's at equal "
@@ -145,7 +185,7 @@ class CriticalBatchReport:
                    if self.loss_criterion_batch_size is not None else "")
         warned = "".join(f"; warning: {w}" for w in self.warnings)
         return (f"critical batch {estimate} samples {target}, "
-                f"measured from {len(self.ladder)} branches, {self.seeds_fitted} seed(s) fitted "
+                f"measured from {self.n_branches} branches, {self.seeds_fitted} seed(s) fitted "
                 f"({self.examples} examples){noise}{merrill}{warned}")
 
     def rows(self) -> list[tuple[str, object]]:
@@ -157,7 +197,7 @@ class CriticalBatchReport:
             ("target loss (from)", f"{number(self.target_loss)} (from {number(self.start_loss)})"),
             ("S_min, E_min", f"{number(self.s_min)} steps, {number(self.e_min)} examples"
              if self.s_min is not None else "-"),
-            ("B_simple at these weights", number(self.b_simple) if self.b_simple else "-"),
+            ("B_simple at these weights", self.b_simple_text),
             ("examples spent", f"{self.examples:,} (loss evaluations {self.examples_eval:,}, "
                                f"measure_noise {self.examples_noise:,})"
              if self.examples_eval or self.examples_noise else self.examples),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _html
+from ._text import TextForm
 
 
 def _label(settings: dict[str, object]) -> str:
@@ -87,7 +88,7 @@ class LoaderSwitch:
 
 
 @dataclass(frozen=True)
-class LiveLoaderReport:
+class LiveLoaderReport(TextForm):
     """What ``live.report()`` says: the loop's throughput and data stall, overall and per
     setting, each switch with its cost, and the settings in force."""
 
@@ -162,7 +163,7 @@ class LiveLoaderReport:
         segments = _html.table(
             [(i + 1, s.label, s.epoch, s.batch, s.n_batches,
               _html.format_number(s.samples_per_s, 4), f"{s.stall_fraction:.1%}",
-              f"{s.step_s * 1e3:.3g}") for i, s in enumerate(self.segments)],
+              f"{s.step_s * 1e3:.3g} ms") for i, s in enumerate(self.segments)],
             caption="the loop's own numbers, per setting",
             header=("#", "setting", "from epoch", "batch", "batches", "samples/s",
                     "waiting for data", "step ms"))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _html
+from ._text import TextForm
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class LoaderTrial:
 
 
 @dataclass(frozen=True)
-class DataStallReport:
+class DataStallReport(TextForm):
     """What ``data_stall`` found: how much of a training step waits on the input pipeline."""
 
     stall_fraction: float  # share of the step's time spent waiting on data, in [0, 1]
@@ -122,7 +123,7 @@ def with_factory(report: LoaderReport, factory: Callable[..., Any]) -> LoaderRep
 
 
 @dataclass(frozen=True)
-class LoaderReport:
+class LoaderReport(TextForm):
     """What ``tune_loader`` (or a ``LoaderPanel``) measured: every DataLoader setting tried, the
     fastest, and the one this report is about (``current``: the best, or the panel's latest)."""
 
@@ -147,6 +148,11 @@ class LoaderReport:
     @property
     def samples_per_s(self) -> float:
         return self.current.samples_per_s
+
+    @property
+    def n_trials(self) -> int:
+        """Settings measured (of ``grid_size`` in the full grid)."""
+        return len(self.trials)
 
     @property
     def baseline(self) -> LoaderTrial | None:
@@ -182,7 +188,7 @@ class LoaderReport:
         faster = (f", {self.speedup:.2g}x no workers" if self.speedup and best.num_workers
                   else "")
         return (f"best: {best.label} at {_html.format_number(best.samples_per_s)} samples/s"
-                f"{faster} ({len(self.trials)} of {self.grid_size} settings tried in "
+                f"{faster} ({self.n_trials} of {self.grid_size} settings tried in "
                 f"{self.search_time_s:.1f} s on {self.device})")
 
     def rows(self) -> list[tuple[str, object]]:
@@ -195,7 +201,7 @@ class LoaderReport:
             ("speedup over no workers", "-" if self.speedup is None
              else f"{self.speedup:.2f}x"),
             ("time to first batch (best)", f"{best.first_batch_s:.3f} s"),
-            ("settings tried", f"{len(self.trials)} of {self.grid_size} in the full grid, "
+            ("settings tried", f"{self.n_trials} of {self.grid_size} in the full grid, "
                                f"{self.search_time_s:.1f} s"),
         ]
         if self.current_index != self.best_index:

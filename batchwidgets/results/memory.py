@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _html
+from ._text import TextForm
 
 
 @dataclass(frozen=True)
-class MemorySplit:
+class MemorySplit(TextForm):
     """Where the memory goes at the peak of a step at ``batch_size``: the parts add up to the
     peak. ``activations_bytes`` are tensors saved for backward, ``temporaries_bytes`` everything
     else alive at the peak (outputs not saved, gradients in flight, optimizer temporaries);
@@ -32,21 +33,38 @@ class MemorySplit:
         return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes
                 + self.activations_bytes + self.temporaries_bytes + self.communication_bytes)
 
-    def rows(self) -> list[tuple[str, str]]:
-        total = self.total_bytes or 1
-        parts = [("parameters", self.parameters_bytes), ("gradients", self.gradients_bytes),
-                 ("optimizer state", self.optimizer_bytes),
-                 ("activations (saved for backward)", self.activations_bytes),
-                 ("temporaries", self.temporaries_bytes)]
+    @property
+    def parts_bytes(self) -> dict[str, int]:
+        """The parts of the peak by name (communication buffers only where a plan has them)."""
+        parts = {"parameters": self.parameters_bytes, "gradients": self.gradients_bytes,
+                 "optimizer state": self.optimizer_bytes,
+                 "activations (saved for backward)": self.activations_bytes,
+                 "temporaries": self.temporaries_bytes}
         if self.communication_bytes:
-            parts.append(("communication buffers", self.communication_bytes))
-        return [(name, f"{_html.format_bytes(value)} ({value / total:.0%})")
-                for name, value in parts]
+            parts["communication buffers"] = self.communication_bytes
+        return parts
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Each part's share of the peak, in [0, 1]."""
+        total = self.total_bytes or 1
+        return {name: value / total for name, value in self.parts_bytes.items()}
+
+    def summary(self) -> str:
+        """The peak and its largest parts, in one line."""
+        parts = ", ".join(f"{name} {value}" for name, value in self.rows())
+        return (f"{_html.format_bytes(self.total_bytes)} at the peak of a step at batch size "
+                f"{self.batch_size}{f' ({self.where})' if self.where else ''}: {parts}")
+
+    def rows(self) -> list[tuple[str, str]]:
+        shares = self.shares
+        return [(name, f"{_html.format_bytes(value)} ({shares[name]:.0%})")
+                for name, value in self.parts_bytes.items()]
 
     def _repr_html_(self) -> str:
         modules = _html.table([(name, _html.format_bytes(value)) for name, value in
                                list(self.by_module.items())[:10]],
-                              caption="activations by module (top 10)",
+                              caption="activations by module, the largest",
                               header=("module", "bytes"))
         return (_html.table(self.rows(), caption=f"memory at the peak, batch size "
                                                  f"{self.batch_size}") + modules)

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .. import _html
-from ._noise_theory import examples_over_min, noise_advice, steps_over_min
+from ._noise_theory import compare_estimates, examples_over_min, noise_advice, steps_over_min
+from ._text import TextForm
 from .critical import CriticalBatchReport
 from .schedule import BatchSchedule, accumulation_advice, plan_batch
 
@@ -43,7 +44,7 @@ LOSS_WINDOW = 100  # losses behind NoiseTrackerReport's rolling mean and std
 
 
 @dataclass(frozen=True)
-class NoiseTrackerReport:
+class NoiseTrackerReport(TextForm):
     """What ``NoiseTracker`` saw: per-batch losses and the online gradient noise scale.
 
     ``grad_norm_sq`` and ``trace_cov`` are the moving averages of the two-batch-size estimates
@@ -193,6 +194,12 @@ class NoiseTrackerReport:
         return tuple(means), tuple(stds)
 
     @property
+    def extra_compute(self) -> float | None:
+        """NoiseTracker.measure's cost: one more forward and backward of a batch on 1 step in
+        ``every``, a share of the training's compute; None under accumulate (no extra pass)."""
+        return 1 / self.every if self.measured_by == "split batches" else None
+
+    @property
     def measurement(self) -> str:
         """How the noise scale was measured, and what that costs."""
         if self.n_micro is None:
@@ -201,11 +208,16 @@ class NoiseTrackerReport:
             steps = "every step" if self.every == 1 else f"1 step in {self.every}"
             return (f"on {steps}, splitting the batch into {self.n_micro} parts: one extra "
                     f"forward and backward of the batch per measured step, about "
-                    f"{100 / self.every:.3g}% more compute")
+                    f"{100 * self.extra_compute:.3g}% more compute")
         return (f"from the {self.n_micro} micro-batches of each update: by default one "
                 f"gradient-norm reduction per parameter per micro-step (with "
                 f"every_micro_batch=False, one fused reduction per update), and no host sync "
                 f"per update (the tracker reads the device when its report is read)")
+
+    @property
+    def n_losses_recent(self) -> int:
+        """The losses behind ``loss_mean`` and ``loss_std``: the last ``LOSS_WINDOW``."""
+        return len(self.losses[-LOSS_WINDOW:])
 
     @property
     def loss_mean(self) -> float | None:
@@ -245,11 +257,31 @@ class NoiseTrackerReport:
         if self.measured_critical is not None:
             text = (f"Measured (critical_batch): {self.measured_critical.summary()}; the "
                     f"schedule follows it, not B_simple, which only estimates it. {text}")
+            if self.b_simple_comparison:
+                text += f" {self.b_simple_comparison}."
             if not self.measurable:
                 text += f" Schedule: {self.schedule.summary()}."
         if self.measured_by == "split batches":
             text += f" Measured {self.measurement}."
         return " ".join([text, *(f"Warning: {w}." for w in self.warnings)])
+
+    @property
+    def b_simple_basis(self) -> str:
+        """What B_simple rests on, in words: "live, over 140 updates"."""
+        return f"live, over {self.n_updates} updates"
+
+    @property
+    def b_simple_comparison(self) -> str:
+        """The tracker's B_simple beside the one ``critical_batch`` measured at its weights,
+        with whether they differ by more than their errors; '' without both (in samples)."""
+        critical = self.critical
+        if (critical is None or critical.b_simple is None or not self.measurable
+                or self.unit != "samples"):
+            return ""
+        return compare_estimates(
+            "B_simple", (self.b_simple, self.b_simple_error, self.b_simple_basis),
+            (critical.b_simple, critical.b_simple_error,
+             f"at critical_batch's weights, {critical.b_simple_basis}"))
 
     def batch_choice(self) -> list[tuple[str, object]]:
         """What batch to train at, with both numbers behind it and when to trust each: the
@@ -267,7 +299,9 @@ class NoiseTrackerReport:
             measured = (f"{estimate} samples, to loss {number(critical.target_loss)} from "
                         f"{number(critical.start_loss)} ({critical.examples} examples spent)")
         noise = (f"{_html.format_estimate(self.b_simple, self.b_simple_error)} {self.unit}, "
-                 f"live" if self.measurable else self.reason)
+                 f"{self.b_simple_basis}" if self.measurable else self.reason)
+        if self.b_simple_comparison:
+            noise += f" ({self.b_simple_comparison})"
         schedule = self.schedule
         return [
             ("train at", schedule.summary() if schedule.source != "none" else
@@ -307,7 +341,7 @@ class NoiseTrackerReport:
             ("effective batch size", self.effective_batch_size or "-"),
             ("steps / S_min, examples / E_min", f"{_html.format_number(self.steps_over_min)}, "
                                                 f"{_html.format_number(self.examples_over_min)}"),
-            (f"loss (last {LOSS_WINDOW}): mean / std",
+            (f"loss (last {self.n_losses_recent}): mean / std",
              f"{_html.format_number(self.loss_mean)} / {_html.format_number(self.loss_std)}"),
             ("per-example loss: mean / std (reduction='none')",
              f"{_html.format_number(self.example_loss_mean)} / "

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .. import _html
+from ._text import TextForm
 from .memory import MemorySplit, MemoryTimeline
 
 
@@ -116,6 +117,10 @@ def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
                        header=("batch size", "fits", "peak memory", "step s", "samples/s"))
 
 
+def _sizes(sizes: list[int]) -> str:
+    return ", ".join(str(size) for size in sizes) or "none"
+
+
 def _interpolate(points: tuple[tuple[int, int], ...], x: int) -> float:
     """Piecewise-linear through (size, bytes) points, the end segments extended."""
     if len(points) == 1:
@@ -132,7 +137,7 @@ FASTER_BY = 1.10
 
 
 @dataclass(frozen=True)
-class BatchSizeReport:
+class BatchSizeReport(TextForm):
     """What ``find_batch`` found: the largest batch size that trained, and every attempt."""
 
     max_batch_size: int  # largest size that ran (0 only inside NoBatchSizeFits)
@@ -218,6 +223,20 @@ class BatchSizeReport:
     def n_fake(self) -> int:
         """Sizes traced on fake tensors: a plan's, or a local search's free first guess."""
         return sum(a.fake for a in self.attempts)
+
+    @property
+    def traced(self) -> str:
+        """How each size was tried, from the attempts: what the answer rests on (``trace``)
+        and any sizes traced on fake tensors first to choose where the real steps began."""
+        fake = [a.batch_size for a in self.attempts if a.fake]
+        real = [a.batch_size for a in self.attempts if not a.fake]
+        if self.trace == "fake":
+            return f"fake tensors at sizes {_sizes(fake)} (shapes only: nothing ran)"
+        text = f"real steps at sizes {_sizes(real)}" if real else "no real step"
+        if fake:
+            text += (f", after fake tensors at sizes {_sizes(fake)} chose where they began "
+                     f"(shapes only)")
+        return text
 
     @property
     def _headroom_batch_size(self) -> int:
@@ -310,8 +329,7 @@ class BatchSizeReport:
              f"{_html.format_bytes(model.per_sample_bytes)} per sample"),
             ("peak at max_batch_size", self.peak_location or "-"),
             ("search", self.method or "-"),
-            ("traced", "fake tensors (shapes only: nothing ran)" if self.trace == "fake"
-             else "real steps"),
+            ("traced", self.traced),
             ("batches from", self.worst_case or "-"),
             ("amp", self.amp or "off"),
             ("attempts",

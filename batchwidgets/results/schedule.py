@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _html
-from ._noise_theory import examples_over_min, lr_scale, steps_over_min
+from ._noise_theory import NOISE_SCALE_RULE, examples_over_min, lr_scale, steps_over_min
+from ._text import TextForm
 
 # NOTE [ The batch-size schedule ]
 # McCandlish et al. 2018 (eq. 2.11): at batch B, training to a loss takes S_min(1 + B_noise/B)
@@ -43,7 +44,7 @@ WELL_ABOVE = 2.0  # a batch this many times B_simple is "well above": E >= 3 E_m
 
 
 @dataclass(frozen=True)
-class BatchSchedule:
+class BatchSchedule(TextForm):
     """The batch size to use from here, from the measured noise scale (NOTE [ The batch-size
     schedule ]), in ``unit`` (samples, or micro-batches when their size is unknown)."""
 
@@ -64,6 +65,9 @@ class BatchSchedule:
     # the number the batch follows: "critical_batch" (measured), "critical_batch_bound" (B_simple
     # held to the side of the ladder critical_batch found it on), "b_simple", "none"
     source: str = "b_simple"
+    # the batch the rule followed (samples, or micro-batches): the measured critical batch,
+    # B_simple, or the bound critical_batch found; None when nothing was measured
+    b_noise: float | None = None
 
     @property
     def changes(self) -> bool:
@@ -82,15 +86,24 @@ class BatchSchedule:
         how = (f"{self.steps} micro-batches of {micro}" if self.needs_accumulation else
                f"one batch of {self.batch_size}, no accumulation needed")
         return (f"batch size {self.batch_size} {self.unit} ({how}), learning rate "
-                f"×{_html.format_number(self.lr_factor)}: {self.reason}")
+                f"{self.lr_text}: {self.reason}")
+
+    @property
+    def lr_text(self) -> str:
+        """The learning-rate factor with its rule: "from B = 16 to B' = 64: ×2.57 by the
+        noise-scale rule at B_noise = 70"."""
+        if self.b_noise is None:
+            return f"×{_html.format_number(self.lr_factor)} (nothing measured to follow)"
+        return (f"from B = {self.current_batch_size} to B' = {self.batch_size}: "
+                f"×{_html.format_number(self.lr_factor)} by {NOISE_SCALE_RULE} at B_noise = "
+                f"{_html.format_number(self.b_noise)}")
 
     def rows(self) -> list[tuple[str, object]]:
         """The rows of the report's table (label, value)."""
-        number = _html.format_number
         return [
             ("batch size from here", f"{self.batch_size} {self.unit}"),
             ("micro-batches per update (accumulate steps)", self.steps),
-            ("learning-rate factor", number(self.lr_factor)),
+            ("learning-rate factor", self.lr_text),
             ("current batch size", self.current_batch_size or "-"),
             ("follows", {"critical_batch": "the measured critical batch",
                          "critical_batch_bound": "B_simple within critical_batch's bound",
@@ -99,7 +112,7 @@ class BatchSchedule:
             ("critical batch (measured)", _html.format_estimate(
                 self.critical_batch_size, self.critical_batch_size_error)
              if self.critical_batch_size is not None else "-"),
-            ("B_simple", f"{number(self.b_simple)} ± {number(self.b_simple_error, 2)}"),
+            ("B_simple", _html.format_estimate(self.b_simple, self.b_simple_error)),
             ("bounds: max / fits in memory", f"{self.max_batch_size or '-'} / "
                                              f"{self.fits_batch_size or '-'}"),
             ("why", self.reason),
@@ -188,7 +201,7 @@ def plan_batch(b_simple: float | None, b_simple_error: float | None, *,
     batch = target * micro
     return BatchSchedule(batch_size=batch, steps=target,
                          lr_factor=lr_scale(b_noise, current, batch), reason=why, source=source,
-                         **common)
+                         b_noise=b_noise, **common)
 
 
 def accumulation_advice(b_simple: float | None, b_simple_error: float | None,
@@ -217,5 +230,6 @@ def accumulation_advice(b_simple: float | None, b_simple_error: float | None,
             f"fewest examples. With {fewer} micro-batch{'es' if fewer > 1 else ''} (B = "
             f"{fewer * micro}): {number(steps_over_min(b_simple, fewer * micro), 3)}× the steps "
             f"and {number(examples_over_min(b_simple, fewer * micro), 3)}× the examples{alone}. "
-            f"Use fewer micro-batches per update (or none), and scale the learning rate by "
-            f"×{number(lr_scale(b_simple, batch, fewer * micro))}.")
+            f"Use fewer micro-batches per update (or none), with the learning rate from B = "
+            f"{batch} to B' = {fewer * micro}: ×{number(lr_scale(b_simple, batch, fewer * micro))}"
+            f" by {NOISE_SCALE_RULE} at B_simple = {number(b_simple)}.")

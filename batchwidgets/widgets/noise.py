@@ -21,7 +21,7 @@ from collections.abc import Callable
 from .. import _html
 from ..engine.noise import NoiseTracker
 from ..plots import plot_noise_panel
-from ..results import LOSS_WINDOW, CriticalBatchReport, NoiseReport, NoiseTrackerReport
+from ..results import CriticalBatchReport, NoiseReport, NoiseTrackerReport
 from . import _controls as widgets
 from ._panel import ReportDisplay, figure_png
 
@@ -33,7 +33,7 @@ DRAW_SHARE = 4.0
 def _status(report: NoiseTrackerReport) -> str:
     number = _html.format_number
     loss = (f"loss {number(report.loss_mean)} ± {number(report.loss_std, 2)} (mean ± std of "
-            f"the last {LOSS_WINDOW} batches at most)" if report.loss_std is not None else
+            f"the last {report.n_losses_recent} batches)" if report.loss_std is not None else
             "no losses yet")
     stall = (f" · waiting for data {100 * report.data_stall_share:.3g}% of each step"
              if report.data_stall_share is not None else "")

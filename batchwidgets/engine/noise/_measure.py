@@ -197,10 +197,14 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
 
     For N examples with per-example gradients g_i (of ``loss_fn`` on a one-example batch) and
     mean gradient G: ``trace_cov`` = (1/N) sum_i |g_i - G|^2, ``grad_norm_sq`` = |G|^2,
-    ``b_simple`` = trace_cov / grad_norm_sq (McCandlish et al. 2018), and for each batch size B
-    the variance (trace) of the mini-batch mean gradient: trace_cov / B with replacement, times
-    (N - B) / (N - 1) without. The same for the loss, and a per-parameter breakdown. The model's
-    weights, gradients, buffers, train/eval modes and the RNGs are restored afterwards.
+    ``b_simple`` = tr(Sigma) / |G|^2 of the data (McCandlish et al. 2018): trace_cov /
+    grad_norm_sq exactly when the whole data set was measured, else both parts estimated
+    without bias by the rule ``report.population_rule`` names (N of M examples as if drawn at
+    random without replacement; an infinite population where M is unknown), and for each batch
+    size B the variance (trace) of the mini-batch mean gradient: trace_cov / B with
+    replacement, times (N - B) / (N - 1) without. The same for the loss, and a per-parameter
+    breakdown. The model's weights, gradients, buffers, train/eval modes and the RNGs are
+    restored afterwards.
     ``report.measurable`` says whether N examples can resolve B_simple at all (see NOTE [ The
     error bars of measure_noise ]); ``b_simple_error`` is its standard error.
 
@@ -232,7 +236,7 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
         draws an epoch, True for independent draws. The report holds both variants.
     max_examples : int
         Larger data is measured on ``max_examples`` evenly spaced items (the first ones of an
-        iterable dataset); the report says so in ``sampled``.
+        iterable dataset); the report says so in ``sampled`` and ``population_rule``.
     chunk_size : int
         Examples per vmap call; memory is about ``chunk_size`` copies of the gradient.
     method : {"auto", "vmap", "loop"}
@@ -358,7 +362,7 @@ def _report(moments: Moments, n_available: int | None, batch_sizes: tuple[int, .
     layers = moments.layers()
     losses = torch.cat(moments.losses)
     n = moments.count
-    grad_norm_sq_error, b_simple_error = moments.errors()
+    grad_norm_sq_error, b_simple_error = moments.errors(n_available)
     return NoiseReport(
         trace_cov=math.fsum(layer.trace_cov for layer in layers),
         grad_norm_sq=math.fsum(layer.grad_norm_sq for layer in layers),

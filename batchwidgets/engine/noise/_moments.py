@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ...results import LayerNoise
+from ...results import LayerNoise, population_estimates, population_rule
 
 MAX_GROUPS = 16  # example groups the jackknife leaves out in turn
 
@@ -21,19 +21,21 @@ MAX_GROUPS = 16  # example groups the jackknife leaves out in turn
 
 # NOTE [ The error bars of measure_noise ]
 # The N examples are a sample of the data. Their mean gradient's squared norm overestimates the
-# data's |G|^2: E|G_N|^2 = |G|^2 + tr(Sigma)/N (McCandlish et al. 2018, A.1), so where the noise
-# dominates, |G_N|^2 is about tr(Sigma)/N and B_simple = tr(cov)/|G_N|^2 comes out close to N
-# whatever the model: it measures the sample, not the noise. The report keeps the noise floor
-# tr(cov)/(N - 1) (unbiased for tr(Sigma)/N) and calls B_simple measurable only when
-# |G_N|^2 - floor, an unbiased estimate of |G|^2, is more than twice its standard error, the
-# rule NoiseTracker uses. B_simple itself is the ratio of the two unbiased parts,
-# tr(cov) N/(N - 1) / (|G_N|^2 - floor), so it no longer grows with N (the plain tr(cov)/|G_N|^2
-# stays as b_simple_plain); a ratio keeps a bias of order 1/N, inside its error bar. Standard
+# data's |G|^2: E|G_N|^2 = |G|^2 + tr(Sigma)/N (McCandlish et al. 2018, A.1; times (M-N)/(M-1)
+# for N of M examples), so where the noise dominates, |G_N|^2 is about tr(Sigma)/N and
+# B_simple = tr(cov)/|G_N|^2 comes out close to N whatever the model: it measures the sample,
+# not the noise. The report keeps the noise floor (tr(cov)/(N - 1), times (M - N)/M for N of M;
+# NOTE [ B_simple of a finite data set ] in results/_noise_theory.py) and calls B_simple
+# measurable only when |G_N|^2 - floor, an unbiased estimate of |G|^2, is more than twice its
+# standard error, the rule NoiseTracker uses. B_simple itself is the ratio of the two unbiased
+# parts, so it no longer grows with N (the plain tr(cov)/|G_N|^2 stays as b_simple_plain); a
+# ratio keeps a bias of order 1/N, inside its error bar. The whole data set (N = M) has no
+# floor and no sampling error: B_simple is tr(cov)/|G_N|^2 exactly, its error 0. Standard
 # errors come from the delete-a-group jackknife (Efron & Stein 1981; Shao & Tu 1995, sec. 2.1):
 # example i goes to group i mod K (K = min(16, N // 2)), each group's sum of shifted gradients
 # is kept (K float32 copies of the parameters, and a float64 sum of squares), and each statistic
 # is recomputed with one group left out from dot products of the kept sums:
-# se^2 = (K - 1)/K sum_k (theta_k - mean theta)^2.
+# se^2 = (K - 1)/K sum_k (theta_k - mean theta)^2, times 1 - N/M for N of M examples.
 class Moments:
     """Running per-parameter sums of shifted per-example gradients, in float64 (see NOTE
     [ Why the float64 sums are shifted ]), and per-group sums for NOTE [ The error bars of
@@ -83,10 +85,14 @@ class Moments:
             result.append(LayerNoise(name, trace_cov, grad_norm_sq))
         return tuple(result)
 
-    def errors(self) -> tuple[float | None, float | None]:
-        """Jackknife standard errors of (|G|^2 - noise floor, B_simple), B_simple as the report
-        gives it (both parts unbiased); None without groups, or where a group left out leaves
-        no signal above the floor."""
+    def errors(self, population: int | None = None) -> tuple[float | None, float | None]:
+        """Jackknife standard errors of (|G|^2, B_simple) of the data, both estimated as the
+        report does from the examples of a population of ``population`` (None: infinite; NOTE
+        [ B_simple of a finite data set ]): 0 for the whole data set, else times the
+        finite-population correction sqrt(1 - N/M); None without groups, or where a group left
+        out leaves no signal above the floor."""
+        if population_rule(self.count, population) == "whole":
+            return 0.0, 0.0
         if self.n_groups < 2:
             return None, None
         dots = torch.zeros(6, len(self.group_sq), dtype=torch.float64, device=self.group_sq.device)
@@ -100,16 +106,22 @@ class Moments:
         s_dk, d_dk, dk_dk, s_s, s_d, d_d = dots.tolist()
         sq, group_sq = math.fsum(v.item() for v in self.sum_sq.values()), self.group_sq.tolist()
         counts = self.group_count.tolist()
-        floors, ratios = [], []
+        signals, ratios = [], []
         for k in range(len(counts)):
             n = self.count - counts[k]
             left = d_d[k] - 2 * d_dk[k] + dk_dk[k]  # |D - D_k|^2
             grad_norm_sq = s_s[k] + 2 * (s_d[k] - s_dk[k]) / n + left / n**2
             trace_cov = max((sq - group_sq[k]) / n - left / n**2, 0.0)
-            signal = grad_norm_sq - trace_cov / (n - 1)  # unbiased |G|^2
-            floors.append(signal)
-            ratios.append(trace_cov * n / (n - 1) / signal if signal > 0 else math.inf)
-        return _jackknife(floors), _jackknife(ratios)
+            trace, signal = population_estimates(trace_cov, grad_norm_sq, round(n), population)
+            signals.append(signal)
+            ratios.append(trace / signal if signal > 0 else math.inf)
+        # the jackknife estimates the variance of sampling with replacement
+        correction = math.sqrt(1 - self.count / population) if population else 1.0
+        return _scaled(_jackknife(signals), correction), _scaled(_jackknife(ratios), correction)
+
+
+def _scaled(error: float | None, factor: float) -> float | None:
+    return None if error is None else error * factor
 
 
 def _jackknife(values: list[float]) -> float | None:

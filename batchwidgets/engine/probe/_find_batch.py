@@ -199,15 +199,14 @@ def _probe(setup: ProbeSetup) -> BatchSizeReport:
             report = _ranks_planned(setup, report, search)
         if report.max_batch_size == 0 and report.stop_reason != "stopped":
             raise NoBatchSizeFits(report)
-        # each row planned, never measured; a plan for N GPUs has its strategies' rows instead
-        if setup.what_if and setup.model is not None and setup.parallel is None:
-            modules = {name: type(module).__name__ for name, module in
-                       setup.model.named_modules() if name}
+        # each row planned, never measured; a plan for N GPUs has its strategies' rows instead.
+        # The per-op model's rows cost nothing: in every plan; what_if=True plans each change
+        if setup.model is not None and setup.parallel is None:
             report = dataclasses.replace(report, what_if=_what_if.for_target(
                 search.model, report.max_batch_size, setup.target[1],
-                lambda **change: _probe(setup.with_change(**change)), setup.optimizer, setup.amp,
-                multiple_of=setup.multiple_of, ceiling=setup.ceiling, modules=modules,
-                module=setup.model))
+                (lambda **change: _probe(setup.with_change(**change))) if setup.what_if else None,
+                setup.optimizer, setup.amp, multiple_of=setup.multiple_of, ceiling=setup.ceiling,
+                modules=_what_if.checkpoint_candidates(setup.model), module=setup.model))
         return report
     rows = _predicted_what_ifs(setup, report, search)
     if setup.what_if and setup.model is not None:
@@ -392,19 +391,32 @@ def _report(setup: ProbeSetup, search: Search) -> BatchSizeReport:
         baseline_bytes=search.meter.baseline_bytes, memory_model=_search.fit_memory(attempts),
         headroom=setup.headroom, multiple_of=setup.multiple_of, amp=setup.amp, stop_reason=stop,
         peak_segments=segments, method=" ".join([search.method(), *setup.notes]),
-        worst_case=setup.batch_description, memory_split=search.split,
+        worst_case=_batches_from(setup), memory_split=search.split,
         memory_timeline=search.timeline, trace=setup.trace)
     if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report
 
 
+def _batches_from(setup: ProbeSetup) -> str:
+    """What the batches were built from, for the report: a Dataset's sample (its description),
+    else the callable or the step that made them."""
+    if setup.batch_description:
+        return setup.batch_description
+    if setup.model is None:
+        return "the step's own: step(batch_size) builds its batches"
+    make, extra = setup.make, ""
+    if isinstance(make, functools.partial) and make.func is _at_length:
+        make, extra = make.args[0], f", {make.args[1]}"
+    name = getattr(make, "__qualname__", None) or type(make).__name__
+    return f"{name}(batch_size{extra}), called at each size tried"
+
+
 def _predicted_what_ifs(setup: ProbeSetup, report: BatchSizeReport, search: Search) -> list:
     """The what-if rows the per-op model predicts (see probe/_what_if.py), where it was fitted."""
     if search.model is None or search.limit_bytes is None:
         return []
-    modules = ({name: type(module).__name__ for name, module in setup.owner.named_modules()
-                if name} if setup.owner is not None else {})
+    modules = _what_if.checkpoint_candidates(setup.owner) if setup.owner is not None else {}
     # On CUDA the tensors' bytes are not what runs out: the boundary found says where, in
     # tensor bytes, the reserved memory ran out, and the rows are predicted against that.
     row_limit = (search.model.peak_bytes(report.max_batch_size)

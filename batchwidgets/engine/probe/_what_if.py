@@ -68,6 +68,14 @@ def _checkpointed(trace: OpTrace, module: str) -> OpTrace:
     return OpTrace(names=trace.names, live=live, where=trace.where)
 
 
+def checkpoint_candidates(model: torch.nn.Module) -> dict[str, str]:
+    """The submodules a user would checkpoint, by name, with their class names: those that hold
+    parameters. A parameter-free activation or pool alone (a ReLU, a MaxPool2d) saves its input
+    for backward, but checkpointing it by itself is a choice nobody makes (issue 41)."""
+    return {name: type(module).__name__ for name, module in model.named_modules()
+            if name and next(module.parameters(), None) is not None}
+
+
 def predicted(model: PeakModel, limit_bytes: int, *, multiple_of: int, ceiling: int,
               modules: Collection[str] | Mapping[str, str]) -> list[WhatIf]:
     """Rows predicted from the per-op model: no optimizer state (SGD without momentum), and
@@ -202,7 +210,7 @@ def measured(probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optim
 
 
 def for_target(model: PeakModel | None, found: int, usable_bytes: int,
-               probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optimizer,
+               probe: Callable[..., BatchSizeReport] | None, optimizer: torch.optim.Optimizer,
                amp: str | None, *, multiple_of: int, ceiling: int,
                modules: Mapping[str, str], module: torch.nn.Module | None = None
                ) -> tuple[WhatIf, ...]:
@@ -210,9 +218,9 @@ def for_target(model: PeakModel | None, found: int, usable_bytes: int,
     model's rows against the tensor bytes at the target's answer ``found``, and each change
     (bf16, fp16, SGD, foreach=False, ``module`` with every block checkpointed) planned again
     for the target by ``probe(**change)``, on fake tensors as the plan was, so a meta model is
-    never materialised or changed."""
+    never materialised or changed. ``probe`` None (``what_if=False``): the per-op rows alone."""
     planned = [dataclasses.replace(row, measured=False, samples_per_s=None)
-               for row in measured(probe, optimizer, amp, module)]
+               for row in measured(probe, optimizer, amp, module)] if probe is not None else []
     rows = []
     if model is not None:
         # a change planned again for the target (replayed through its allocator) replaces the
