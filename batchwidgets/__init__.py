@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     # find_batch: the largest batch that trains
     "find_batch": "batchwidgets.engine.probe",
+    "forget": "batchwidgets.engine.probe",
     "NoBatchSizeFits": "batchwidgets.engine.probe",
     "BatchSizeReport": "batchwidgets.results",
     "Attempt": "batchwidgets.results",

@@ -1,8 +1,21 @@
 """nbval runs every notebook here (see ``addopts`` in pyproject.toml). Cells tagged ``gpu`` need a
-CUDA device: they get the ``gpu`` marker and are skipped without one."""
+CUDA device: they get the ``gpu`` marker and are skipped without one. The kernels keep
+find_batch's remembered answers in a folder of this session's, never the user's cache."""
+
+import functools
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # the kernels nbval starts inherit this environment
+    folder = tempfile.mkdtemp(prefix="batchwidgets-cache-")
+    os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
+    config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(items):

@@ -27,6 +27,7 @@ PUBLIC = {
     "live_loader", "LiveLoader", "LiveLoaderReport", "LoaderSegment", "LoaderSwitch",
     "plot_live_loader",
     "track_tensor_memory", "BatchwidgetsWarning",
+    "forget",
 }
 # Internals once importable from the top level, now only from their modules (CHANGELOG.md).
 REMOVED = {"SyntheticBatches", "MemoryModel", "BudgetExceededError"}

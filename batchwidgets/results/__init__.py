@@ -1,7 +1,7 @@
 """Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
 
 One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``; ``memory``: its
-``MemorySplit`` and ``MemoryTimeline``), ``accumulate``,
+``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back), ``accumulate``,
 ``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``critical``, ``loader``,
 ``live_loader`` and ``schedule``; every name is re-exported here.
 
@@ -37,6 +37,7 @@ from .probe import (
     MemoryTimeline,
     ParallelPlan,
     PeakSegment,
+    Remembered,
     WhatIf,
     attempts_table,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "NoiseTrackerReport",
     "ParallelPlan",
     "PeakSegment",
+    "Remembered",
     "ScheduleChange",
     "WhatIf",
     "accumulation_advice",
