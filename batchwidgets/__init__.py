@@ -53,6 +53,10 @@ _LAZY = {
     "LoaderPanel": "batchwidgets.widgets",
     # track_tensor_memory: measure a step of your own
     "track_tensor_memory": "batchwidgets.engine.memory",
+    # fit_trainer, split_batch: train at the global batch you meant
+    "fit_trainer": "batchwidgets.integrations.transformers",
+    "split_batch": "batchwidgets.engine.accumulate",
+    "BatchSplitReport": "batchwidgets.results",
     "BatchwidgetsWarning": "batchwidgets._warnings",
 }
 __all__ = sorted(_LAZY)

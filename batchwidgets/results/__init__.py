@@ -3,7 +3,7 @@
 One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``; ``memory``: its
 ``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back), ``accumulate``,
 ``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``critical``, ``loader``,
-``live_loader`` and ``schedule``; every name is re-exported here.
+``live_loader``, ``schedule`` and ``split`` (what fit_trainer set); every name is re-exported here.
 
 Usage:
     >>> from batchwidgets.results import Attempt, BatchSizeReport
@@ -42,6 +42,7 @@ from .probe import (
     attempts_table,
 )
 from .schedule import BatchSchedule, ScheduleChange, accumulation_advice, plan_batch
+from .split import BatchSplitReport
 
 __all__ = [
     "FASTER_BY",
@@ -50,6 +51,7 @@ __all__ = [
     "Attempt",
     "BatchSchedule",
     "BatchSizeReport",
+    "BatchSplitReport",
     "Branch",
     "CriticalBatchReport",
     "DataStallReport",
