@@ -327,6 +327,26 @@ def test_an_unwritable_cache_warns_once_and_answers(tmp_path, monkeypatch):
     assert report.max_batch_size > 0
 
 
+class Unreadable:
+    """A loss whose settings cannot be read: a key that cannot be taken."""
+
+    @property
+    def __dict__(self):
+        raise RuntimeError("no settings here")
+
+    def __call__(self, output, target):
+        return F.cross_entropy(output, target)
+
+
+def test_a_key_that_cannot_be_taken_warns_and_measures_without_remembering(fresh_cache):
+    with pytest.warns(bw.BatchwidgetsWarning, match="could not take the key") as said:
+        report = probe(Counted(), loss_fn=Unreadable())
+    assert said[0].filename == __file__
+    assert report.max_batch_size > 0
+    assert report.remembered is None
+    assert entry_files(fresh_cache) == []
+
+
 def test_concurrent_writers_never_leave_a_broken_file(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHWIDGETS_CACHE_DIR", str(tmp_path))
     key = "0" * 64

@@ -67,7 +67,13 @@ def remembered(setup: ProbeSetup, options: Mapping[str, Any],
     ``options``: find_batch's options as it was called."""
     if not options["cache"]:
         return measure()
-    key, limit = _key(setup, options)
+    try:
+        key, limit = _key(setup, options)
+    except Exception as error:  # an object the fingerprints did not foresee: never fail the probe
+        warnings.warn(f"find_batch could not take the key of this call ({type(error).__name__}: "
+                      f"{error}), so its answer is not remembered; this is a bug in "
+                      f"batchwidgets: please report it.", BatchwidgetsWarning, stacklevel=3)
+        key, limit = None, None
     found = None if options["refresh"] or key is None else _recall(key, limit)
     if setup.target is None and in_job():
         found = _agreed(found)
