@@ -187,8 +187,9 @@ class BatchMagics(Magics):
         The report is the value of the line: it is shown in the cell, kept in ``_``, and
         ``report = %find_batch ...`` keeps it. The same line again gives the answer it
         measured back at once (``report.remembered`` says when and where; ``--refresh``
-        measures again, ``--no-cache`` neither reads nor writes). Where widgets run, a panel shows the progress,
-        then memory and samples/s against the batch size, a headroom slider and a line of code.
+        measures again, ``--no-cache`` neither reads nor writes). Where widgets run, a panel
+        shows the progress, then memory and samples/s against the batch size, a headroom
+        slider and a line of code.
 
         Examples::
 

@@ -81,7 +81,8 @@ def test_the_truths_are_recorded_with_their_device_and_every_record_names_model_
     assert TRUTHS, "no benchmarks/results/gpu_truth_*.json: the first GPU run is still to come"
     for path in TRUTHS:
         data = json.loads(path.read_text())
-        assert data["device"] and not data["dry_run"]
+        assert data["device"]
+        assert not data["dry_run"]
         assert all(r["model"] and r["section"] in (*gpu_truth.SECTIONS, "errors")
                    for r in data["records"])
 
@@ -113,6 +114,7 @@ def test_a_capped_gpu_target_takes_that_gpus_rules_and_the_cap():
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters())
     capped = bw.find_batch(model, x, optimizer=optimizer, target="T4@2GiB")
-    assert capped.target == "T4@2GiB" and capped.limit_bytes == 2 * 2**30
+    assert capped.target == "T4@2GiB"
+    assert capped.limit_bytes == 2 * 2**30
     with pytest.raises(ValueError, match="target should cap a named GPU"):
         bw.find_batch(model, x, optimizer=optimizer, target="T4@40GiB")
