@@ -1,6 +1,7 @@
 """nbval runs every notebook here (see ``addopts`` in pyproject.toml). Cells tagged ``gpu`` need a
 CUDA device: they get the ``gpu`` marker and are skipped without one. The kernels keep
-find_batch's remembered answers in a folder of this session's, never the user's cache."""
+find_batch's remembered answers in a folder of each notebook's own, never the user's cache nor
+another notebook's."""
 
 import functools
 import os
@@ -16,6 +17,17 @@ def pytest_configure(config):
     folder = tempfile.mkdtemp(prefix="batchwidgets-cache-")
     os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
     config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # before nbval starts a notebook's kernel (at its first cell): a new, empty folder, so no
+    # notebook gives back an answer another one measured
+    notebook = item.parent
+    if getattr(notebook, "kernel", False) is None:  # nbval's IPyNbFile, its kernel not started
+        folder = tempfile.mkdtemp(prefix="batchwidgets-cache-")
+        os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
+        item.config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(items):

@@ -387,9 +387,20 @@ def test_the_cache_folder_follows_the_platform(monkeypatch, tmp_path):
     assert _cache.cache_dir() == tmp_path / "mine"
 
 
-def test_the_tests_never_read_the_users_cache(fresh_cache):
+def test_the_tests_never_read_the_users_cache(fresh_cache, session_cache):
     assert os.environ["BATCHWIDGETS_CACHE_DIR"] == str(fresh_cache)
     assert _cache.cache_dir() == fresh_cache
+    assert fresh_cache != session_cache
+    # what a server started for the session remembered, for the next test to find (it doesn't)
+    (session_cache / "find_batch").mkdir(exist_ok=True)
+    (session_cache / "find_batch" / f"{'0' * 64}.json").write_text("{}")
+
+
+def test_a_server_started_for_the_session_finds_nothing_remembered(session_cache):
+    """Jupyter servers and kernels started by session- or module-scoped fixtures keep the
+    session's folder: every test empties it (the test above left an entry there)."""
+    assert session_cache.is_dir()
+    assert list(session_cache.iterdir()) == []
 
 
 # -- the magic and the panel ----------------------------------------------------------------------
