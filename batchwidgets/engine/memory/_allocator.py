@@ -1,5 +1,7 @@
 """A model of PyTorch's CUDA caching allocator, the replay of a step's allocation trace through
 it, and the batch size a cap allows.
+One object, one module: the replay, what a step needs and the largest batch are the model's
+uses, each read against its rules.
 
 Usage:
     >>> from batchwidgets.engine.memory._allocator import CachingAllocatorModel
