@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..engine.noise import NoiseTracker
-from ..engine.probe import FIND_BATCH, find_batch
+from ..engine.probe import find_batch
 from ..results import BatchSplitReport
 from ._feed import feeding
 from ._fit import check_global, fit_options, split_report
@@ -154,7 +154,8 @@ class NoiseCallback(TrainerCallback):
 # again), batches of its train dataset through its collator with the columns the model does not
 # take removed (the largest sample, padded, NOTE [ The worst case of varying inputs ]), the loss
 # from the model's ``.loss`` (or ``compute_loss_func``), and the model's output freed before
-# backward, as ``compute_loss`` returns the loss alone. A Trainer subclass with its own
+# backward, as ``compute_loss`` returns the loss alone (find_batch's step keeps the loss only,
+# forward_and_loss in engine/_batches.py). A Trainer subclass with its own
 # ``compute_loss`` is probed with the default one.
 
 
@@ -222,8 +223,6 @@ def fit_trainer(trainer: Trainer, global_batch_size: int | None = None,
     if global_batch_size is None:
         global_batch_size = (args.per_device_train_batch_size * args.gradient_accumulation_steps
                              * devices)
-    if "keep_output" in FIND_BATCH:  # compute_loss returns the loss alone
-        options.setdefault("keep_output", False)
     options.setdefault("amp", "bf16" if args.bf16 else "fp16" if args.fp16 else None)
     options.setdefault("loss_fn", trainer.compute_loss_func)
     with _checkpointing(trainer), _optimizer(trainer) as optimizer:
