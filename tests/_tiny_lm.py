@@ -6,6 +6,7 @@ MARK)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -122,4 +123,8 @@ if __name__ == "__main__":
     kind, out = sys.argv[1], sys.argv[2]
     train = sys.argv[3:] == ["train"]
     found = run_hf(out, train) if kind == "hf" else run_lightning(train)
-    print(MARK + json.dumps(found))
+    # one write, under PIPE_BUF, after what this process printed: the ranks of a torchrun job
+    # share the pipe, and a rank's buffered output flushed in pieces could otherwise split the
+    # line or run into it (the newline first ends another rank's unfinished line)
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"\n{MARK}{json.dumps(found)}\n".encode())

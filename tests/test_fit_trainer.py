@@ -73,7 +73,7 @@ def start(kind: str, out: Path, cache: Path, *extra: str, torchrun: bool = False
     process's JSON line."""
     env = {**os.environ, "BATCHWIDGETS_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}  # this checkout
-    env.pop("PYTHONUNBUFFERED", None)  # each rank writes its line in one piece at exit
+    env.pop("PYTHONUNBUFFERED", None)  # fewer, larger writes; each rank's line is one write
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                  "--standalone"] if torchrun else [sys.executable])
     done = subprocess.run([*launcher, str(HERE / "_tiny_lm.py"), kind, str(out), *extra],
