@@ -7,13 +7,18 @@ import functools
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 
 def pytest_configure(config):
-    # the kernels nbval starts inherit this environment
+    # the kernels nbval starts inherit this environment: they import this checkout's
+    # batchwidgets (not another one the environment has installed), as tests/'s processes do
+    root = str(Path(__file__).resolve().parents[1])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])
     folder = tempfile.mkdtemp(prefix="batchwidgets-cache-")
     os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
     config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
