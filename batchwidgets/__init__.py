@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     # find_batch: the largest batch that trains
     "find_batch": "batchwidgets.engine.probe",
+    "forget": "batchwidgets.engine.probe",
     "NoBatchSizeFits": "batchwidgets.engine.probe",
     "BatchSizeReport": "batchwidgets.results",
     "Attempt": "batchwidgets.results",
@@ -52,6 +53,10 @@ _LAZY = {
     "LoaderPanel": "batchwidgets.widgets",
     # track_tensor_memory: measure a step of your own
     "track_tensor_memory": "batchwidgets.engine.memory",
+    # fit_trainer, split_batch: train at the global batch you meant
+    "fit_trainer": "batchwidgets.integrations.transformers",
+    "split_batch": "batchwidgets.engine.accumulate",
+    "BatchSplitReport": "batchwidgets.results",
     "BatchwidgetsWarning": "batchwidgets._warnings",
 }
 __all__ = sorted(_LAZY)

@@ -131,6 +131,9 @@ def _argument(option: Option) -> Callable[[Callable], Callable]:
     text = option.help_line.replace("%", "%%")
     if option.flag == "switch":
         return argument(option.flag_name, action="store_true", help=text)
+    if option.flag == "negated":
+        return argument(option.flag_name, dest=option.name, action="store_const", const=False,
+                        help=text)
     if option.flag == "name":
         return argument(option.flag_name, metavar="NAME", help=text)
     if option.flag == "positional":
@@ -169,7 +172,7 @@ def given(shell: Any, options: Options, args: argparse.Namespace) -> dict[str, A
     found = {}
     for option in options:
         value = getattr(args, option.name, None) if option.flag else None
-        if value is None or value is False:
+        if value is None or (value is False and option.flag != "negated"):
             continue
         found[option.name] = (resolve(shell, value, option.flag_name) if option.flag == "name"
                               else value)

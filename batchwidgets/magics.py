@@ -185,8 +185,11 @@ class BatchMagics(Magics):
         names in the notebook (dotted names such as ``trainer.model`` work too).
 
         The report is the value of the line: it is shown in the cell, kept in ``_``, and
-        ``report = %find_batch ...`` keeps it. Where widgets run, a panel shows the progress,
-        then memory and samples/s against the batch size, a headroom slider and a line of code.
+        ``report = %find_batch ...`` keeps it. The same line again gives the answer it
+        measured back at once (``report.remembered`` says when and where; ``--refresh``
+        measures again, ``--no-cache`` neither reads nor writes). Where widgets run, a panel
+        shows the progress, then memory and samples/s against the batch size, a headroom
+        slider and a line of code.
 
         Examples::
 
@@ -197,6 +200,7 @@ class BatchMagics(Magics):
           %find_batch meta_llama make_tokens --target A100-80GB    # built on the meta device
           %find_batch meta_llama make_tokens --target 8xA100-80GB --parallel compare
           report = %find_batch model make_batch --headroom 0.8 -q
+          %find_batch model train_dataset --budget 16GiB --refresh    # not the remembered one
         """
         line, silenced = _without_semicolon(line)
         args = parse(self.find_batch, line)

@@ -1,8 +1,14 @@
-"""Shared test setup: the ``gpu`` marker, and a guard failing tests that leak global torch state."""
+"""Shared test setup: the ``gpu`` marker, a fresh cache directory for every test, and a guard
+failing tests that leak global torch state."""
 
 from __future__ import annotations
 
+import functools
 import gc
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +16,43 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 FP32_PRECISION_OWNERS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn",
                          "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+SESSION_CACHE = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """find_batch remembers its answers (cache=True): the session's, and every process it
+    starts (workers, kernels, scripts, servers), keep them in a folder of their own, never in
+    the developer's cache (``~/.cache/batchwidgets``)."""
+    folder = tempfile.mkdtemp(prefix="batchwidgets-cache-")
+    os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
+    config.stash[SESSION_CACHE] = folder
+    config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
+
+
+@pytest.fixture
+def session_cache(request: pytest.FixtureRequest) -> Path:
+    """The session's cache folder: what processes started by session- or module-scoped
+    fixtures (Jupyter servers and their kernels) remember into."""
+    return Path(request.config.stash[SESSION_CACHE])
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(session_cache: Path, tmp_path_factory: pytest.TempPathFactory,
+                monkeypatch: pytest.MonkeyPatch):
+    """Each test starts with nothing remembered: an answer one test measured is never another
+    test's (two tests' fakes may look alike and hold different thresholds). The test and what
+    it starts get a new folder; the session's folder, which servers and kernels that
+    session- or module-scoped fixtures started still use, is emptied."""
+    for entry in session_cache.iterdir() if session_cache.is_dir() else ():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    folder = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("BATCHWIDGETS_CACHE_DIR", str(folder))
+    return folder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -27,6 +27,7 @@ PUBLIC = {
     "live_loader", "LiveLoader", "LiveLoaderReport", "LoaderSegment", "LoaderSwitch",
     "plot_live_loader",
     "track_tensor_memory", "BatchwidgetsWarning",
+    "forget", "fit_trainer", "split_batch", "BatchSplitReport",
 }
 # Internals once importable from the top level, now only from their modules (CHANGELOG.md).
 REMOVED = {"SyntheticBatches", "MemoryModel", "BudgetExceededError"}
@@ -144,6 +145,8 @@ def test_loader_functions_parameters():
     ("LoaderSegment", {"settings", "samples_per_s", "stall_fraction", "n_batches", "n_samples",
                        "wall_s", "wait_s", "step_s", "epoch", "batch", "label"}),
     ("LoaderSwitch", {"old", "new", "epoch", "batch", "cost_s", "shutdown_s", "by", "note"}),
+    ("BatchSplitReport", {"global_batch_size", "world_size", "per_device_batch_size",
+                          "accumulation_steps", "max_per_device", "probe", "remembered"}),
 ])
 def test_report_names(report_class, required):
     cls = getattr(bw, report_class)
@@ -312,3 +315,25 @@ def test_the_trainer_callbacks_have_a_tracker(integration):
     pytest.importorskip(integration)
     module = importlib.import_module(f"batchwidgets.integrations.{integration}")
     assert isinstance(module.NoiseCallback().tracker, bw.NoiseTracker)
+
+
+def test_remembered_answers_and_the_global_batch_kept():
+    """DESIGN.md, this round: cache=, refresh=, report.remembered, forget, fit_trainer,
+    BatchSizeCallback, split_batch."""
+    signature = inspect.signature(bw.find_batch)
+    assert signature.parameters["cache"].default is True
+    assert signature.parameters["refresh"].default is False
+    assert "remembered" in names(bw.BatchSizeReport)
+    assert bw.BatchSizeReport(0, None, (), "cpu", None).remembered is None
+    assert parameters(bw.forget) == []
+    assert parameters(bw.split_batch) == ["global_batch_size", "max_per_device", "world_size"]
+    assert inspect.signature(bw.split_batch).parameters["world_size"].default == 1
+    fit = inspect.signature(bw.fit_trainer).parameters
+    assert list(fit) == ["trainer", "global_batch_size", "find_batch_options"]
+    assert fit["global_batch_size"].default is None
+    assert fit["find_batch_options"].kind is inspect.Parameter.VAR_KEYWORD
+    pytest.importorskip("lightning")
+    from batchwidgets.integrations.lightning import BatchSizeCallback
+    callback = inspect.signature(BatchSizeCallback).parameters
+    assert list(callback) == ["global_batch_size", "options"]
+    assert callback["global_batch_size"].default is None

@@ -20,6 +20,8 @@ Shared pieces beside them, which import none of the rooms:
 - ``_own_steps.py``  batchwidgets' own steps, which an accumulate block lets through
 - ``_grads.py``      fused gradient norms on the device; a GradScaler's scale
 - ``_unsharded.py``  an FSDP2 model's replica with its full weights (per-example gradients)
+- ``_fingerprint.py`` what decides a step's memory (model, optimizer, batch, code) as JSON values
+- ``_cache.py``      the cache directory: JSON files written atomically, read back or refused
 
 And ``noise_tracker.py``: NoiseTracker's documented import path.
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 # in Python, ``--max-batch-size 4`` on a magic's line. So a magic's mistake is the function's
 # own message in the magic's words, never an engine message rewritten afterwards.
 
-Flag = Literal["value", "positional", "name", "switch", ""]
+Flag = Literal["value", "positional", "name", "switch", "negated", ""]
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,8 @@ class Option:
     help: str  # one line: the magic's help (its default is added) and the panel's tooltip
     check: Check | None = None  # never called with None where None is the default
     # "value": --name VALUE; "positional": the magic's optional VALUE after its positionals;
-    # "name": --name NAME, an object in the notebook; "switch": --name; "": no flag
+    # "name": --name NAME, an object in the notebook; "switch": --name; "negated": --no-name
+    # sets False (an option whose default is True); "": no flag
     flag: Flag = "value"
     metavar: str | None = None
     parse: Callable[[str], Any] = str  # a flag's text -> the value (ValueError if it is not one)
@@ -76,7 +77,7 @@ class Option:
 
     @property
     def flag_name(self) -> str:
-        return FLAGS(self.name)
+        return FLAGS("no_" + self.name if self.flag == "negated" else self.name)
 
     @property
     def help_line(self) -> str:

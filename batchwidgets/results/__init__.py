@@ -1,9 +1,9 @@
 """Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
 
 One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``; ``memory``: its
-``MemorySplit`` and ``MemoryTimeline``), ``accumulate``,
+``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back), ``accumulate``,
 ``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``critical``, ``loader``,
-``live_loader`` and ``schedule``; every name is re-exported here.
+``live_loader``, ``schedule`` and ``split`` (what fit_trainer set); every name is re-exported here.
 
 Usage:
     >>> from batchwidgets.results import Attempt, BatchSizeReport
@@ -39,10 +39,12 @@ from .probe import (
     MemoryTimeline,
     ParallelPlan,
     PeakSegment,
+    Remembered,
     WhatIf,
     attempts_table,
 )
 from .schedule import BatchSchedule, ScheduleChange, accumulation_advice, plan_batch
+from .split import BatchSplitReport
 
 __all__ = [
     "FASTER_BY",
@@ -51,6 +53,7 @@ __all__ = [
     "Attempt",
     "BatchSchedule",
     "BatchSizeReport",
+    "BatchSplitReport",
     "Branch",
     "CriticalBatchReport",
     "DataStallReport",
@@ -68,6 +71,7 @@ __all__ = [
     "NoiseTrackerReport",
     "ParallelPlan",
     "PeakSegment",
+    "Remembered",
     "ScheduleChange",
     "WhatIf",
     "accumulation_advice",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import _html
 from ._text import TextForm
@@ -107,6 +107,19 @@ class ParallelPlan:
                                                   self.activations_bytes)))
 
 
+@dataclass(frozen=True)
+class Remembered:
+    """Where a remembered answer comes from (``report.remembered``): when and where the probe
+    that measured it ran, and the file that keeps it (``batchwidgets.forget()`` clears them)."""
+
+    measured_at: str  # ISO 8601 with its UTC offset, when the probe finished
+    host: str  # the machine it ran on
+    path: str  # the JSON file it is kept in
+
+    def __str__(self) -> str:
+        return f"measured {self.measured_at[:19].replace('T', ' ')} on {self.host}"
+
+
 def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
     """The probe's attempts as an escaped HTML table (the report's and the live panel's)."""
     rows = [(a.batch_size, "traced (fake)" if a.fake else "yes" if a.fits else "OOM",
@@ -180,6 +193,10 @@ class BatchSizeReport(TextForm):
     world_size: int = 1
     parallel: str | None = None
     parallel_plans: tuple[ParallelPlan, ...] = ()
+    # find_batch(..., cache=True) gave the answer it kept from an earlier identical call (see
+    # NOTE [ Remembered answers ] in engine/probe/_remember.py): when and where that one ran.
+    # Not compared: a remembered report equals the one measured.
+    remembered: Remembered | None = field(default=None, compare=False)
 
     @property
     def global_batch_size(self) -> int:
@@ -290,6 +307,10 @@ class BatchSizeReport(TextForm):
 
     def summary(self) -> str:
         # one short line: the panel shows it beside its progress bar
+        said = self._summary()
+        return said if self.remembered is None else f"{said}; remembered, {self.remembered}"
+
+    def _summary(self) -> str:
         if self.target is not None and self.parallel is not None:
             return (f"max_batch_size={self.max_batch_size} per rank on {self.world_size}x"
                     f"{self.target} under {self.parallel}, global_batch_size="
@@ -335,6 +356,8 @@ class BatchSizeReport(TextForm):
             ("attempts",
              f"{self.n_attempts} ({self.n_fake} on fake tensors, {self.n_ooms} out of memory); "
              f"stop: {self.stop_reason}"),
+            *([("remembered", f"{self.remembered}, kept in {self.remembered.path} "
+                              f"(refresh=True measures again)")] if self.remembered else []),
         ]
 
     def _repr_html_(self) -> str:

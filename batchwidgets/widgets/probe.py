@@ -142,7 +142,9 @@ class ProbePanel(ReportDisplay, widgets.Panel):
         self._attempts: list[Attempt] = []  # progress of the probe running now
         self._lock = threading.RLock()  # the slider's observer may render inside render
         self.probe_button = widgets.Button(description="Probe", disabled=probe is None,
-                                           tooltip="run find_batch again (off the main thread)")
+                                           tooltip="run find_batch again (off the main thread); "
+                                                   "a remembered answer is measured again")
+        self._measure_again = False  # a click on Probe after a report: refresh=True
         self._stop = threading.Event()
         self.stop_button = widgets.Button(description="Stop", disabled=True,
                                           tooltip="end the probe now, with the sizes it finished")
@@ -244,6 +246,9 @@ class ProbePanel(ReportDisplay, widgets.Panel):
             options["should_stop"] = self._stop.is_set
         if self.target.value != HERE:
             options["target"] = self.target.value
+        if self._measure_again and _accepts(probe, "refresh"):
+            options["refresh"] = True
+        self._measure_again = False
         self._begin()
         try:
             report = probe(**options)
@@ -298,6 +303,7 @@ class ProbePanel(ReportDisplay, widgets.Panel):
         return self.report
 
     def _on_probe_click(self, _button: Any) -> None:
+        self._measure_again = self.report is not None  # the answer shown is not asked for again
         self.start()
 
     def _on_stop_click(self, _button: Any) -> None:

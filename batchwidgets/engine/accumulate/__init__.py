@@ -4,6 +4,7 @@
 - ``_accumulator.py``  the context manager: the calls a block replaces (step, backward,
                        clipping) and for whom, micro-steps, real steps, DDP, the remainder
 - ``_options.py``      accumulate's options declared once (%%accumulate's N and flags)
+- ``_split.py``        split_batch: a global batch as per-device batch x steps x devices
 
 It imports ``noise`` (a tracker fed from the micro-batches, the "auto" schedule) and the shared
 modules.
@@ -12,5 +13,6 @@ modules.
 from ._accumulate import accumulate
 from ._accumulator import Accumulator
 from ._options import ACCUMULATE
+from ._split import split, split_batch
 
-__all__ = ["ACCUMULATE", "Accumulator", "accumulate"]
+__all__ = ["ACCUMULATE", "Accumulator", "accumulate", "split", "split_batch"]

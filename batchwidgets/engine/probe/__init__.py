@@ -16,6 +16,8 @@
 - ``_search.py``      the pure search policy: which batch size next
 - ``_parallel.py``    plans for N GPUs: each rank's share and buffers under DDP, ZeRO, FSDP2
 - ``_ranks.py``       one outcome for every rank under torch.distributed, errors included
+- ``_remember.py``    remembered answers: the key of what decides memory, kept and given back;
+  forget()
 - ``_what_if.py``     the largest batch under a change, predicted from the trace or measured;
   a target plan's rows, each planned again (on a meta model too)
 
@@ -26,5 +28,7 @@ from ._checks import check_arguments
 from ._find_batch import MakeBatch, find_batch
 from ._nothing_fits import NoBatchSizeFits
 from ._options import FIND_BATCH
+from ._remember import ENGINE_VERSION, forget
 
-__all__ = ["FIND_BATCH", "MakeBatch", "NoBatchSizeFits", "check_arguments", "find_batch"]
+__all__ = ["ENGINE_VERSION", "FIND_BATCH", "MakeBatch", "NoBatchSizeFits", "check_arguments",
+           "find_batch", "forget"]

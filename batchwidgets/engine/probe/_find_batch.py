@@ -36,6 +36,7 @@ from ._optimizer_shapes import OptimizerStateError, StateRule, state_rule
 from ._options import FIND_BATCH
 from ._parallel import plan_ranks
 from ._ranks import agree_limit, alone, in_job
+from ._remember import remembered
 from ._setup import ProbeSetup, resolve
 from ._sharded import ShardedWorld, ShardingError
 from ._trials import (
@@ -68,7 +69,8 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
                seq_len: Sequence[int] | None = None,
                what_if: bool = False, target: str | int | None = None,
                trace: Trace | None = None, step: ProbeStep | None = None,
-               parallel: str | None = None) -> BatchSizeReport:
+               parallel: str | None = None, cache: bool = True,
+               refresh: bool = False) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -163,6 +165,17 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         list the largest batch under each in ``report.what_if``, measured. Rows the per-op model
         predicts (no optimizer state, activation checkpointing of the largest blocks) are there
         whenever the model is.
+    cache : bool
+        Give back at once the answer an identical call measured before (in this process or
+        another: ``report.remembered`` says when and where), and remember this one. The key is
+        everything that decides memory: the model's structure, parameters and buffers, the
+        optimizer's class and settings, the batch's shapes and dtypes, the code of
+        ``make_batch`` and ``step``, the options, the device and the memory free on it, the
+        versions of torch and of the engine. Files in ``$BATCHWIDGETS_CACHE_DIR`` (default:
+        the user cache folder, e.g. ``~/.cache/batchwidgets``); ``batchwidgets.forget()``
+        clears them. False: neither read nor write.
+    refresh : bool
+        Measure again even where an answer is remembered, and remember the new one.
 
     Returns
     -------
@@ -181,10 +194,10 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
     >>> report.max_batch_size, report.first_oom_batch_size
     (622, 623)
     """
-    setup = resolve(model, make_batch, FIND_BATCH.pick(locals()))  # see probe/_options.py
-    if setup.seq_len is not None:
-        return _frontier(setup)
-    return _probe(setup)
+    options = FIND_BATCH.pick(locals())  # see probe/_options.py
+    setup = resolve(model, make_batch, options)
+    return remembered(setup, options,  # see NOTE [ Remembered answers ]
+                      lambda: _frontier(setup) if setup.seq_len is not None else _probe(setup))
 
 
 def _probe(setup: ProbeSetup) -> BatchSizeReport:

@@ -89,6 +89,14 @@ def _parallel(value: Any, said: Spelling) -> None:
                          f"'zero1'-'zero3' DeepSpeed's stages, 'compare' plans each.")
 
 
+def _true_or_false(name: str) -> Any:
+    def check(value: Any, said: Spelling) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"{said(name)} should be True or False, but got "
+                            f"{said(name, value)}.")
+    return check
+
+
 def _read_as_given(parse: Any) -> Any:
     """A flag's text checked as find_batch will read it, and kept as the text: find_batch then
     reads the string exactly as when it is called with it."""
@@ -149,4 +157,10 @@ FIND_BATCH = Options(
     Option("parallel", None, "with --target NxGPU (e.g. 8xA100-80GB): plan each rank under "
                              "DDP, ZeRO stage 1-3 or FSDP2, or compare them; the answer is per "
                              "rank", check=_parallel, choices=PARALLEL),
+    # see NOTE [ Remembered answers ] in probe/_remember.py
+    Option("cache", True, "give back the answer an identical call remembered, and remember "
+                          "this one (--no-cache: neither read nor write)",
+           check=_true_or_false("cache"), flag="negated"),
+    Option("refresh", False, "measure again even where an answer is remembered (and remember "
+                             "the new one)", check=_true_or_false("refresh"), flag="switch"),
 )
