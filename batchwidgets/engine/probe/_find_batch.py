@@ -23,6 +23,7 @@ import torch
 from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport
 from .. import memory
+from .._called import is_said
 from .._state import InterruptGuard, TrainingState, restore_home
 from .._types import Amp, ProbeStep, ShouldStop, Trace
 from .._util import first_line
@@ -68,15 +69,19 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
                seq_len: Sequence[int] | None = None,
                what_if: bool = False, target: str | int | None = None,
                trace: Trace | None = None, step: ProbeStep | None = None,
-               parallel: str | None = None) -> BatchSizeReport:
+               parallel: str | None = None, keep_output: bool = True) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
     them per size, since Adam allocates its state on the first) and searches by predicting the
     boundary from measured memory, then verifying it (see NOTE [ Predict, then verify ]).
-    Out-of-memory errors are data; any other exception propagates unchanged. Model weights,
-    buffers, gradients, optimizer/scheduler/scaler state, train/eval modes, RNGs and backend
-    flags are restored bit for bit however it ends.
+    The step is the common loop's: ``out = model(x); loss = loss_fn(out, y); loss.backward();
+    optimizer.step()``, the output and loss alive until the next step's forward has returned
+    (``keep_output``). Out-of-memory errors are data; any other exception from the model, the
+    loss or the batch comes out of the user's type, its first line saying what find_batch
+    called with what, at which batch size, on fake or real tensors, and the user's error its
+    ``__cause__``. Model weights, buffers, gradients, optimizer/scheduler/scaler state,
+    train/eval modes, RNGs and backend flags are restored bit for bit however it ends.
 
     Parameters
     ----------
@@ -163,6 +168,14 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         list the largest batch under each in ``report.what_if``, measured. Rows the per-op model
         predicts (no optimizer state, activation checkpointing of the largest blocks) are there
         whenever the model is.
+    keep_output : bool
+        The loop modelled (NOTE [ The loop the step models ] in probe/_trials.py). True: the
+        model's output and the loss stay alive through backward and the optimizer step, until
+        the next step's forward returns, as a loop's variables do (Hugging Face's manual loop,
+        ``out = model(x)``). False: a loop that frees the output before backward (the Hugging
+        Face Trainer's ``compute_loss``). ``report.loop`` says which; a what-if row predicts
+        the other. A loop that does more (``zero_grad(set_to_none=False)``, an EMA copy) is
+        what ``%%find_batch`` (the cell itself, measured) or ``step=`` is for.
 
     Returns
     -------
@@ -182,9 +195,12 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
     (622, 623)
     """
     setup = resolve(model, make_batch, FIND_BATCH.pick(locals()))  # see probe/_options.py
-    if setup.seq_len is not None:
-        return _frontier(setup)
-    return _probe(setup)
+    try:
+        return _frontier(setup) if setup.seq_len is not None else _probe(setup)
+    except Exception as error:
+        if not is_said(error):
+            raise
+        raise error.with_traceback(None) from error.__cause__  # said in our words: from here
 
 
 def _probe(setup: ProbeSetup) -> BatchSizeReport:
@@ -199,6 +215,10 @@ def _probe(setup: ProbeSetup) -> BatchSizeReport:
             report = _ranks_planned(setup, report, search)
         if report.max_batch_size == 0 and report.stop_reason != "stopped":
             raise NoBatchSizeFits(report)
+        if search.model is not None and setup.parallel is None:  # the other loop's answer
+            report = dataclasses.replace(report, what_if=tuple(_what_if.freed_output(
+                search.model, search.model.peak_bytes(report.max_batch_size),
+                multiple_of=setup.multiple_of, ceiling=setup.ceiling)))
         # each row planned, never measured; a plan for N GPUs has its strategies' rows instead
         if setup.what_if and setup.model is not None and setup.parallel is None:
             modules = {name: type(module).__name__ for name, module in
@@ -319,6 +339,8 @@ def _search_guarded(setup: ProbeSetup, rule: StateRule | None = None) -> Search:
         raise
     finally:
         failed = restore_home(home_state, setup.model if setup.moves else None, setup.home, guard)
+        if search is not None and trainer is not None:
+            search.loss_from = getattr(trainer.step, "loss_from", "")
         home_state = trainer = None  # the traceback keeps this frame
         if search is not None:
             search.trainer = None
@@ -335,7 +357,7 @@ def _trainer(setup: ProbeSetup, meter: Any, home_state: TrainingState) -> Traine
     owned = [] if setup.owner is None else [*setup.owner.parameters(), *setup.owner.buffers()]
     return Trainer(_step(setup, meter), meter, state, setup.steps_per_trial,
                    lambda: state_tensors(setup.owner, setup.optimizer),
-                   Marks(owned, setup.optimizer))
+                   Marks(owned, setup.optimizer), called="" if setup.model else "step")
 
 
 def _fake_trainer(setup: ProbeSetup, meter: Any, rule: StateRule | None = None,
@@ -347,9 +369,10 @@ def _fake_trainer(setup: ProbeSetup, meter: Any, rule: StateRule | None = None,
     mode = fake_mode()
     world = (ShardedWorld(setup.model, setup.optimizer, mode, setup.mesh) if setup.mesh is not None
              else FakeWorld(setup.model, setup.optimizer, mode, rule))
-    return Trainer(fake_step(world, setup.make, setup.loss_fn, setup.amp, meter), meter, world,
+    return Trainer(fake_step(world, setup.make, setup.loss_fn, setup.amp, meter,
+                             keep_output=setup.keep_output), meter, world,
                    setup.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
-                   around=(lambda: mode) if paused else world.active)
+                   around=(lambda: mode) if paused else world.active, fake=True)
 
 
 
@@ -361,7 +384,7 @@ def _step(setup: ProbeSetup, meter: Any) -> ProbeStep:
     if setup.amp == "fp16" and scaler is None:
         scaler = torch.amp.GradScaler(setup.device.type)
     return model_step(setup.model, setup.make, setup.loss_fn, setup.optimizer, setup.device,
-                      setup.amp, scaler, meter)
+                      setup.amp, scaler, meter, keep_output=setup.keep_output)
 
 
 def _report(setup: ProbeSetup, search: Search) -> BatchSizeReport:
@@ -393,10 +416,25 @@ def _report(setup: ProbeSetup, search: Search) -> BatchSizeReport:
         headroom=setup.headroom, multiple_of=setup.multiple_of, amp=setup.amp, stop_reason=stop,
         peak_segments=segments, method=" ".join([search.method(), *setup.notes]),
         worst_case=setup.batch_description, memory_split=search.split,
-        memory_timeline=search.timeline, trace=setup.trace)
+        memory_timeline=search.timeline, trace=setup.trace, loop=_loop_of(setup),
+        assumed=setup.assumed + _loss_assumed(setup, search))
     if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report
+
+
+def _loop_of(setup: ProbeSetup) -> str:
+    """The loop the answer is for (NOTE [ The loop the step models ] in _trials.py)."""
+    if setup.model is None:
+        return "your step"
+    return "keeps output" if setup.keep_output else "frees output"
+
+
+def _loss_assumed(setup: ProbeSetup, search: Search) -> tuple[str, ...]:
+    """The loss the model form took without ``loss_fn`` (NOTE [ Say what was assumed ])."""
+    if setup.model is None or setup.loss_fn is not None or not search.loss_from:
+        return ()
+    return (f"loss {search.loss_from} (loss_fn=)",)
 
 
 def _predicted_what_ifs(setup: ProbeSetup, report: BatchSizeReport, search: Search) -> list:

@@ -66,6 +66,8 @@ class ProbeSetup:
     on_step: OnStep | None
     should_stop: ShouldStop | None
     notes: tuple[str, ...]  # what the report says about what was probed
+    keep_output: bool  # the loop modelled (NOTE [ The loop the step models ] in _trials.py)
+    assumed: tuple[str, ...]  # what the call left out and the probe assumed, for the report
     mesh: Any = None  # a fake mesh: the trials run one FSDP2 rank (NOTE [ One FSDP2 rank, traced ])
 
     @property
@@ -126,6 +128,27 @@ def _fake_first(trace: str | None, planned: bool, is_module: bool,
     return True, []
 
 
+# NOTE [ Say what was assumed ]
+# What the call leaves out, the model form assumes: a fresh AdamW (Adam-sized state: an MLP's
+# answer was 1,072 with it and 1,246 with the user's SGD), the model's dtype without autocast,
+# the model's device. The answer is for those, so the report says them in its summary and its
+# table (the loss taken is said once a step has run: the step knows where it came from).
+def _assumed(model: torch.nn.Module | None, options: Mapping[str, Any], device: torch.device,
+             planned: bool) -> tuple[str, ...]:
+    if model is None:
+        return ()
+    assumed = []
+    if options["optimizer"] is None:
+        assumed.append("optimizer AdamW (pass optimizer=)")
+    if options["amp"] is None:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                         if p.is_floating_point()})
+        assumed.append(f"{'/'.join(dtypes) or 'float32'} without autocast (amp=)")
+    if options["device"] is None and not planned:
+        assumed.append(f"device {device} (the model's)")
+    return tuple(assumed)
+
+
 # NOTE [ Why the probe starts at 2 ]
 # Batch size 1 is a special case for many models: BatchNorm cannot train on one sample, and
 # reductions over the batch, squeezes and kernel choices make its memory fall off the line that
@@ -165,6 +188,7 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
     if trace is None:  # see NOTE [ Fake trials ] in _fake.py
         trace = "fake" if planned is not None and is_module else "real"
     notes = notes_on(owner=owner, device=resolved, amp=amp) + why_not
+    assumed = _assumed(model if is_module else None, options, resolved, planned is not None)
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
     ceiling = (options["max_batch_size"] or SEARCH_CEILING) // multiple_of * multiple_of
@@ -183,8 +207,9 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
         trace=trace, fake_first=fake_first, start=start, ceiling=ceiling,
         headroom=float(options["headroom"]),
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None,
-        notes=tuple(notes), **{name: options[name] for name in _AS_GIVEN})
+        notes=tuple(notes), assumed=assumed, **{name: options[name] for name in _AS_GIVEN})
 
 
 _AS_GIVEN = ("loss_fn", "scaler", "scheduler", "amp", "multiple_of", "max_batch_size",
-             "steps_per_trial", "what_if", "on_step", "should_stop")  # options kept as given
+             "steps_per_trial", "what_if", "on_step", "should_stop",
+             "keep_output")  # options kept as given

@@ -1,0 +1,181 @@
+"""What batchwidgets called of the user's code when it raised: the user's error comes back as
+one line first (what was called, with what, at which batch size, on fake or real tensors), an
+instance of the user's type, its ``__cause__`` the user's own error, the engine's frames gone.
+
+Usage:
+    >>> try:
+    ...     with called_at("find_batch", 4, fake=False), calling(lambda: "model(x)"):
+    ...         raise ValueError("no")
+    ... except ValueError as error:
+    ...     print(error)
+    find_batch called model(x) at batch size 4 (real tensors), and it raised ValueError: no
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ._util import first_line, tensors
+
+# NOTE [ The user's error, said in our words first ]
+# An error from the user's model, loss or batch inside a probe step comes up through the
+# engine's dispatch modes (the memory tracker, FakeTensorMode) and its search loop: PyTorch's
+# own message, 14-28 frames deep, naming nothing of what batchwidgets called ("forward() takes
+# 2 positional arguments but 3 were given" for a batch whose last element was taken as the
+# target). So the code that calls the user's (forward_and_loss, the probe's step) says what it
+# calls (``calling``: "model(batch[0], batch[1]) with float32[2, 8], float32[2, 8]" and a hint
+# when it can tell the fix), and the loop that knows the batch size and the tensors
+# (``called_at``) raises a new exception of the user's type whose one line says all that, with
+# the user's error as its ``__cause__``: code that catches the user's type still catches it.
+# A type that cannot be rebuilt from one message gets a subclass of itself that can (its
+# attributes copied); one that cannot even be subclassed gets the line as a PEP 678 note. The
+# cause's traceback loses the engine's frames (its step, its dispatch modes, fake tensors'
+# kernels), so a notebook shows the user's frames, and the public function re-raises the new
+# exception from its own frame (``is_said``). Out-of-memory errors are data, never rebuilt.
+_CALL = "_batchwidgets_called"  # on the user's error: (what was called, a hint or "")
+_SAID = "_batchwidgets_said"  # on the exception rebuilt in our words
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+# torch's own machinery of dispatch modes and fake tensors: frames a plain PyTorch run of the
+# same code never shows
+_DISPATCH = tuple(_TORCH + part for part in (
+    "_ops.py", "utils/_python_dispatch.py", "utils/_stats.py", "_subclasses" + os.sep,
+    "_meta_registrations.py", "_prims_common" + os.sep, "_prims" + os.sep, "_refs" + os.sep,
+    "_decomp" + os.sep, "_library" + os.sep, "_higher_order_ops" + os.sep,
+    "fx" + os.sep + "experimental" + os.sep))
+
+
+def describe(value: Any) -> str:
+    """A value as the line names it: ``float32[2, 8]`` for a tensor, its tensors for a
+    container, its type's name for anything else."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, Mapping):
+        return ", ".join(f"{key} {describe(item)}" for key, item in value.items())
+    found = tensors(value)
+    if found and not isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {', '.join(describe(t) for t in found[:4])}"
+    if found:
+        return ", ".join(describe(t) for t in found[:4]) + (", ..." if len(found) > 4 else "")
+    return f"a {type(value).__name__}"
+
+
+@contextlib.contextmanager
+def calling(what: Callable[[], str], hint: Callable[[BaseException], str] | None = None
+            ) -> Iterator[None]:
+    """The user's code runs inside: an error it raises is marked with ``what()`` (what was
+    called, with what) and ``hint(error)`` (the fix, or ""), for ``called_at``; the innermost
+    mark wins."""
+    try:
+        yield
+    except Exception as error:
+        if getattr(error, _CALL, None) is None and not getattr(error, _SAID, False):
+            with contextlib.suppress(Exception):  # an exception type that refuses attributes
+                setattr(error, _CALL, (what(), hint(error) if hint is not None else ""))
+        raise
+
+
+def mark(error: BaseException, what: str, hint: str = "") -> None:
+    """Mark ``error`` as raised by ``what`` (where no ``calling`` marked it first)."""
+    if getattr(error, _CALL, None) is None:
+        with contextlib.suppress(Exception):
+            setattr(error, _CALL, (what, hint))
+
+
+def was_called(error: BaseException) -> bool:
+    """The error came from the user's code that ``calling`` marked."""
+    return getattr(error, _CALL, None) is not None and not getattr(error, _SAID, False)
+
+
+def said(error: BaseException, who: str, batch_size: int | None, fake: bool) -> BaseException:
+    """The exception to raise for a marked user error: see NOTE [ The user's error, said in our
+    words first ]."""
+    what, hint = getattr(error, _CALL)
+    with contextlib.suppress(AttributeError):  # said once: raised again, it is marked again
+        delattr(error, _CALL)
+    where = f" at batch size {batch_size}" if batch_size is not None else ""
+    kind = "fake tensors: shapes only, nothing computed" if fake else "real tensors"
+    line = (f"{who} called {what}{where} ({kind}), and it raised {first_line(error)}"
+            + (f"; {hint}" if hint else ""))
+    trim_frames(error)
+    return _rebuilt(error, line)
+
+
+def _plain_message(cls: type[BaseException], line: str) -> BaseException | None:
+    try:
+        new = cls(line)
+    except Exception:  # a constructor of other arguments
+        return None
+    return new if str(new) == line else None
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _subclass(cls: type[BaseException]) -> type[BaseException]:
+    """``cls`` with a message of ours: same name and module, its ``__init__`` left out."""
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__init__": lambda self, line: BaseException.__init__(self, line),
+            "__str__": lambda self: str(self.args[0]) if self.args else ""})
+    return _SUBCLASSES[cls]
+
+
+def _rebuilt(error: BaseException, line: str) -> BaseException:
+    new = _plain_message(type(error), line)
+    if new is None:
+        try:
+            new = _subclass(type(error))(line)
+            new.__dict__.update({k: v for k, v in vars(error).items() if k != _CALL})
+        except Exception:  # neither: the user's own error carries the line as a note
+            error.add_note(line)
+            setattr(error, _SAID, "note")  # said, and its own traceback kept
+            return error
+    setattr(new, _SAID, True)
+    new.__cause__ = error
+    return new
+
+
+def trim_frames(error: BaseException) -> None:
+    """Drop the frames of batchwidgets and of torch's dispatch machinery from the user's error's
+    traceback (a plain run of the user's code shows neither)."""
+    kept = []
+    tb = error.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.startswith(_PACKAGE) or name.startswith(_DISPATCH)):
+            kept.append(tb)
+        elif name.startswith(_PACKAGE):  # its locals (a batch, a snapshot) go with it
+            with contextlib.suppress(RuntimeError):  # still running: it clears its own
+                tb.tb_frame.clear()
+        tb = tb.tb_next
+    for this, following in zip(kept, [*kept[1:], None]):
+        this.tb_next = following
+    error.__traceback__ = kept[0] if kept else None
+
+
+@contextlib.contextmanager
+def called_at(who: str, batch_size: int | None, fake: bool) -> Iterator[None]:
+    """Inside, a user error that ``calling`` marked comes out said in our words (``said``)."""
+    try:
+        yield
+    except Exception as error:
+        if not was_called(error):
+            raise
+        new = said(error, who, batch_size, fake)
+        if new is error:
+            raise
+        raise new from error
+
+
+def is_said(error: BaseException) -> bool:
+    """The exception is a user's error said in our words: a public function re-raises it from
+    its own frame (``raise error.with_traceback(None)``), its search's frames left out."""
+    return getattr(error, _SAID, False) is True
