@@ -81,6 +81,14 @@ def calling(what: Callable[[], str], hint: Callable[[BaseException], str] | None
         raise
 
 
+def scalar_hint(loss: torch.Tensor) -> str:
+    """The fix for a loss that is not one number (backward() needs one)."""
+    if loss.numel() == 1:
+        return ""
+    return (f"loss_fn should return one number, but it returned {describe(loss)}: reduce it "
+            f"(e.g. reduction='mean', or loss.mean())")
+
+
 def mark(error: BaseException, what: str, hint: str = "") -> None:
     """Mark ``error`` as raised by ``what`` (where no ``calling`` marked it first)."""
     if getattr(error, _CALL, None) is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -176,7 +177,7 @@ class FakeStep:
         self.world, self.step, self.meter = world, step, meter
 
     def __call__(self, batch_size: int) -> None:
-        with _where_it_failed(self.meter), self.world.swapped():
+        with _quiet_meta_errors(), _where_it_failed(self.meter), self.world.swapped():
             self.step(batch_size)
 
     def release(self) -> None:
@@ -221,6 +222,20 @@ def _made_real(make: Callable[[int], Any]) -> Callable[[int], Any]:
         return tree_map_only(torch.Tensor, fake, batch if keywords is None else keywords)
 
     return made
+
+
+@contextmanager
+def _quiet_meta_errors() -> Iterator[None]:
+    """FakeTensorMode logs every meta kernel that raises (a user's shape error) at ERROR level
+    before raising it: the error reaches the user said in our words (or the fake search gives
+    way to real steps), so the log line would only be noise in the notebook."""
+    logger = logging.getLogger(fake_tensor.__name__)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # What fake tensors cannot do: read a value back, make a shape from data, an op without a meta

@@ -13,7 +13,7 @@ import torch
 from ...results import Attempt
 from .. import memory
 from .._batches import forward
-from .._called import calling, describe, said, was_called
+from .._called import calling, describe, said, scalar_hint, was_called
 from .._own_steps import own_steps
 from .._state import TrainingState, optimizers_within
 from .._util import first_line, to_device
@@ -216,8 +216,8 @@ def moved(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torc
 # it: the steady state of the loop, whose peak is never below the dropped-output loop's, and
 # the trace holds it (the per-op model, the allocator's steady replay, a rank's share).
 # ``keep_output=False`` drops the output (and the batch) before backward: the Trainer's
-# compute_loss, and loops that `del` it. The meter files what is held as the trace's "output" part, from which the
-# report predicts the other loop's answer (a what-if row).
+# compute_loss, and loops that `del` it. The meter files what is held as the trace's "output"
+# part, from which the report predicts the other loop's answer (a what-if row).
 class ModelStep:
     """The model form's step(batch_size): a batch, forward and loss (under autocast with
     ``amp``), backward, the optimizer's step (through ``scaler`` when there is one), the output
@@ -251,7 +251,7 @@ class ModelStep:
             meter.hold((batch, output, loss))
         del batch, output
         what = f"loss.backward() on {describe(loss)} from {self.loss_from}"
-        hint = _scalar_hint(loss)
+        hint = scalar_hint(loss)
         with calling(lambda: what, lambda error: hint):
             (scaler.scale(loss) if scaler is not None else loss).backward()
         del loss
@@ -267,13 +267,6 @@ class ModelStep:
     def release(self) -> None:
         """The trial's end: the loop's variables go."""
         self.batch = self.held = None
-
-
-def _scalar_hint(loss: torch.Tensor) -> str:
-    if loss.numel() == 1:
-        return ""
-    return (f"loss_fn should return one number, but it returned {describe(loss)}: reduce it "
-            f"(e.g. reduction='mean', or loss.mean())")
 
 
 def model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Callable | None,
