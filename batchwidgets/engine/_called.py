@@ -39,6 +39,7 @@ from ._util import first_line, tensors
 # exception from its own frame (``is_said``). Out-of-memory errors are data, never rebuilt.
 _CALL = "_batchwidgets_called"  # on the user's error: (what was called, a hint or "")
 _SAID = "_batchwidgets_said"  # on the exception rebuilt in our words
+_WHERE = "_batchwidgets_where"  # on it too: what was called, where, on what
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH = os.path.dirname(torch.__file__) + os.sep
@@ -49,6 +50,9 @@ _DISPATCH = tuple(_TORCH + part for part in (
     "_meta_registrations.py", "_prims_common" + os.sep, "_prims" + os.sep, "_refs" + os.sep,
     "_decomp" + os.sep, "_library" + os.sep, "_higher_order_ops" + os.sep,
     "fx" + os.sep + "experimental" + os.sep))
+# what wraps the calls into a dispatch mode (torch.compile's guard against tracing a mode): frames
+# of the machinery where they lead into our mode, and only there
+_WRAPPERS = tuple(_TORCH + part for part in ("_compile.py", "_dynamo" + os.sep + "eval_frame.py"))
 
 
 def describe(value: Any) -> str:
@@ -67,17 +71,17 @@ def describe(value: Any) -> str:
 
 
 @contextlib.contextmanager
-def calling(what: Callable[[], str], hint: Callable[[BaseException], str] | None = None
-            ) -> Iterator[None]:
+def calling(what: Callable[[], str], hint: Callable[[BaseException], str] | None = None, *,
+            sized: bool = False) -> Iterator[None]:
     """The user's code runs inside: an error it raises is marked with ``what()`` (what was
     called, with what) and ``hint(error)`` (the fix, or ""), for ``called_at``; the innermost
-    mark wins."""
+    mark wins. ``sized``: ``what()`` names the batch size already."""
     try:
         yield
     except Exception as error:
         if getattr(error, _CALL, None) is None and not getattr(error, _SAID, False):
             with contextlib.suppress(Exception):  # an exception type that refuses attributes
-                setattr(error, _CALL, (what(), hint(error) if hint is not None else ""))
+                setattr(error, _CALL, (what(), hint(error) if hint is not None else "", sized))
         raise
 
 
@@ -89,13 +93,6 @@ def scalar_hint(loss: torch.Tensor) -> str:
             f"(e.g. reduction='mean', or loss.mean())")
 
 
-def mark(error: BaseException, what: str, hint: str = "") -> None:
-    """Mark ``error`` as raised by ``what`` (where no ``calling`` marked it first)."""
-    if getattr(error, _CALL, None) is None:
-        with contextlib.suppress(Exception):
-            setattr(error, _CALL, (what, hint))
-
-
 def was_called(error: BaseException) -> bool:
     """The error came from the user's code that ``calling`` marked."""
     return getattr(error, _CALL, None) is not None and not getattr(error, _SAID, False)
@@ -104,15 +101,24 @@ def was_called(error: BaseException) -> bool:
 def said(error: BaseException, who: str, batch_size: int | None, fake: bool) -> BaseException:
     """The exception to raise for a marked user error: see NOTE [ The user's error, said in our
     words first ]."""
-    what, hint = getattr(error, _CALL)
+    what, hint, sized = getattr(error, _CALL)
     with contextlib.suppress(AttributeError):  # said once: raised again, it is marked again
         delattr(error, _CALL)
-    where = f" at batch size {batch_size}" if batch_size is not None else ""
+    where = f" at batch size {batch_size}" if batch_size is not None and not sized else ""
     kind = "fake tensors: shapes only, nothing computed" if fake else "real tensors"
-    line = (f"{who} called {what}{where} ({kind}), and it raised {first_line(error)}"
-            + (f"; {hint}" if hint else ""))
+    called = f"{who} called {what}{where} ({kind})"
+    line = f"{called}, and it raised {first_line(error)}" + (f"; {hint}" if hint else "")
     trim_frames(error)
-    return _rebuilt(error, line)
+    new = _rebuilt(error, line)
+    with contextlib.suppress(Exception):
+        setattr(new, _WHERE, called)
+    return new
+
+
+def called_where(error: BaseException) -> str:
+    """What a said error's line says was called, where and on what ("find_batch called the
+    cell with bs = 4 (real tensors)"); "" for any other error."""
+    return getattr(error, _WHERE, "")
 
 
 def _plain_message(cls: type[BaseException], line: str) -> BaseException | None:
@@ -141,7 +147,8 @@ def _rebuilt(error: BaseException, line: str) -> BaseException:
     if new is None:
         try:
             new = _subclass(type(error))(line)
-            new.__dict__.update({k: v for k, v in vars(error).items() if k != _CALL})
+            new.__dict__.update({k: v for k, v in vars(error).items()
+                                 if not k.startswith("_batchwidgets")})
         except Exception:  # neither: the user's own error carries the line as a note
             error.add_note(line)
             setattr(error, _SAID, "note")  # said, and its own traceback kept
@@ -151,19 +158,34 @@ def _rebuilt(error: BaseException, line: str) -> BaseException:
     return new
 
 
+def _ours(tb: Any) -> bool:
+    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+
+
+def _machinery(tb: Any) -> bool:
+    name = tb.tb_frame.f_code.co_filename
+    return name.startswith(_DISPATCH) or name.startswith(_WRAPPERS)
+
+
 def trim_frames(error: BaseException) -> None:
-    """Drop the frames of batchwidgets and of torch's dispatch machinery from the user's error's
-    traceback (a plain run of the user's code shows neither)."""
-    kept = []
+    """The user's error's traceback as a plain run of the user's code would show it: without
+    batchwidgets' frames above the user's (the step that called it), and without anything below
+    the op the user's code called where the engine's dispatch mode ran it (our mode's frames,
+    torch's dispatch and fake-tensor machinery): the op raised, as it does without a mode."""
+    chain = []
     tb = error.__traceback__
     while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if not (name.startswith(_PACKAGE) or name.startswith(_DISPATCH)):
-            kept.append(tb)
-        elif name.startswith(_PACKAGE):  # its locals (a batch, a snapshot) go with it
+        chain.append(tb)
+        tb = tb.tb_next
+    first = next((i for i, tb in enumerate(chain) if not _ours(tb)), len(chain))
+    mode = next((i for i in range(first, len(chain)) if _ours(chain[i])), len(chain))
+    while mode > first and _machinery(chain[mode - 1]):
+        mode -= 1  # the dispatcher's way into our mode
+    for tb in chain[:first] + chain[mode:]:
+        if _ours(tb):  # its locals (a batch, a snapshot) go with it
             with contextlib.suppress(RuntimeError):  # still running: it clears its own
                 tb.tb_frame.clear()
-        tb = tb.tb_next
+    kept = [tb for tb in chain[first:mode] if not _machinery(tb)]
     for this, following in zip(kept, [*kept[1:], None]):
         this.tb_next = following
     error.__traceback__ = kept[0] if kept else None

@@ -130,6 +130,7 @@ _LOOPS = {  # how the table says each loop
     "keeps output": "keeps the output and loss until the next forward (keep_output=True)",
     "frees output": "frees the output before backward (keep_output=False)",
     "your step": "your own step, measured as it runs",
+    "your cell": "your cell, measured as it runs (%%find_batch)",
 }
 
 # A smaller size must beat the largest one by this much (samples/s) to be preferred: fewer
@@ -183,7 +184,8 @@ class BatchSizeReport:
     parallel_plans: tuple[ParallelPlan, ...] = ()
     # the loop the answer is for: "keeps output" (the model's output and loss alive until the
     # next step's forward returns, find_batch's default), "frees output" (keep_output=False),
-    # "your step" (a step of the user's own, measured as it is); "" where not said
+    # "your step" (a step of the user's own, measured as it is), "your cell" (%%find_batch);
+    # "" where not said
     loop: str = ""
     # what the call left out and the probe assumed ("optimizer AdamW (pass optimizer=)", ...)
     assumed: tuple[str, ...] = ()

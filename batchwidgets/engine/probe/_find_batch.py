@@ -28,6 +28,7 @@ from .._state import InterruptGuard, TrainingState, restore_home
 from .._types import Amp, ProbeStep, ShouldStop, Trace
 from .._util import first_line
 from . import _search, _what_if
+from ._cell import CellStep, CellWorld, FakeCellStep
 from ._checks import has_meta_tensors
 from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step
 from ._fake_group import FakeGroupUnavailable, fake_group
@@ -47,6 +48,7 @@ from ._trials import (
     model_step,
     moved,
     state_tensors,
+    touched_tensors,
 )
 
 # NOTE [ find_batch, a long module ]
@@ -313,7 +315,7 @@ def _search_guarded(setup: ProbeSetup, rule: StateRule | None = None) -> Search:
     home_state = (TrainingState(setup.owner, None, (), weights=False, loss_fn=setup.loss_fn,
                                 trains=setup.optimizer)
                   if fake else TrainingState(setup.owner, setup.optimizer, setup.extras,
-                                             loss_fn=setup.loss_fn))
+                                             loss_fn=setup.loss_fn, touches=_touches(setup)))
     meter = memory.probe_meter(setup.device, setup.budget_bytes,
                                setup.target[0] if setup.target is not None else None)
     guard = InterruptGuard()
@@ -331,8 +333,8 @@ def _search_guarded(setup: ProbeSetup, rule: StateRule | None = None) -> Search:
                             ceiling=setup.ceiling, limit_bytes=limit_bytes,
                             traced_only=setup.target is not None)
             if setup.fake_first:  # see NOTE [ A free first guess ] in _loop.py
-                search.seed(lambda: _fake_trainer(setup, meter, paused=True), setup.on_step,
-                            setup.should_stop)
+                search.seed(lambda: _fake_trainer(setup, meter, paused=True, home=home_state),
+                            setup.on_step, setup.should_stop)
             search.run(setup.on_step, setup.should_stop)
     except BaseException as error:  # its traceback (kept by IPython) must not keep them alive
         memory.drop_own_frames(error)
@@ -355,18 +357,33 @@ def _trainer(setup: ProbeSetup, meter: Any, home_state: TrainingState) -> Traine
     state = (moved(setup.model, setup.optimizer, setup.device, setup.extras, setup.loss_fn)
              if setup.moves else home_state)
     owned = [] if setup.owner is None else [*setup.owner.parameters(), *setup.owner.buffers()]
+    touches = _touches(setup)
     return Trainer(_step(setup, meter), meter, state, setup.steps_per_trial,
-                   lambda: state_tensors(setup.owner, setup.optimizer),
+                   lambda: state_tensors(setup.owner, setup.optimizer) + touched_tensors(touches),
                    Marks(owned, setup.optimizer), called="" if setup.model else "step")
 
 
+def _touches(setup: ProbeSetup) -> tuple:
+    """The other objects a %%find_batch cell names (NOTE [ A cell as the step ] in _cell.py):
+    put back after each trial, and counted, as the model is."""
+    mine = {id(o) for o in (setup.owner, setup.optimizer, *setup.extras) if o is not None}
+    return tuple(o for o in getattr(setup.step, "touches", ()) if id(o) not in mine)
+
+
 def _fake_trainer(setup: ProbeSetup, meter: Any, rule: StateRule | None = None,
-                  paused: bool = False) -> Trainer:
+                  paused: bool = False, home: TrainingState | None = None) -> Trainer:
     """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ]).
     ``rule``: the optimizer's state by shape (NOTE [ Optimizer state by shape ]). ``paused``: the
     caller holds the cycle collector paused over all the trials (one collection instead of one
-    per trial, which costs more than a small fake trial in a large process: see Search.seed)."""
+    per trial, which costs more than a small fake trial in a large process: see Search.seed).
+    A %%find_batch cell's: its objects' twins (NOTE [ A cell's fake trials ]), ``home`` put
+    back after each."""
     mode = fake_mode()
+    if setup.model is None:
+        cell = CellWorld(setup.step, mode, home)
+        return Trainer(FakeCellStep(cell, meter), meter, cell, setup.steps_per_trial,
+                       cell.tensors, Marks(cell.marked(), None),
+                       around=lambda: mode, fake=True)
     world = (ShardedWorld(setup.model, setup.optimizer, mode, setup.mesh) if setup.mesh is not None
              else FakeWorld(setup.model, setup.optimizer, mode, rule))
     return Trainer(fake_step(world, setup.make, setup.loss_fn, setup.amp, meter,
@@ -426,7 +443,7 @@ def _report(setup: ProbeSetup, search: Search) -> BatchSizeReport:
 def _loop_of(setup: ProbeSetup) -> str:
     """The loop the answer is for (NOTE [ The loop the step models ] in _trials.py)."""
     if setup.model is None:
-        return "your step"
+        return "your cell" if isinstance(setup.step, CellStep) else "your step"
     return "keeps output" if setup.keep_output else "frees output"
 
 

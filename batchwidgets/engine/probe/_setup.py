@@ -17,6 +17,7 @@ from .._state import RngState
 from .._types import ProbeStep, ShouldStop
 from .._unsharded import meta_replica
 from .._util import default_device, usable_device
+from ._cell import CellStep
 from ._checks import (
     check_amp,
     check_arguments,
@@ -111,12 +112,15 @@ def _batches(make_batch: Any) -> Callable[[int], Any]:
 
 
 def _fake_first(trace: str | None, planned: bool, is_module: bool,
-                device: torch.device) -> tuple[bool, list[str]]:
+                device: torch.device, step: Any = None) -> tuple[bool, list[str]]:
     """Whether a local search traces on fake tensors first (NOTE [ A free first guess ] in
-    _loop.py), and why not, for the report, where it could have (``trace`` left out)."""
+    _loop.py), and why not, for the report, where it could have (``trace`` left out). A
+    %%find_batch cell may: its objects are swapped for fakes (NOTE [ A cell's fake trials ])."""
     if planned or trace is not None:
         return False, []  # a plan is all fake; trace='real' asks for real steps only
-    if not is_module:
+    if isinstance(step, CellStep) and step.fakes:
+        return False, [f"No fake trace first: {step.fakes}."]
+    if not is_module and not isinstance(step, CellStep):
         return False, ["No fake trace first: a step(batch_size) of your own runs on your own "
                        "tensors."]
     if device.type != "cpu":
@@ -184,7 +188,7 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
         resolved, budget_bytes = torch.device("cpu"), None
     check_amp(amp, resolved)
-    fake_first, why_not = _fake_first(trace, planned is not None, is_module, resolved)
+    fake_first, why_not = _fake_first(trace, planned is not None, is_module, resolved, bare)
     if trace is None:  # see NOTE [ Fake trials ] in _fake.py
         trace = "fake" if planned is not None and is_module else "real"
     notes = notes_on(owner=owner, device=resolved, amp=amp) + why_not

@@ -36,6 +36,18 @@ def state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimize
     return tensors
 
 
+def touched_tensors(touches: tuple) -> list:
+    """What the other objects a step names hold (a %%find_batch cell's: an EMA copy, a second
+    optimizer), counted in the budget as the model's are."""
+    tensors: list = []
+    for other in touches:
+        if isinstance(other, torch.nn.Module):
+            tensors += state_tensors(other, None)
+        elif isinstance(other, torch.optim.Optimizer):
+            tensors += state_tensors(None, other)
+    return tensors
+
+
 def state_values(optimizer: Any) -> list[dict]:
     """Each parameter's optimizer state as the tensor walker reads it: a custom object's
     attributes as a dict (its tensors are the state's too); an inner optimizer's too (NOTE
