@@ -30,6 +30,7 @@ def fits_under_budget(model: nn.Module, make, batch_size: int, budget: int,
     try:
         with TensorMemoryTracker("cpu", budget, [*model.parameters(), *model.buffers()]):
             for _ in range(2):
+                batch = None  # a loader's loop lets the device's last batch go first
                 batch = make(batch_size)
                 if isinstance(batch, dict):
                     out = model(**batch)

@@ -63,6 +63,7 @@ def hugging_face_manual_loop(model, optimizer):
     """The loop of Hugging Face's "Training in native PyTorch" guide."""
     def body(batch_size):
         while True:
+            batch = None  # `for batch in loader` rebinds it to the next one on the host first
             batch = tokens(batch_size)
             outputs = model(**batch)
             loss = outputs.loss
@@ -77,6 +78,7 @@ def plain_loop(model, optimizer):
     """out = model(x); loss = loss_fn(out, y); ..."""
     def body(batch_size):
         while True:
+            x = y = None  # as a loader's loop: see hugging_face_manual_loop
             x, y = pairs(batch_size)
             out = model(x)
             loss = token_loss(out, y)
@@ -92,6 +94,7 @@ def logging_and_clipping_loop(model, optimizer):
     def body(batch_size):
         history = []
         while True:
+            x = y = None  # as a loader's loop: see hugging_face_manual_loop
             x, y = pairs(batch_size)
             out = model(x)
             loss = token_loss(out, y)

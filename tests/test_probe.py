@@ -64,7 +64,11 @@ def trains_within(budget_bytes: int, model: nn.Module, optimizer: torch.optim.Op
 
     try:
         with TensorMemoryTracker("cpu", budget_bytes, existing()):
+            x = y = None
             for _ in range(steps):
+                # `for x, y in loader: x, y = x.to(device), ...` lets the device's batch go
+                # when it rebinds x, y to the loader's next (host) batch
+                x = y = None
                 x, y = make_batch(batch_size)
                 out = model_copy(x)
                 loss = nn.functional.cross_entropy(out, y)

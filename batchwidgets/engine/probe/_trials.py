@@ -221,9 +221,10 @@ def moved(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torc
 # whose step dropped them before backward answered a batch that ran out in the user's loop
 # (a GPT-2 at 512 MiB: 6 against the loop's 4). So the model form's step keeps them as those
 # variables do (``keep_output=True``, the default): held from its forward on, and let go only
-# once the next step's forward and loss are computed; the batch too, until the next one is made
-# (``for batch in loader`` rebinds it then). The Trainer lets the last step's go at the end of
-# the trial, inside the meter. A trial whose first step left the output alive runs a
+# once the next step's forward and loss are computed; the batch through the step too, until the
+# next step begins (``for batch in loader`` rebinds it to the loader's next one, on the host,
+# before ``.to(device)``). The Trainer lets the last step's go at the end of the trial, inside
+# the meter. A trial whose first step left the output alive runs a
 # second step (NOTE [ A second step only when the first left state behind ]), which starts with
 # it: the steady state of the loop, whose peak is never below the dropped-output loop's, and
 # the trace holds it (the per-op model, the allocator's steady replay, a rank's share).
@@ -251,10 +252,11 @@ class ModelStep:
     def __call__(self, batch_size: int) -> None:
         model, meter, optimizer, scaler = self.model, self.meter, self.optimizer, self.scaler
         model.train()  # each trial starts from the user's modes, restored after the last one
+        self.batch = None  # `for batch in loader` rebinds it, then moves it to the device
         with meter.making_batch(), calling(lambda: f"make_batch({batch_size})"):
             batch = made_on_every_rank(lambda: to_device(self.make(batch_size), self.device),
                                        meter.defer_budget)  # real steps in a job
-        self.batch = batch if self.keep_output else None  # `batch` rebound once it is made
+        self.batch = batch if self.keep_output else None
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
             output, loss, self.loss_from = forward(model, batch, self.loss_fn, call=self.call)
         self.held = None  # `outputs` and `loss` rebound once the forward has returned
