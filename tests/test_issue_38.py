@@ -245,6 +245,28 @@ def test_a_three_tuple_batch_says_its_last_element_was_the_target():
                 "positional arguments")
 
 
+class Cached(nn.Module):
+    """A model whose second positional argument is a cache, as a language model's is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+
+    def forward(self, x, cache=None):
+        return self.linear(x) if cache is None else cache.update(self.linear(x))
+
+
+def test_a_three_tuple_batch_says_so_whatever_the_error_of_its_middle_element():
+    def with_mask(n):
+        x, y = vectors(n)
+        return x, torch.ones(n), y
+
+    error = raised(lambda: bw.find_batch(Cached(), with_mask, loss_fn=F.cross_entropy,
+                                         budget=64 * KIB))
+    assert isinstance(error, AttributeError)
+    assert "the batch is a 3-tuple" in str(error).splitlines()[0]
+
+
 def test_a_wrong_input_shape_says_the_shape_given_on_fake_tensors_for_a_meta_model():
     with torch.device("meta"):
         model = mlp()

@@ -327,11 +327,15 @@ def _model_call(model: Any, args: str, values: Any, batch: Any
         return f"model({args}) with {describe(values)}"
 
     def hint(error: BaseException) -> str:
-        if isinstance(batch, (list, tuple)) and len(batch) > 2 and isinstance(error, TypeError):
-            return (f"the batch is a {len(batch)}-tuple: all but its last element go to the "
-                    f"model and the last is the target (loss_fn(output, batch[-1])); make "
-                    f"the batch (inputs, target), or a dict fed as model(**batch)")
-        return _dtype_hint(model, values)
+        # a 3-tuple's middle element taken as the model's second argument fails in any way
+        # (a TypeError for a count, an AttributeError deep in a model that takes a cache
+        # there): said whatever the type, unless the dtypes tell something surer
+        dtypes = _dtype_hint(model, values)
+        if dtypes or not (isinstance(batch, (list, tuple)) and len(batch) > 2):
+            return dtypes
+        return (f"the batch is a {len(batch)}-tuple: all but its last element go to the "
+                f"model and the last is the target (loss_fn(output, batch[-1])); make "
+                f"the batch (inputs, target), or a dict fed as model(**batch)")
 
     return calling(what, hint)
 
