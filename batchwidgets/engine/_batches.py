@@ -3,7 +3,6 @@ and the convention for feeding them to a model and a loss."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import time
@@ -15,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data import default_collate as _default_collate
 
-from ._called import calling, describe
-from ._util import map_tensors, nbytes, tensors
+from ._called import loss_call, model_call
+from ._util import map_tensors, nbytes
 
 N_SAMPLES_SCANNED = 64  # dataset items read to find the largest sample
 
@@ -266,14 +265,14 @@ def _apply(loss_fn: Callable, output: Any, target: Any, has_target: bool, form: 
                         f"which takes tensors, and the model returns a {type(output).__name__}; "
                         f'{fix} (see "Batches and losses" in docs/find_batch.md).')
     if has_target:
-        with _loss_call(loss_fn, output, target, True):
+        with loss_call(loss_fn, output, target, True):
             return loss_fn(output, target)
     if not _takes_one_argument(loss_fn):
         raise TypeError(f"batch should be an (inputs, target) tuple or a dict with a "
                         f"'{TARGET_KEY}' entry for loss_fn={name}(output, target), but got "
                         f"{form}, which has no target; add the target to the batch, or pass a "
                         f"loss_fn(output) of one argument.")
-    with _loss_call(loss_fn, output, None, False):
+    with loss_call(loss_fn, output, None, False):
         return loss_fn(output)
 
 
@@ -320,47 +319,6 @@ def forward_and_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | Non
     return forward(model, batch, loss_fn, call=call, surrogate=surrogate).loss
 
 
-def _model_call(model: Any, args: str, values: Any, batch: Any
-                ) -> contextlib.AbstractContextManager:
-    """``calling``'s marks for the model's call: what it was given, and the fix it can tell."""
-    def what() -> str:
-        return f"model({args}) with {describe(values)}"
-
-    def hint(error: BaseException) -> str:
-        # a 3-tuple's middle element taken as the model's second argument fails in any way
-        # (a TypeError for a count, an AttributeError deep in a model that takes a cache
-        # there): said whatever the type, unless the dtypes tell something surer
-        dtypes = _dtype_hint(model, values)
-        if dtypes or not (isinstance(batch, (list, tuple)) and len(batch) > 2):
-            return dtypes
-        return (f"the batch is a {len(batch)}-tuple: all but its last element go to the "
-                f"model and the last is the target (loss_fn(output, batch[-1])); make "
-                f"the batch (inputs, target), or a dict fed as model(**batch)")
-
-    return calling(what, hint)
-
-
-def _dtype_hint(model: Any, values: Any) -> str:
-    """The batch's floating dtype against the model's weights', where they differ."""
-    weights = {p.dtype for p in getattr(model, "parameters", list)() if p.is_floating_point()}
-    given = {t.dtype for t in tensors(values) if t.is_floating_point()}
-    if len(weights) != 1 or not given or given <= weights:
-        return ""
-    weight, batch = (str(next(iter(weights))).removeprefix("torch."),
-                     str(sorted(given, key=str)[0]).removeprefix("torch."))
-    return (f"the batch is {batch} and the model's weights {weight}: give them one dtype "
-            f"(the batch's tensors .to(torch.{weight}), or model.to(torch.{batch}))")
-
-
-def _loss_call(loss_fn: Callable, output: Any, target: Any, has_target: bool
-               ) -> contextlib.AbstractContextManager:
-    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-    args = "output, target" if has_target else "output"
-    given = f"output {describe(output)}" + (f", target {describe(target)}" if has_target
-                                               else "")
-    return calling(lambda: f"loss_fn({args}) ({name}) with {given}")
-
-
 def forward(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *,
             call: Callable | None = None, surrogate: bool = True) -> Forward:
     """``forward_and_loss`` with the model's output kept and where the loss came from; each call
@@ -372,14 +330,14 @@ def forward(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *,
         form = f"a {type(batch).__name__} batch with keys {list(keywords)}"
         if loss_fn is None:
             _check_keywords(model, keywords)
-            with _model_call(model, "**batch", keywords, batch):
+            with model_call(model, "**batch", keywords, batch):
                 output = call(**keywords)
             return Forward(output, _default_loss(output, surrogate, form),
                            _loss_from(output))
         has_target = TARGET_KEY in keywords
         target = keywords.pop(TARGET_KEY, None)
         _check_keywords(model, keywords)
-        with _model_call(model, f"**batch without {TARGET_KEY!r}", keywords, batch):
+        with model_call(model, f"**batch without {TARGET_KEY!r}", keywords, batch):
             output = call(**keywords)
         return Forward(output, _apply(loss_fn, output, target, has_target, form), "loss_fn")
     if isinstance(batch, (list, tuple)) and len(batch) >= 2:
@@ -387,7 +345,7 @@ def forward(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *,
         form = f"an (x, ..., y) {type(batch).__name__} of {len(batch)}"
         args = ", ".join(f"batch[{i}]" for i in range(len(inputs)))
         if loss_fn is not None:
-            with _model_call(model, args, inputs, batch):
+            with model_call(model, args, inputs, batch):
                 output = call(*inputs)
             return Forward(output, _apply(loss_fn, output, target, True, form), "loss_fn")
         if not _accepts(model, TARGET_KEY):
@@ -397,7 +355,7 @@ def forward(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *,
                             f"loss_fn=torch.nn.functional.cross_entropy (called as "
                             f"loss_fn(model(x, ...), y)), or batches without a target to train "
                             f"on the output's .loss.")
-        with _model_call(model, f"{args}, {TARGET_KEY}=batch[-1]", batch, batch):
+        with model_call(model, f"{args}, {TARGET_KEY}=batch[-1]", batch, batch):
             output = call(*inputs, **{TARGET_KEY: target})
         if _output_loss(output) is None:
             raise TypeError(f"loss_fn should be given: {type(model).__name__}(x, labels=y) "
@@ -406,7 +364,7 @@ def forward(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *,
     if isinstance(batch, (list, tuple)) and len(batch) == 1:
         batch = batch[0]
     form = f"a {type(batch).__name__} alone"
-    with _model_call(model, "batch", batch, batch):
+    with model_call(model, "batch", batch, batch):
         output = call(batch)
     if loss_fn is None:
         return Forward(output, _default_loss(output, surrogate, form), _loss_from(output))

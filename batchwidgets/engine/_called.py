@@ -209,3 +209,44 @@ def is_said(error: BaseException) -> bool:
     """The exception is a user's error said in our words: a public function re-raises it from
     its own frame (``raise error.with_traceback(None)``), its search's frames left out."""
     return getattr(error, _SAID, False) is True
+
+
+def model_call(model: Any, args: str, values: Any, batch: Any
+               ) -> contextlib.AbstractContextManager:
+    """``calling``'s marks for the model's call: what it was given, and the fix it can tell."""
+    def what() -> str:
+        return f"model({args}) with {describe(values)}"
+
+    def hint(error: BaseException) -> str:
+        # a 3-tuple's middle element taken as the model's second argument fails in any way
+        # (a TypeError for a count, an AttributeError deep in a model that takes a cache
+        # there): said whatever the type, unless the dtypes tell something surer
+        dtypes = _dtype_hint(model, values)
+        if dtypes or not (isinstance(batch, (list, tuple)) and len(batch) > 2):
+            return dtypes
+        return (f"the batch is a {len(batch)}-tuple: all but its last element go to the "
+                f"model and the last is the target (loss_fn(output, batch[-1])); make "
+                f"the batch (inputs, target), or a dict fed as model(**batch)")
+
+    return calling(what, hint)
+
+
+def _dtype_hint(model: Any, values: Any) -> str:
+    """The batch's floating dtype against the model's weights', where they differ."""
+    weights = {p.dtype for p in getattr(model, "parameters", list)() if p.is_floating_point()}
+    given = {t.dtype for t in tensors(values) if t.is_floating_point()}
+    if len(weights) != 1 or not given or given <= weights:
+        return ""
+    weight, batch = (str(next(iter(weights))).removeprefix("torch."),
+                     str(sorted(given, key=str)[0]).removeprefix("torch."))
+    return (f"the batch is {batch} and the model's weights {weight}: give them one dtype "
+            f"(the batch's tensors .to(torch.{weight}), or model.to(torch.{batch}))")
+
+
+def loss_call(loss_fn: Callable, output: Any, target: Any, has_target: bool
+               ) -> contextlib.AbstractContextManager:
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    args = "output, target" if has_target else "output"
+    given = f"output {describe(output)}" + (f", target {describe(target)}" if has_target
+                                               else "")
+    return calling(lambda: f"loss_fn({args}) ({name}) with {given}")
