@@ -20,7 +20,7 @@ from IPython.core.magic_arguments import argument, parse_argstring
 from .engine._batches import SyntheticBatches
 from .engine._options import FLAGS, Option, Options, positive_integer
 from .engine.noise import NoiseTracker
-from .engine.probe import FIND_BATCH, check_arguments, find_batch
+from .engine.probe import FIND_BATCH, CellStep, check_arguments, find_batch, names_in
 from .results import BatchSizeReport
 
 
@@ -172,7 +172,7 @@ def given(shell: Any, options: Options, args: argparse.Namespace) -> dict[str, A
     found = {}
     for option in options:
         value = getattr(args, option.name, None) if option.flag else None
-        if value is None or (value is False and option.flag != "negated"):
+        if value is None or (value is False and option.flag == "switch"):  # not given
             continue
         found[option.name] = (resolve(shell, value, option.flag_name) if option.flag == "name"
                               else value)
@@ -308,6 +308,13 @@ def probe_call(shell: Any, args: argparse.Namespace) -> functools.partial:
     """``%find_batch``'s line as a ``find_batch`` call with the notebook's objects and only the
     options given (its defaults stay); checked as find_batch checks it, in the line's words
     (one UsageError); not run yet."""
+    if args.model is None:
+        raise UsageError(f"MODEL is needed: %find_batch MODEL MAKE_BATCH [flags], or a cell "
+                         f"of your training code under %%find_batch --var NAME; "
+                         f"{available(shell, 'MODEL')}.")
+    if args.var is not None:
+        raise UsageError(f"--var goes with %%find_batch (a cell of your training code at batch "
+                         f"size {args.var}), not with the line magic %find_batch.")
     model = resolve(shell, args.model, "MODEL")
     make_batch = _make_batch(shell, args, model)
     options = given(shell, FIND_BATCH, args)
@@ -318,3 +325,53 @@ def probe_call(shell: Any, args: argparse.Namespace) -> functools.partial:
     except (TypeError, ValueError) as error:
         raise UsageError(str(error)) from None
     return functools.partial(find_batch, model, make_batch, **options)
+
+
+# ---- %%find_batch: the cell as find_batch's step ------------------------------------------
+
+_ONE_EACH = {"optimizer": torch.optim.Optimizer, "scheduler": "get_last_lr",
+             "scaler": "unscale_"}  # the keywords a cell's objects fill, when given once
+
+
+def _largest(modules: list) -> Any:
+    """The module the cell trains: the one with the most parameters (a part of another, or an
+    EMA copy, has no more)."""
+    return max(modules, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+
+def cell_call(shell: Any, args: argparse.Namespace, cell: str) -> functools.partial:
+    """``%%find_batch --var NAME``'s cell as ``find_batch(model, step=<the cell>, optimizer=...)``
+    (NOTE [ A cell as the step ] in engine/probe/_cell.py): the module it trains, and its one
+    optimizer, scheduler and scaler unless a flag names them; every other object it names is
+    put back too (``step.touches``). Not run yet."""
+    if args.var is None or not args.var.isidentifier():
+        raise UsageError(f"%%find_batch needs --var NAME, the batch-size variable of the cell, "
+                         f"but got {'no --var' if args.var is None else '--var ' + args.var}; "
+                         f"e.g. %%find_batch --var bs --budget 16GiB.")
+    if args.model is not None or args.make_batch is not None or args.input_shape is not None:
+        raise UsageError("%%find_batch probes the cell itself: leave MODEL, MAKE_BATCH and "
+                         "--input-shape out (the cell names its model and makes its batches).")
+    transformed = shell.transform_cell(cell)
+    name = shell.compile.cache(transformed, shell.execution_count, raw_code=cell)
+    code = shell.compile(transformed, name, "exec")  # its tracebacks show the cell's lines
+    step = CellStep(code, shell.user_ns, args.var)
+    if args.var not in names_in(code):
+        raise UsageError(f"--var {args.var} should be the batch size the cell uses, but the cell "
+                         f"never reads {args.var}; write the cell's batch with it, e.g. "
+                         f"x = torch.randn({args.var}, 3, 224, 224).")
+    modules = [o for o in step.touches if isinstance(o, torch.nn.Module)]
+    if not modules:
+        raise UsageError("%%find_batch should probe a cell that trains a model, but the cell "
+                         "names no torch.nn.Module; name the model in the cell (not only inside "
+                         "a function it calls).")
+    options = given(shell, FIND_BATCH, args)
+    for name, kind in _ONE_EACH.items():
+        found = [o for o in step.touches if (isinstance(o, kind) if isinstance(kind, type)
+                                             else hasattr(o, kind))]
+        if name not in options and len(found) == 1:
+            options[name] = found[0]
+    try:
+        check_arguments(_largest(modules), None, said=FLAGS, step=step, **options)
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    return functools.partial(find_batch, _largest(modules), step=step, **options)

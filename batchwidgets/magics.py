@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from ._notebook import (
     available,
+    cell_call,
     example_shape,
     find_one,
     flags,
@@ -39,6 +40,7 @@ from ._notebook import (
     resolve,
     training_model,
 )
+from .engine._called import called_where
 from .engine.accumulate import ACCUMULATE, accumulate
 from .engine.noise import CRITICAL_BATCH, NoiseTracker, critical_batch
 from .engine.probe import FIND_BATCH
@@ -160,9 +162,9 @@ class BatchMagics(Magics):
             self.panels.popleft().close()
 
     @magic_arguments()
-    @argument("model", metavar="MODEL",
+    @argument("model", metavar="MODEL", nargs="?",
               help="the model (torch.nn.Module), or a step(batch_size) function that runs one "
-                   "whole training step itself")
+                   "whole training step itself (leave out with %%%%find_batch)")
     @argument("make_batch", metavar="MAKE_BATCH", nargs="?",
               help="a make_batch(batch_size) function, a Dataset, a DataLoader or one example "
                    "tensor (leave out with --input-shape, or with a step function)")
@@ -173,10 +175,13 @@ class BatchMagics(Magics):
     @argument("--num-classes", type=positive_int, metavar="N",
               help="with --input-shape: random labels in [0, N) too, and cross-entropy as the "
                    "loss unless --loss-fn is given")
+    @argument("--var", metavar="NAME",
+              help="%%%%find_batch: the cell's batch-size variable; the cell is your training "
+                   "code for one step (or a loop, stopped after one step) at that size")
     @argument("-q", "--quiet", action="store_true",
               help="no panel: only the static report (a trailing ';' shows nothing)")
-    @line_magic
-    def find_batch(self, line: str) -> BatchSizeReport:
+    @line_cell_magic
+    def find_batch(self, line: str, cell: str | None = None) -> BatchSizeReport:
         """Find the largest batch size that trains: the same as ``batchwidgets.find_batch``.
 
         Each flag is a keyword argument of find_batch with '_' written '-', so
@@ -201,16 +206,40 @@ class BatchMagics(Magics):
           %find_batch meta_llama make_tokens --target 8xA100-80GB --parallel compare
           report = %find_batch model make_batch --headroom 0.8 -q
           %find_batch model train_dataset --budget 16GiB --refresh    # not the remembered one
+
+        As a cell magic, the cell is your own training code for one step (or your loop, which
+        the magic stops after one optimizer step), written with the batch-size variable that
+        ``--var`` names: it runs at each size the search picks, under the same meter (fake
+        tensors first, where the cell runs on them), and whatever your loop keeps, frees,
+        clips, logs or accumulates is measured, not modelled. Every ``nn.Module``, optimizer,
+        LR scheduler and ``GradScaler`` the cell names, and the RNGs, are as they were
+        afterwards; names the cell rebinds get their values back, names it creates go. It is
+        ``find_batch(model, step=<the cell>, optimizer=...)`` with the largest module the cell
+        names; what the cell prints while it is probed is not shown::
+
+          %%find_batch --var bs --budget 16GiB
+          batch = {k: v[:bs] for k, v in examples.items()}
+          outputs = model(**batch)
+          outputs.loss.backward()
+          optimizer.step()
+          optimizer.zero_grad()
         """
+        __tracebackhide__ = True  # IPython: the user's cell's frames, not the magic's
         line, silenced = _without_semicolon(line)
         args = parse(self.find_batch, line)
-        probe = probe_call(self.shell, args)
+        probe = (probe_call(self.shell, args) if cell is None
+                 else cell_call(self.shell, args, cell))
         panel = not (args.quiet or silenced) and _has_widgets(self.shell)
-        if panel:
-            self._keep(shown := ProbePanel(probe=probe))
-            report = shown.run()
-        else:
-            report = probe()
+        try:
+            if panel:
+                self._keep(shown := ProbePanel(probe=probe))
+                report = shown.run()
+            else:
+                report = probe()
+        except Exception as error:
+            if cell is None or not called_where(error):
+                raise
+            raise in_the_cell(error) from None
         if isinstance(probe.args[0], torch.nn.Module):
             self.probed = {key: ref for key, ref in self.probed.items() if ref() is not None}
             self.probed[id(report)] = weakref.ref(probe.args[0])
@@ -350,6 +379,15 @@ class BatchMagics(Magics):
         if tracker is not None:
             tracker.critical = report
         return None if silenced else report
+
+
+def in_the_cell(error: BaseException) -> BaseException:
+    """A %%find_batch cell's error as the cell raised it (its traceback trimmed to the cell's
+    frames), with one line saying at which batch size it ran (a PEP 678 note)."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    if cause is not error:
+        cause.add_note(called_where(error))
+    return cause
 
 
 def _trains(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> bool:

@@ -84,12 +84,16 @@ MIB = 2**20
 
 # ---------------------------------------------------------------------------------- the models
 # NOTE [ The models of the truth kit ]
-# Each is what a user trains, from code or a config (no download), with the loop users write:
-# out = model(...); loss = ...; loss.backward(); opt.step(); opt.zero_grad(). The language
-# models are measured twice: the output kept through the step (a hand-written loop, Hugging
-# Face's manual loop) and freed before backward (the Trainer's compute_loss), since their logits
-# are the step's largest tensor. The wide CNN and the encoder are the two recorded in
-# probe_vs_peers_cuda.json (an H100 at 8 GiB: 641 and 784).
+# Each is what a user trains, from code or a config (no download), with the loop users write
+# (run_loop): a loader's batch, `out = model(...)`, `loss = ...`, `loss.backward()`, the
+# optimizer's step and zero_grad. The language models are measured twice: the output kept as
+# the loop's variables keep it, until the next iteration's forward has returned (a hand-written
+# loop, Hugging Face's manual loop: find_batch's default) and freed before backward (the
+# Trainer's compute_loss: keep_output=False), since their logits are the step's largest tensor;
+# each is compared with find_batch's plan of the same loop. (Before issue 38 the kept output
+# lived through the whole next iteration: the H200 truths of that loop were recorded so.) The
+# wide CNN and the encoder are the two recorded in probe_vs_peers_cuda.json (an H100 at 8 GiB:
+# 641 and 784).
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -234,8 +238,12 @@ def models(dry: bool, chosen: set[str] | None = None) -> list[Model]:
 
 
 def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: Model, batch: Any,
-             keep_output: bool) -> Any:
-    """One step of the user's loop; returns what the loop's variables still hold afterwards."""
+             keep_output: bool, held: list | None = None) -> None:
+    """One iteration of the user's loop. ``held`` is the loop's variables (a one-slot list):
+    what the last iteration's ``out`` and ``loss`` hold, let go once this iteration's forward
+    has returned (the loop rebinds them then), and this iteration's afterwards, with
+    ``keep_output``; without it the output is deleted before backward (the Trainer's
+    compute_loss). The batch is the caller's: given as the loop's next one."""
     if isinstance(batch, dict):
         out = model(**batch)
         loss = out.loss
@@ -243,12 +251,27 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: Model, ba
         x, y = batch
         out = model(x)
         loss = spec.loss_fn(out, y)
+    if held is not None:
+        held.clear()  # `out = model(...)` rebinds: the last iteration's output goes
     if not keep_output:
         del out
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return (out, loss) if keep_output else loss
+    if keep_output and held is not None:
+        held.append((out, loss))
+
+
+def run_loop(model: nn.Module, optimizer: torch.optim.Optimizer, spec: Model, size: int,
+             device: Device, keep_output: bool) -> None:
+    """STEPS iterations of the loop at ``size``: `for batch in loader:` lets the last batch go
+    before the next (a loader's host batch, moved to the device), the output as above."""
+    held: list = []
+    for _ in range(STEPS):
+        batch = spec.batch(size, device.dry, device.type)
+        run_step(model, optimizer, spec, batch, keep_output, held)
+        del batch
+    held.clear()
 
 
 # ---------------------------------------------------------------------------------- the device
@@ -398,7 +421,9 @@ def markdown(head: dict, records: list[dict]) -> str:
                   "|---|---|---|--:|---|--:|---|--:|--:|--:|--:|"]
         for r in bounds:
             plan = next((p for p in records if p["section"] == "plans"
-                         and p["model"] == r["model"] and p["cap"] == r["cap"]), None)
+                         and p["model"] == r["model"] and p["cap"] == r["cap"]
+                         and p.get("loop", "keeps output") == r.get("loop", "keeps output")),
+                        None)
             probe = r.get("find_batch") or {}
             planned = plan.get("max_batch_size") if plan else None
             ratio = (f"{planned / r['boundary']:.3f}" if planned and r.get("boundary")
@@ -466,12 +491,7 @@ def boundary(spec: Model, device: Device, keep_output: bool, deadline: float) ->
         ok = True
         try:
             with device.step(model, optimizer):
-                held = None
-                for _ in range(STEPS):
-                    held = run_step(model, optimizer, spec, spec.batch(size, device.dry,
-                                                                         device.type),
-                                    keep_output)
-                del held
+                run_loop(model, optimizer, spec, size, device, keep_output)
             if not device.dry:
                 torch.cuda.synchronize()
         except (RuntimeError, BudgetExceededError) as error:
@@ -502,11 +522,13 @@ def boundary(spec: Model, device: Device, keep_output: bool, deadline: float) ->
             "peaks_at_boundary": peaks.get(low, {})}
 
 
-def probe(spec: Model, device: Device, cap: str) -> dict:
+def probe(spec: Model, device: Device, cap: str, keep_output: bool = True) -> dict:
+    """find_batch under ``cap``, modelling the loop it is compared with."""
     model, optimizer = fresh(spec, device)
     start = time.perf_counter()
     report = bw.find_batch(model, lambda n: spec.batch(n, device.dry, device.type),
-                           loss_fn=spec.loss_fn, optimizer=optimizer, budget=cap)
+                           loss_fn=spec.loss_fn, optimizer=optimizer, budget=cap,
+                           keep_output=keep_output)
     wall = time.perf_counter() - start
     real = [a for a in report.attempts if not a.fake]
     del model, optimizer
@@ -532,19 +554,18 @@ def section_boundaries(log: Log, device: Device, caps: tuple[str, ...], seconds:
                     with device.capped(cap):
                         found = boundary(spec, device, keep, deadline)
                         found["search_s"] = round(time.monotonic() - started, 1)
-                        # find_batch's step frees the output: compare it with that loop
-                        if not keep or not spec.lm:
-                            found["find_batch"] = probe(spec, device, cap)
+                        found["find_batch"] = probe(spec, device, cap, keep)  # the same loop
                     log.add("boundaries", spec.name, cap=cap, loop=loop, **found)
                 except Exception as error:
                     log.add("boundaries", spec.name, cap=cap, loop=loop,
                             error=f"{type(error).__name__}: {error}"[:500])
 
 
-def plan_one(name: str, cap: str, gpu: str, dry: bool) -> dict:
+def plan_one(name: str, cap: str, gpu: str, dry: bool, loop: str = "keeps output") -> dict:
     """In a worker process on the host's CPU: the plan for ``gpu`` capped at ``cap`` (a dry
-    run's device is the CPU under the budget meter: the plan for CPU processes under ``cap``).
-    Errors come back as text: not every exception of the engine crosses a process."""
+    run's device is the CPU under the budget meter: the plan for CPU processes under ``cap``),
+    of the loop ``loop`` ("keeps output", "frees output"). Errors come back as text: not every
+    exception of the engine crosses a process."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(2 if dry else 3)
     try:
@@ -553,22 +574,28 @@ def plan_one(name: str, cap: str, gpu: str, dry: bool) -> dict:
         target = {"target": "CPU", "budget": cap} if dry else {"target": f"{gpu}@{cap}"}
         start = time.perf_counter()
         report = bw.find_batch(model, lambda n: spec.batch(n, dry, "cpu"),
-                               loss_fn=spec.loss_fn, optimizer=optimizer, **target)
+                               loss_fn=spec.loss_fn, optimizer=optimizer, **target,
+                               keep_output=loop == "keeps output")
         n = report.max_batch_size
-        return {"cap": cap, **target, "max_batch_size": n,
+        return {"cap": cap, "loop": loop, **target, "max_batch_size": n,
                 "band": list(report.target_band or ()), "trace": report.trace,
                 "predicted_peak_at_max": report.predict_peak_bytes(n),
                 "predicted_peak_at_max_plus_1": report.predict_peak_bytes(n + 1),
                 "wall_s": round(time.perf_counter() - start, 2)}
     except Exception as error:
-        return {"cap": cap, "error": f"{type(error).__name__}: {error}"[:500]}
+        return {"cap": cap, "loop": loop, "error": f"{type(error).__name__}: {error}"[:500]}
+
+
+def loops(spec: Model) -> tuple[str, ...]:
+    """The loops a model is measured in (NOTE [ The models of the truth kit ])."""
+    return ("keeps output", "frees output") if spec.lm else ("keeps output",)
 
 
 def start_plans(device: Device, caps: tuple[str, ...], pool: concurrent.futures.Executor,
-                chosen: set[str]) -> list[tuple[str, str, Any]]:
+                chosen: set[str]) -> list[tuple[str, str, str, Any]]:
     gpu = "H100-80GB" if device.dry else target_name(device.name)
-    return [(spec.name, cap, pool.submit(plan_one, spec.name, cap, gpu, device.dry))
-            for spec in models(device.dry, chosen) for cap in caps]
+    return [(spec.name, cap, loop, pool.submit(plan_one, spec.name, cap, gpu, device.dry, loop))
+            for spec in models(device.dry, chosen) for cap in caps for loop in loops(spec)]
 
 
 def target_name(device_name: str) -> str:
@@ -598,23 +625,22 @@ def warmed(spec: Model, dry: bool = False) -> tuple[nn.Module, torch.optim.Optim
 
 def collect_plans(log: Log, plans: list, seconds: float) -> None:
     deadline = time.monotonic() + seconds
-    for name, cap, future in plans:
+    for name, cap, loop, future in plans:
         try:
             found = future.result(timeout=max(1.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             future.cancel()
-            log.add("plans", name, cap=cap, skipped="out of time")
+            log.add("plans", name, cap=cap, loop=loop, skipped="out of time")
             continue
         except Exception as error:
-            log.add("plans", name, cap=cap, error=f"{type(error).__name__}: {error}"[:500])
+            log.add("plans", name, cap=cap, loop=loop,
+                    error=f"{type(error).__name__}: {error}"[:500])
             continue
         if "error" in found:
             log.add("plans", name, **found)
             continue
         truths = [r for r in log.find("boundaries", model=name, cap=cap) if r.get("boundary")]
-        # the plan models find_batch's step, which frees the output before backward
-        truth = next((r for r in truths if r["loop"] == "frees output"), None) or next(
-            iter(truths), None)
+        truth = next((r for r in truths if r["loop"] == loop), None)  # the loop it plans
         if truth:
             found["real_boundary"] = truth["boundary"]
             found["plan_over_real"] = round(found["max_batch_size"] / truth["boundary"], 4)
@@ -654,11 +680,7 @@ def section_allocator(log: Log, device: Device, seconds: float, truths: list[dic
                     torch.cuda.memory._record_memory_history(max_entries=500_000, context=None,
                                                              stacks="python")
                 with device.step(model, optimizer):
-                    held = None
-                    for _ in range(STEPS):
-                        held = run_step(model, optimizer, spec,
-                                        spec.batch(n, device.dry, device.type), keep)
-                    del held
+                    run_loop(model, optimizer, spec, n, device, keep)
                 stats: dict = {}
                 if not device.dry:
                     torch.cuda.synchronize()
@@ -851,14 +873,12 @@ def section_probes(log: Log, device: Device, seconds: float, truths: list[dict])
     deadline = time.monotonic() + seconds
     for record in boundaries_known(log, truths):
         spec = BY_NAME[record["model"]]
-        if spec.lm and record["loop"] != "frees output":
-            continue  # find_batch's step frees the output
         if time.monotonic() > deadline:
             log.add("probes", spec.name, cap=record["cap"], skipped="out of time")
             continue
         try:
             with device.capped(record["cap"]):
-                found = probe(spec, device, record["cap"])
+                found = probe(spec, device, record["cap"], record["loop"] == "keeps output")
             log.add("probes", spec.name, cap=record["cap"], loop=record["loop"],
                     real_boundary=record["boundary"],
                     exact=found["max_batch_size"] == record["boundary"], **found)

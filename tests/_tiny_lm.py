@@ -94,7 +94,8 @@ def run_hf(out: str, train: bool) -> dict:
              "steps": args.gradient_accumulation_steps, "world_size": args.world_size,
              "global": fit.global_batch_size, "max_per_device": fit.max_per_device,
              "loader_batch": batch["input_ids"].shape[0], "learning_rate": args.learning_rate,
-             "remembered": fit.remembered is not None, "fit_s": elapsed}
+             "remembered": fit.remembered is not None, "fit_s": elapsed,
+             "loop": fit.probe.loop}
     if train:
         model = trainer.model
         with bw.track_tensor_memory(BUDGET, baseline=[*model.parameters(),

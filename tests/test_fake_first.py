@@ -22,22 +22,26 @@ MIB = 2**20
 
 def fits_under_budget(model: nn.Module, make, batch_size: int, budget: int,
                       loss_fn=None) -> bool:
-    """The oracle: two plain AdamW steps on a copy, the live tensor bytes (weights included)
-    under ``budget``, counted by the tracker alone."""
+    """The oracle: two iterations of a plain AdamW loop on a copy, the live tensor bytes
+    (weights included) under ``budget``, counted by the tracker alone; the loop's variables
+    live as a loop's do (the output until the next forward has returned)."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters())
     try:
         with TensorMemoryTracker("cpu", budget, [*model.parameters(), *model.buffers()]):
             for _ in range(2):
+                batch = None  # a loader's loop lets the device's last batch go first
                 batch = make(batch_size)
                 if isinstance(batch, dict):
-                    loss = model(**batch).loss
+                    out = model(**batch)
+                    loss = out.loss
                 else:
-                    loss = loss_fn(model(batch[0]), batch[1])
+                    out = model(batch[0])
+                    loss = loss_fn(out, batch[1])
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                del batch, loss  # as a step frees them when it returns
+            del batch, out, loss
     except BudgetExceededError:
         return False
     return True

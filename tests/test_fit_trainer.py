@@ -101,6 +101,7 @@ def test_fit_trainer_keeps_the_global_batch_and_the_dataloader_yields_the_per_de
     assert first["steps"] > 1
     assert first["per_device"] <= first["max_per_device"] < 2 * first["per_device"]
     assert first["loader_batch"] == first["per_device"]  # not the 64 __init__ copied
+    assert first["loop"] == "frees output"  # compute_loss drops the output before backward
     assert first["learning_rate"] == transformers.TrainingArguments("x").learning_rate
     assert not first["remembered"]
 

@@ -40,6 +40,12 @@ KNOWN_GAPS = {
     "at the true 18 the real step reserved 0.47 GiB beyond its allocated peak (its 4.5 GB "
     "float32 logits split by best fit), the plan's replay 0.24 GiB, so the plan fits 19 at "
     "15.96 GiB where the GPU ran out; the tensors agree within 0.5%",
+    **dict.fromkeys(
+        [("GPT-2 small", "8GiB", "keeps output"), ("GPT-2 small", "16GiB", "keeps output"),
+         ("Llama 125M bf16, checkpointed", "8GiB", "keeps output")],
+        "the H200 truth of this loop was recorded before issue 38, its output alive through the "
+        "whole next iteration (one more logits tensor than the loop find_batch models): the "
+        "next GPU run re-records it"),
 }
 
 
@@ -53,26 +59,29 @@ def _truth_cases() -> list:
                 continue
             if record["model"] not in gpu_truth.BY_NAME:
                 continue
-            # find_batch's step frees the output before backward: the language models'
-            # truth for that loop; the classifiers' output is a few bytes either way
-            spec = gpu_truth.BY_NAME[record["model"]]
-            if spec.lm and record["loop"] != "frees output":
-                continue
-            gap = KNOWN_GAPS.get((record["model"], record["cap"]))
+            # each loop's truth against the plan of that loop: the default (the output kept,
+            # as the loop's variables keep it) and keep_output=False (freed before backward);
+            # the classifiers' output is a few bytes, measured in the loop that keeps it
+            loop = record.get("loop", "keeps output")
+            gap = KNOWN_GAPS.get((record["model"], record["cap"], loop)) or KNOWN_GAPS.get(
+                (record["model"], record["cap"]))
             marks = [pytest.mark.xfail(reason=gap, strict=True)] if gap else []
-            cases.append(pytest.param(record["model"], gpu, record["cap"], record["boundary"],
-                                      id=f"{path.stem}-{record['model']}-{record['cap']}",
+            cases.append(pytest.param(record["model"], gpu, record["cap"], loop,
+                                      record["boundary"],
+                                      id=f"{path.stem}-{record['model']}-{record['cap']}-{loop}",
                                       marks=marks))
     return cases
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "gpu", "cap", "truth"), _truth_cases())
-def test_a_plan_lies_within_3_percent_below_the_recorded_gpu_boundary(name, gpu, cap, truth):
+@pytest.mark.parametrize(("name", "gpu", "cap", "loop", "truth"), _truth_cases())
+def test_a_plan_lies_within_3_percent_below_the_recorded_gpu_boundary(name, gpu, cap, loop,
+                                                                       truth):
     spec = gpu_truth.BY_NAME[name]
     model, optimizer = gpu_truth.warmed(spec)
     report = bw.find_batch(model, lambda n: spec.batch(n, False, "cpu"), loss_fn=spec.loss_fn,
-                           optimizer=optimizer, target=f"{gpu}@{cap}")
+                           optimizer=optimizer, target=f"{gpu}@{cap}",
+                           keep_output=loop == "keeps output")
     planned = report.max_batch_size
     assert planned <= truth, f"plan {planned} above the real boundary {truth}"
     assert planned >= truth - max(1, BAND * truth), f"plan {planned} too far below {truth}"
@@ -101,12 +110,12 @@ def test_the_dry_run_writes_every_section_on_the_cpu(tmp_path):
     assert not errors, errors
     bounds = [r for r in data["records"] if r["section"] == "boundaries"]
     assert all(r.get("boundary") for r in bounds), [r for r in bounds if not r.get("boundary")]
-    plans = {(r["model"], r["cap"]): r["max_batch_size"] for r in data["records"]
+    plans = {(r["model"], r["cap"], r["loop"]): r["max_batch_size"] for r in data["records"]
              if r["section"] == "plans"}
-    # the budget meter stands in for the GPU: the CPU's plan is the meter's own boundary
+    # the budget meter stands in for the GPU: the CPU's plan of each loop is the meter's own
+    # boundary for that loop
     for r in bounds:
-        if r["loop"] == "frees output" or not gpu_truth.BY_NAME[r["model"]].lm:
-            assert plans[(r["model"], r["cap"])] == r["boundary"], r
+        assert plans[(r["model"], r["cap"], r["loop"])] == r["boundary"], r
     assert (tmp_path / "gpu_truth_dry_run.md").read_text().startswith("# GPU truth")
 
 

@@ -60,6 +60,8 @@ PARITY_CASES = [
      "--multiple-of 8 --headroom 0.5 --steps-per-trial 1 --start 8 --device cpu",
      {"optimizer": "opt", "loss_fn": "loss_fn", "budget": BUDGET, "max_batch_size": 64,
       "multiple_of": 8, "headroom": 0.5, "steps_per_trial": 1, "start": 8, "device": "cpu"}),
+    ("model make_batch --optimizer opt --loss-fn loss_fn --budget 256KiB --keep-output no",
+     {"optimizer": "opt", "loss_fn": "loss_fn", "budget": BUDGET, "keep_output": False}),
 ]
 
 

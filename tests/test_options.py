@@ -24,7 +24,7 @@ PACKAGE = Path(bw.__file__).parent
 # function, its declaration, the magic, its positionals, the magic's flags that are not keywords
 DECLARED = [
     (bw.find_batch, FIND_BATCH, magics.BatchMagics.find_batch, ("model", "make_batch"),
-     {"--input-shape", "--num-classes", "--quiet"}),
+     {"--input-shape", "--num-classes", "--quiet", "--var"}),
     (bw.accumulate, ACCUMULATE, magics.BatchMagics.accumulate, ("optimizer",),
      {"--optimizer", "--scaler", "--scheduler", "--model", "--probe", "--noise"}),
     (bw.critical_batch, CRITICAL_BATCH, magics.BatchMagics.critical_batch,

@@ -47,9 +47,11 @@ def trained(model: nn.Module, optimizer: torch.optim.Optimizer, make_batch) -> N
 
 
 def trains_within(budget_bytes: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  make_batch, batch_size: int, steps: int = 2) -> bool:
-    """The oracle: ``steps`` plain training steps on copies, under the tensor-memory budget,
-    counting the weights, gradients and optimizer state that already exist."""
+                  make_batch, batch_size: int, steps: int = 2, keep_output: bool = True) -> bool:
+    """The oracle: ``steps`` iterations of a plain training loop on copies, under the
+    tensor-memory budget, counting the weights, gradients and optimizer state that already
+    exist; its variables (the batch, the output, the loss) live as a loop's do, or with
+    ``keep_output=False`` the output is deleted before backward."""
     model_copy, optimizer_copy = copy.deepcopy((model, optimizer))
     for param, param_copy in zip(model.parameters(), model_copy.parameters()):
         param_copy.grad = None if param.grad is None else param.grad.clone()  # deepcopy drops them
@@ -62,11 +64,22 @@ def trains_within(budget_bytes: int, model: nn.Module, optimizer: torch.optim.Op
 
     try:
         with TensorMemoryTracker("cpu", budget_bytes, existing()):
+            x = y = None
             for _ in range(steps):
+                # `for x, y in loader: x, y = x.to(device), ...` lets the device's batch go
+                # when it rebinds x, y to the loader's next (host) batch
+                x = y = None
                 x, y = make_batch(batch_size)
-                nn.functional.cross_entropy(model_copy(x), y).backward()
+                out = model_copy(x)
+                loss = nn.functional.cross_entropy(out, y)
+                if not keep_output:
+                    del out, x, y
+                loss.backward()
                 optimizer_copy.step()
                 optimizer_copy.zero_grad(set_to_none=True)
+            del loss
+            if keep_output:
+                del out, x, y
     except BudgetExceededError:
         return False
     return True
@@ -317,13 +330,22 @@ class Broken(nn.Module):
         return self.linear(x)
 
 
-def test_errors_from_the_users_model_propagate_unchanged():
+def test_an_error_from_the_users_model_says_what_find_batch_called_with_the_users_as_cause():
     model = Broken()
     with pytest.raises(ValueError, match="the user's bug") as info:
         bw.find_batch(model, vectors, loss_fn=nn.functional.cross_entropy, budget=64 * KIB)
-    assert info.value is model.error
-    frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    error = info.value
+    size = error.args[0].split("at batch size ")[1].split()[0]
+    assert str(error).splitlines()[0] == (
+        f"find_batch called model(batch[0]) with float32[{size}, 16] at batch size {size} "
+        f"(real tensors), and it raised ValueError: shapes do not match: the user's bug")
+    assert error.__cause__ is model.error  # the user's own error, as it was raised
+    frames = [frame.name for frame in traceback.extract_tb(model.error.__traceback__)]
     assert frames[-1] == "forward"  # the user's frame is still there to debug
+    files = [frame.filename for frame in traceback.extract_tb(model.error.__traceback__)]
+    assert not [f for f in files if "batchwidgets" in f]  # none of the probe's own frames
+    outer = traceback.extract_tb(error.__traceback__)
+    assert [frame.name for frame in outer][-1] == "find_batch"  # raised from the public call
 
 
 def test_an_oom_like_error_of_another_type_is_not_treated_as_out_of_memory():
@@ -333,7 +355,10 @@ def test_an_oom_like_error_of_another_type_is_not_treated_as_out_of_memory():
 
     with pytest.raises(ValueError, match="user's own check") as info:
         bw.find_batch(step, device="cpu")
-    assert str(info.value) == "CUDA out of memory, says the user's own check"
+    assert str(info.value) == ("find_batch called step(4) at batch size 4 (real tensors), and "
+                               "it raised ValueError: CUDA out of memory, says the user's own "
+                               "check")
+    assert str(info.value.__cause__) == "CUDA out of memory, says the user's own check"
 
 
 def test_when_nothing_fits_one_error_carries_the_report_and_suggests_next_steps():

@@ -256,6 +256,7 @@ CHANGED_OPTION = {
     "trace": {"trace": "real"},
     "step": {"step": user_step},
     "parallel": {"target": "2xT4", "parallel": "zero1"},
+    "keep_output": {"keep_output": False},
 }
 
 

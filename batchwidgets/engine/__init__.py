@@ -15,6 +15,7 @@ Shared pieces beside them, which import none of the rooms:
 - ``_types.py``      the vocabulary: step, progress and data names, Literal choices
 - ``_options.py``    Option, Options, Spelling: each public function's options declared once
 - ``_batches.py``    batches of any size from a callable, Dataset, DataLoader or tensor
+- ``_called.py``     what was called of the user's code when it raised: one line first
 - ``_state.py``      bit-exact snapshot and restore of model, optimizer, RNGs, flags
 - ``_background.py`` a panel's background probe: private RNG, a copy or a held model
 - ``_own_steps.py``  batchwidgets' own steps, which an accumulate block lets through

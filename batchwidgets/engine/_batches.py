@@ -8,12 +8,13 @@ import inspect
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data import default_collate as _default_collate
 
+from ._called import loss_call, model_call
 from ._util import map_tensors, nbytes
 
 N_SAMPLES_SCANNED = 64  # dataset items read to find the largest sample
@@ -273,13 +274,15 @@ def _apply(loss_fn: Callable, output: Any, target: Any, has_target: bool, form: 
                         f"which takes tensors, and the model returns a {type(output).__name__}; "
                         f'{fix} (see "Batches and losses" in docs/find_batch.md).')
     if has_target:
-        return loss_fn(output, target)
+        with loss_call(loss_fn, output, target, True):
+            return loss_fn(output, target)
     if not _takes_one_argument(loss_fn):
         raise TypeError(f"batch should be an (inputs, target) tuple or a dict with a "
                         f"'{TARGET_KEY}' entry for loss_fn={name}(output, target), but got "
                         f"{form}, which has no target; add the target to the batch, or pass a "
                         f"loss_fn(output) of one argument.")
-    return loss_fn(output)
+    with loss_call(loss_fn, output, None, False):
+        return loss_fn(output)
 
 
 def _output_loss(output: Any) -> torch.Tensor | None:
@@ -308,27 +311,52 @@ def _default_loss(output: Any, surrogate: bool, form: str) -> torch.Tensor:
     return sum(t.float().mean() for t in tensors)
 
 
+class Forward(NamedTuple):
+    """One batch through the model and the loss: the model's whole output, the loss, and where
+    the loss came from (said in a report: "loss_fn", "the output's .loss", ...)."""
+
+    output: Any
+    loss: torch.Tensor
+    loss_from: str
+
+
 def forward_and_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *,
                      call: Callable | None = None, surrogate: bool = True) -> torch.Tensor:
     """The loss of one batch by NOTE [ The batch convention ]. ``call`` runs the model (a
     ``functional_call`` for per-example gradients; default ``model``); ``surrogate`` lets a
     model without any loss train on the mean of its outputs (the probe) instead of refusing."""
+    return forward(model, batch, loss_fn, call=call, surrogate=surrogate).loss
+
+
+def forward(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *,
+            call: Callable | None = None, surrogate: bool = True) -> Forward:
+    """``forward_and_loss`` with the model's output kept and where the loss came from; each call
+    of the user's code marked with what was called (NOTE [ The user's error, said in our words
+    first ] in engine/_called.py)."""
     call = model if call is None else call
     keywords = as_keywords(batch)
     if keywords is not None:
         form = f"a {type(batch).__name__} batch with keys {list(keywords)}"
         if loss_fn is None:
             _check_keywords(model, keywords)
-            return _default_loss(call(**keywords), surrogate, form)
+            with model_call(model, "**batch", keywords, batch):
+                output = call(**keywords)
+            return Forward(output, _default_loss(output, surrogate, form),
+                           _loss_from(output))
         has_target = TARGET_KEY in keywords
         target = keywords.pop(TARGET_KEY, None)
         _check_keywords(model, keywords)
-        return _apply(loss_fn, call(**keywords), target, has_target, form)
+        with model_call(model, f"**batch without {TARGET_KEY!r}", keywords, batch):
+            output = call(**keywords)
+        return Forward(output, _apply(loss_fn, output, target, has_target, form), "loss_fn")
     if isinstance(batch, (list, tuple)) and len(batch) >= 2:
         *inputs, target = batch
         form = f"an (x, ..., y) {type(batch).__name__} of {len(batch)}"
+        args = ", ".join(f"batch[{i}]" for i in range(len(inputs)))
         if loss_fn is not None:
-            return _apply(loss_fn, call(*inputs), target, True, form)
+            with model_call(model, args, inputs, batch):
+                output = call(*inputs)
+            return Forward(output, _apply(loss_fn, output, target, True, form), "loss_fn")
         if not _accepts(model, TARGET_KEY):
             raise TypeError(f"loss_fn should be given for (x, ..., y) batches, so that the "
                             f"target y is used, but got loss_fn=None and "
@@ -336,15 +364,22 @@ def forward_and_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | Non
                             f"loss_fn=torch.nn.functional.cross_entropy (called as "
                             f"loss_fn(model(x, ...), y)), or batches without a target to train "
                             f"on the output's .loss.")
-        output = call(*inputs, **{TARGET_KEY: target})
+        with model_call(model, f"{args}, {TARGET_KEY}=batch[-1]", batch, batch):
+            output = call(*inputs, **{TARGET_KEY: target})
         if _output_loss(output) is None:
             raise TypeError(f"loss_fn should be given: {type(model).__name__}(x, labels=y) "
                             f"returned no .loss; pass loss_fn(output, y).")
-        return _output_loss(output)
+        return Forward(output, _output_loss(output), "the output's .loss")
     if isinstance(batch, (list, tuple)) and len(batch) == 1:
         batch = batch[0]
     form = f"a {type(batch).__name__} alone"
-    output = call(batch)
+    with model_call(model, "batch", batch, batch):
+        output = call(batch)
     if loss_fn is None:
-        return _default_loss(output, surrogate, form)
-    return _apply(loss_fn, output, None, False, form)
+        return Forward(output, _default_loss(output, surrogate, form), _loss_from(output))
+    return Forward(output, _apply(loss_fn, output, None, False, form), "loss_fn")
+
+
+def _loss_from(output: Any) -> str:
+    """Where a loss without ``loss_fn`` comes from (``_default_loss``'s choice)."""
+    return "the output's .loss" if _output_loss(output) is not None else "the mean of the output"

@@ -450,9 +450,11 @@ class TrainingState:
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
                  extras: tuple[Any, ...] = (), *, weights: bool = True,
-                 loss_fn: Any = None, trains: Any = None) -> None:
+                 loss_fn: Any = None, trains: Any = None, touches: tuple[Any, ...] = ()) -> None:
         """``loss_fn``: a loss module's own weights, gradients and mode come back too, and so
-        do the parameters an optimizer (``trains``, else ``optimizer``) has beside the model."""
+        do the parameters an optimizer (``trains``, else ``optimizer``) has beside the model.
+        ``touches``: more modules, optimizers (with what they train), schedulers and scalers
+        a step changes (the objects a ``%%find_batch`` cell names), each put back as these."""
         trains = trains if trains is not None else optimizer
         trained = [p for o in (optimizers_within(trains) if trains is not None else [])
                    for group in o.param_groups for p in group["params"]]
@@ -471,6 +473,15 @@ class TrainingState:
         self.others = [ModelState(part, not _on_meta(part)) for part in parts]
         self.optimizers = ([OptimizerState(o) for o in optimizers_within(optimizer)]
                            if optimizer is not None else [])
+        for other in touches:
+            if isinstance(other, torch.nn.Module):
+                self.others.append(ModelState(other, weights and not _on_meta(other)))
+            elif isinstance(other, torch.optim.Optimizer):
+                self.optimizers += [OptimizerState(o) for o in optimizers_within(other)]
+                self.others.append(ModelState([p for group in other.param_groups
+                                               for p in group["params"]], weights))
+        extras = (*extras, *(other for other in touches
+                             if not isinstance(other, (torch.nn.Module, torch.optim.Optimizer))))
         # Schedulers and GradScalers both have state_dict/load_state_dict.
         self.extras = [(obj, _host_copy(obj.state_dict())) for obj in extras if obj is not None]
         # A GradScaler's state_dict leaves out how far it got within a step: an out-of-memory

@@ -154,9 +154,8 @@ class NoiseCallback(TrainerCallback):
 # again), batches of its train dataset through its collator with the columns the model does not
 # take removed (the largest sample, padded, NOTE [ The worst case of varying inputs ]), the loss
 # from the model's ``.loss`` (or ``compute_loss_func``), and the model's output freed before
-# backward, as ``compute_loss`` returns the loss alone (find_batch's step keeps the loss only,
-# forward_and_loss in engine/_batches.py). A Trainer subclass with its own
-# ``compute_loss`` is probed with the default one.
+# backward (``keep_output=False``), as ``compute_loss`` returns the loss alone. A Trainer
+# subclass with its own ``compute_loss`` is probed with the default one.
 
 
 def fit_trainer(trainer: Trainer, global_batch_size: int | None = None,
@@ -225,6 +224,7 @@ def fit_trainer(trainer: Trainer, global_batch_size: int | None = None,
                              * devices)
     options.setdefault("amp", "bf16" if args.bf16 else "fp16" if args.fp16 else None)
     options.setdefault("loss_fn", trainer.compute_loss_func)
+    options.setdefault("keep_output", False)  # compute_loss drops the output before backward
     with _checkpointing(trainer), _optimizer(trainer) as optimizer:
         options.setdefault("optimizer", optimizer)
         probe = find_batch(trainer.model, _batches(trainer), **options)

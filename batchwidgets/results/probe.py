@@ -1,4 +1,7 @@
-"""The probe's reports: each size tried (``Attempt``) and ``BatchSizeReport``."""
+"""The probe's reports: each size tried (``Attempt``) and ``BatchSizeReport``.
+One object, one module: every field, line and row of the report says one thing about one probe,
+and its summary, table and text form read them together.
+"""
 
 from __future__ import annotations
 
@@ -144,6 +147,13 @@ def _interpolate(points: tuple[tuple[int, int], ...], x: int) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+_LOOPS = {  # how the table says each loop
+    "keeps output": "keeps the output and loss until the next forward (keep_output=True)",
+    "frees output": "frees the output before backward (keep_output=False)",
+    "your step": "your own step, measured as it runs",
+    "your cell": "your cell, measured as it runs (%%find_batch)",
+}
+
 # A smaller size must beat the largest one by this much (samples/s) to be preferred: fewer
 # trials than a throughput curve needs, so small timing noise must not flip the recommendation.
 FASTER_BY = 1.10
@@ -197,6 +207,13 @@ class BatchSizeReport(TextForm):
     # NOTE [ Remembered answers ] in engine/probe/_remember.py): when and where that one ran.
     # Not compared: a remembered report equals the one measured.
     remembered: Remembered | None = field(default=None, compare=False)
+    # the loop the answer is for: "keeps output" (the model's output and loss alive until the
+    # next step's forward returns, find_batch's default), "frees output" (keep_output=False),
+    # "your step" (a step of the user's own, measured as it is), "your cell" (%%find_batch);
+    # "" where not said
+    loop: str = ""
+    # what the call left out and the probe assumed ("optimizer AdamW (pass optimizer=)", ...)
+    assumed: tuple[str, ...] = ()
 
     @property
     def global_batch_size(self) -> int:
@@ -305,12 +322,30 @@ class BatchSizeReport(TextForm):
                              f"use e.g. 0.9 to keep 10% of the memory free.")
         return dataclasses.replace(self, headroom=headroom)
 
+    @property
+    def other_loop(self) -> WhatIf | None:
+        """The what-if row of the loop not modelled (keep_output's other value), if predicted."""
+        return next((row for row in self.what_if if row.name.startswith("keep_output=")), None)
+
+    @property
+    def loop_line(self) -> str:
+        """Which loop the answer is for, and the other loop's answer where it differs (what
+        the summary adds; "" where the loop does not change the answer or was not said)."""
+        other = self.other_loop
+        if other is None or other.max_batch_size == self.max_batch_size:
+            return ""
+        said = ("the loop keeps the output and loss until the next forward"
+                if self.loop == "keeps output" else "the loop frees the output before backward")
+        return f"{said}; {other.name.split(' ', 1)[0]}: {other.max_batch_size}"
+
     def summary(self) -> str:
-        # one short line: the panel shows it beside its progress bar
-        said = self._summary()
+        # one short line (the panel shows it beside its progress bar), then what it rests on
+        said = "; ".join(part for part in (self._answer_line(), self.loop_line,
+                                           "assumed " + ", ".join(self.assumed)
+                                           if self.assumed else "") if part)
         return said if self.remembered is None else f"{said}; remembered, {self.remembered}"
 
-    def _summary(self) -> str:
+    def _answer_line(self) -> str:
         if self.target is not None and self.parallel is not None:
             return (f"max_batch_size={self.max_batch_size} per rank on {self.world_size}x"
                     f"{self.target} under {self.parallel}, global_batch_size="
@@ -340,6 +375,11 @@ class BatchSizeReport(TextForm):
             ("device", self.device),
             ("budget", _html.format_bytes(self.budget_bytes) if self.budget_bytes
              else "whole device"),
+            *([("loop", _LOOPS.get(self.loop, self.loop) + (
+                f" ({self.other_loop.name.split(' ', 1)[0]}: "
+                f"{self.other_loop.max_batch_size})" if self.other_loop else ""))]
+              if self.loop else []),
+            *([("assumed", "; ".join(self.assumed))] if self.assumed else []),
             ("max_batch_size", self.max_batch_size),
             ("first_oom_batch_size", self.first_oom_batch_size),
             ("recommended_batch_size", self.recommended_batch_size),

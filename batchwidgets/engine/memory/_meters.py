@@ -67,6 +67,9 @@ class TracingTracker(TensorMemoryTracker):
         # the events' keys -> storage keys, where another meter wrote the events (the
         # simulated device's allocation keys); the tracker's own events use storage keys
         self.storage_of: dict[int, int] = {}
+        # (serial, op) of each storage the loop's variables hold from that op on (the output
+        # and the loss: NOTE [ The loop the step models ] in probe/_trials.py)
+        self.held: list[tuple[int, int]] = []
         for key, (_, nbytes) in self._storages.items():
             self._born(key, nbytes, -1, "")
         self.trace.preallocated = [(key, nbytes) for key, (_, nbytes) in self._storages.items()]
@@ -86,6 +89,33 @@ class TracingTracker(TensorMemoryTracker):
             serial = self._serials.get(id(tensor.untyped_storage()))
             if serial is not None:
                 self.categories.setdefault(serial, category)
+
+    def hold(self, tensors: Any) -> None:
+        """The storages of ``tensors`` are held by the loop's variables from this op on."""
+        op = len(self.trace.names)
+        for tensor in unique_tensors([tensors]):
+            serial = self._serials.get(id(tensor.untyped_storage()))
+            if serial is not None:
+                self.held.append((serial, op))
+
+    def _output_part(self, n: int) -> list[int]:
+        """Per op, the bytes alive only because the loop holds its output and loss: from the
+        op they were held at (what autograd saved, from the end of backward, where a loop that
+        drops its output would see the graph free them) to their free."""
+        delta = [0] * (n + 1)
+        where, seen = self.trace.where, set()
+        for serial, op in self.held:
+            born, freed, nbytes, _ = self.lifetimes[serial]
+            if serial in seen or born < 0:
+                continue
+            seen.add(serial)
+            if self.categories.get(serial) == "activation":
+                op = next((i for i in range(op, n) if where[i] == "optimizer step"), n)
+            end = n if freed is None else min(freed, n)
+            if op < end:
+                delta[op] += nbytes
+                delta[end] -= nbytes
+        return list(itertools.accumulate(delta[:n]))
 
     def record_parts(self, top_modules: int = 8) -> None:
         """Per op, the live bytes of the optimizer state and of the activations saved by each of
@@ -110,6 +140,8 @@ class TracingTracker(TensorMemoryTracker):
                 delta[n if freed is None else min(freed, n)] -= nbytes
         for part, delta in deltas.items():
             self.trace.parts[part] = list(itertools.accumulate(delta[:n]))
+        if self.held:
+            self.trace.parts["output"] = self._output_part(n)
 
     def finish(self, reading: Reading) -> None:
         """Hand the trial's trace to ``reading``, with the split and parts of a trial that ran."""
@@ -272,6 +304,11 @@ class _TracedSteps:
 
     def saving_activations(self) -> Any:
         return _saving_activations(self._tracker)
+
+    def hold(self, tensors: Any) -> None:
+        """What the loop's variables hold after the forward (TracingTracker.hold)."""
+        if self._tracker is not None:
+            self._tracker.hold(tensors)
 
 
 class TensorMeter(_TracedSteps):

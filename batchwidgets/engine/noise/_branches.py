@@ -15,6 +15,7 @@ import torch
 
 from ...results import Branch
 from .._batches import batch_length, collate_items, forward_and_loss
+from .._called import called_at, calling, describe, scalar_hint
 from .._util import to_device
 
 MAX_BACKOFFS = 4  # a diverging branch runs again at half the learning rate, this many times
@@ -89,11 +90,14 @@ class _Runner:
         self.examples_eval += self.eval_size
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
+        total = 0.0
         try:  # draws nothing from the training's generators: a run is the same, however looked at
             with torch.no_grad(), torch.random.fork_rng(self.rng_devices):
-                total = sum(float(forward_and_loss(self.model, batch, self.loss_fn,
-                                                   surrogate=False)) * batch_length(batch)
-                            for batch in self.eval_batches)
+                for batch in self.eval_batches:
+                    size = batch_length(batch)
+                    with called_at("critical_batch", size, fake=False):
+                        total += float(forward_and_loss(self.model, batch, self.loss_fn,
+                                                        surrogate=False)) * size
         finally:
             for module, training in modes:
                 module.training = training
@@ -112,12 +116,15 @@ class _Runner:
         for start in range(0, len(picked), size):
             part = picked[start:start + size]
             batch = to_device(self.collate([self.items[i] for i in part]), self.device)
-            loss = forward_and_loss(self.model, batch, self.loss_fn, surrogate=False)
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                return math.inf
-            total += value * len(part) / len(picked)
-            (loss * (len(part) / len(picked)) if parts > 1 else loss).backward()
+            with called_at("critical_batch", len(part), fake=False):
+                loss = forward_and_loss(self.model, batch, self.loss_fn, surrogate=False)
+                value = float(loss.detach()) if loss.numel() == 1 else 0.0
+                if not math.isfinite(value):
+                    return math.inf
+                total += value * len(part) / len(picked)
+                what, hint = f"loss.backward() on {describe(loss)}", scalar_hint(loss)
+                with calling(lambda what=what: what, lambda error, hint=hint: hint):
+                    (loss * (len(part) / len(picked)) if parts > 1 else loss).backward()
         return total
 
     def descend(self, batch_size: int, scale: float, seed: int, steps: int,

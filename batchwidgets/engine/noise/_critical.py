@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ...results import BatchSizeReport, Branch, CriticalBatchReport
 from .._batches import collate_of
+from .._called import is_said
 from .._own_steps import own_steps
 from .._state import TrainingState, restored
 from .._util import check_int, check_number
@@ -305,22 +306,27 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
     loss_batch: int | None = None
     loss_rows: tuple[Branch, ...] = ()
     target_steps = None
-    with restored(state), torch.enable_grad(), own_steps():  # not an accumulate block's micro-steps
-        start = runner.loss()
-        target, first = target_loss, 1.0
-        if target is None:
-            target, first, reason, target_steps = _default_target(runner, base,
-                                                                  base_steps, start)
-        reachable = target is not None and target < start  # else: said below
-        if reachable:
-            branches, used, fits = _climb(
-                runner, ladder, seeds, first, lambda b: scale_of(b / base), target, start,
-                max_steps or 4 * (target_steps or base_steps),
-                len(items) if batch_sizes is None else 0)
-        if criterion == "loss" and reachable:
-            loss_batch, loss_rows = _loss_criterion(
-                runner, ladder, base, base_steps * base, used, seeds, start,
-                loss_tolerance)
+    try:  # the user's errors said in our words, raised from here
+        with restored(state), torch.enable_grad(), own_steps():  # not accumulate's micro-steps
+            start = runner.loss()
+            target, first = target_loss, 1.0
+            if target is None:
+                target, first, reason, target_steps = _default_target(runner, base,
+                                                                      base_steps, start)
+            reachable = target is not None and target < start  # else: said below
+            if reachable:
+                branches, used, fits = _climb(
+                    runner, ladder, seeds, first, lambda b: scale_of(b / base), target, start,
+                    max_steps or 4 * (target_steps or base_steps),
+                    len(items) if batch_sizes is None else 0)
+            if criterion == "loss" and reachable:
+                loss_batch, loss_rows = _loss_criterion(
+                    runner, ladder, base, base_steps * base, used, seeds, start,
+                    loss_tolerance)
+    except Exception as error:
+        if not is_said(error):
+            raise
+        raise error.with_traceback(None) from error.__cause__
     if target is not None and target >= start:
         reason = (f"target_loss={target:.4g} is not below the loss at the current weights "
                   f"({start:.4g}): nothing to reach; give a lower target_loss")

@@ -35,6 +35,7 @@ from .._batches import (
     forward_and_loss,
     slice_batch,
 )
+from .._called import called_at, is_said
 from .._state import TrainingState, restored
 from .._types import NOISE_METHODS, NoiseMethod
 from .._unsharded import unsharded
@@ -290,11 +291,16 @@ def measure_noise(model: torch.nn.Module, data: Dataset | DataLoader,
                       f"statistics (eval mode) for them. Call model.eval() first to silence this.",
                       BatchwidgetsWarning, stacklevel=2)
     state = TrainingState(model)
-    with restored(state), torch.enable_grad():
-        for module in batchnorm:
-            module.eval()
-        moments, used = _accumulate(model, items, loss_fn, chunk_size, method,
-                                    collate_of(data))
+    try:
+        with restored(state), torch.enable_grad():
+            for module in batchnorm:
+                module.eval()
+            moments, used = _accumulate(model, items, loss_fn, chunk_size, method,
+                                        collate_of(data))
+    except Exception as error:
+        if not is_said(error):
+            raise
+        raise error.with_traceback(None) from error.__cause__  # said in our words: from here
     report = _report(moments, n_available, batch_sizes, replacement, used, bool(batchnorm))
     loader_batch = data.batch_size if isinstance(data, DataLoader) else None
     return dataclasses.replace(report, batch_size=loader_batch,
@@ -315,12 +321,14 @@ def _accumulate(model: torch.nn.Module, items: list, loss_fn: LossFn | None, chu
                     lambda batch=batch: _vmap_chunk(model, params, loss_fn, batch), slow_ops)
             except Exception as error:  # vmap's limits surface as many types
                 if method == "vmap":
-                    _refuse_vmap(model, params, loss_fn, batch, error)
+                    with called_at("measure_noise", 1, fake=False):
+                        _refuse_vmap(model, params, loss_fn, batch, error)
                 method = "loop"  # which re-raises the model's own errors
             else:
                 method = "vmap"
-        if method == "loop":
-            grads, losses = _loop_chunk(model, params, loss_fn, batch)
+        if method == "loop":  # one example at a time: batches of 1
+            with called_at("measure_noise", 1, fake=False):
+                grads, losses = _loop_chunk(model, params, loss_fn, batch)
         grads, losses, dropped = _finite(grads, losses)
         skipped += dropped
         if losses.numel():

@@ -5,7 +5,8 @@
 - ``_nothing_fits.py`` NoBatchSizeFits: not even the smallest batch trains, and what would help
 - ``_setup.py``       the arguments resolved once into a frozen ProbeSetup
 - ``_checks.py``      the argument checks (one line each), what the report says was probed
-- ``_trials.py``      the step each size runs, and one size's steps measured
+- ``_trials.py``      the step each size runs (the common loop's), one size's steps measured
+- ``_cell.py``        a notebook cell as the step (%%find_batch), and its fake trials
 - ``_fake.py``        fake trials: the step on fake tensors, for a plan (meta models too)
 - ``_fake_group.py``  the one adapter over PyTorch's fake process group, and fully_shard
 - ``_sharded.py``     one FSDP2 rank traced: a meta copy under fully_shard on a fake mesh
@@ -24,11 +25,12 @@
 It imports ``memory`` and the shared modules; nothing of accumulate, noise or loader.
 """
 
+from ._cell import CellStep, names_in
 from ._checks import check_arguments
 from ._find_batch import MakeBatch, find_batch
 from ._nothing_fits import NoBatchSizeFits
 from ._options import FIND_BATCH
 from ._remember import ENGINE_VERSION, forget
 
-__all__ = ["ENGINE_VERSION", "FIND_BATCH", "MakeBatch", "NoBatchSizeFits", "check_arguments",
-           "find_batch", "forget"]
+__all__ = ["ENGINE_VERSION", "FIND_BATCH", "CellStep", "MakeBatch", "NoBatchSizeFits",
+           "check_arguments", "find_batch", "forget", "names_in"]

@@ -64,6 +64,11 @@ def check_arguments(model: Any, make_batch: Any = None, *, said: Spelling = PYTH
         count = memory.parse_gpus(target)[0] if target is not None else 1
         check_parallel(options["parallel"], target, count,
                        step is None and isinstance(model, torch.nn.Module), said)
+    if options["keep_output"] is not True and (
+            step is not None or not isinstance(model, torch.nn.Module)):
+        raise ValueError(f"{said('keep_output')} should be left out with a step of your own: "
+                         f"it models the model form's loop, and your step is measured as it "
+                         f"runs (what it keeps, it holds); leave {said('keep_output')} out.")
     if step is not None:
         _check_step(model, make_batch, seq_len, said)
         model = step

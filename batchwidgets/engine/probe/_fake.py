@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +22,7 @@ from .._background import private_generators
 from .._batches import as_keywords
 from .._unsharded import is_host_scalar, optimizer_twin
 from ._optimizer_shapes import StandIn, StateRule
-from ._trials import model_step
+from ._trials import ModelStep, model_step
 
 # NOTE [ Fake trials ]
 # A target plan needs the step's op sequence and every storage's size at two small batch sizes,
@@ -90,9 +91,12 @@ class FakeWorld:
                                              lambda value: _fake_state(value, scalars))
                               if rule is None
                               else StandIn(optimizer, twins, rule))
-            # gradients the user holds: a real trial accumulates into them (and frees them)
-            self._grads = {name: _fake_like(p.grad) for name, p in model.named_parameters()
-                           if p.grad is not None}
+        # gradients the user holds: a real trial accumulates into them (and frees them), so
+        # each fake trial starts with fakes of their shapes, made anew: a fake kept here to
+        # start the next trial with would outlive the trial's zero_grad, and a second step
+        # would start with them still alive
+        self._grads = {name: (p.grad.shape, p.grad.stride(), p.grad.dtype)
+                       for name, p in model.named_parameters() if p.grad is not None}
         self._start = {param: dict(state) for param, state in self.optimizer.state.items()}
         self.restore()
 
@@ -107,8 +111,11 @@ class FakeWorld:
         return [*self.params.values(), *self.buffers.values()]
 
     def restore(self) -> None:
-        for name, param in self.params.items():
-            param.grad = self._grads.get(name)
+        with self.mode:
+            for name, param in self.params.items():
+                grad = self._grads.get(name)
+                param.grad = None if grad is None else torch.empty_strided(
+                    grad[0], grad[1], dtype=grad[2], device="cpu")
         self.optimizer.state.clear()
         self.optimizer.state.update({p: dict(state) for p, state in self._start.items()})
 
@@ -162,19 +169,32 @@ def _fake_state(value: Any, scalars: dict[int, float]) -> Any:
     return _fake_like(value)
 
 
+class FakeStep:
+    """The model form's training step on a world's twins (under its fake mode, which the
+    Trainer enters), as ``ModelStep`` is for real ones: ``release()``, ``loss_from``."""
+
+    def __init__(self, world: FakeWorld, step: ModelStep, meter: Any) -> None:
+        self.world, self.step, self.meter = world, step, meter
+
+    def __call__(self, batch_size: int) -> None:
+        with _quiet_meta_errors(), _where_it_failed(self.meter), self.world.swapped():
+            self.step(batch_size)
+
+    def release(self) -> None:
+        self.step.release()
+
+    @property
+    def loss_from(self) -> str:
+        return self.step.loss_from
+
+
 def fake_step(world: FakeWorld, make: Callable[[int], Any], loss_fn: Callable | None,
-              amp: str | None, meter: Any) -> Callable[[int], None]:
-    """The model form's training step on ``world``'s twins (under its fake mode, which the
-    Trainer enters). Without a GradScaler: scaling changes no storage's size, and its inf check
-    reads a value back."""
-    step = model_step(world.model, _made_real(make), loss_fn, world.optimizer,
-                      torch.device("cpu"), amp, None, meter)
-
-    def traced(batch_size: int) -> None:
-        with _where_it_failed(meter), world.swapped():
-            step(batch_size)
-
-    return traced
+              amp: str | None, meter: Any, *, keep_output: bool) -> FakeStep:
+    """The model form's step on ``world``'s twins. Without a GradScaler: scaling changes no
+    storage's size, and its inf check reads a value back."""
+    return FakeStep(world, model_step(world.model, _made_real(make), loss_fn, world.optimizer,
+                                      torch.device("cpu"), amp, None, meter,
+                                      keep_output=keep_output), meter)
 
 
 # NOTE [ The batch is made on real tensors ]
@@ -202,6 +222,20 @@ def _made_real(make: Callable[[int], Any]) -> Callable[[int], Any]:
         return tree_map_only(torch.Tensor, fake, batch if keywords is None else keywords)
 
     return made
+
+
+@contextmanager
+def _quiet_meta_errors() -> Iterator[None]:
+    """FakeTensorMode logs every meta kernel that raises (a user's shape error) at ERROR level
+    before raising it: the error reaches the user said in our words (or the fake search gives
+    way to real steps), so the log line would only be noise in the notebook."""
+    logger = logging.getLogger(fake_tensor.__name__)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # What fake tensors cannot do: read a value back, make a shape from data, an op without a meta

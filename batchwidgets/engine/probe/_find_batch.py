@@ -23,10 +23,12 @@ import torch
 from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport
 from .. import memory
+from .._called import is_said
 from .._state import InterruptGuard, TrainingState, restore_home
 from .._types import Amp, ProbeStep, ShouldStop, Trace
 from .._util import first_line
 from . import _search, _what_if
+from ._cell import CellStep, CellWorld, FakeCellStep
 from ._checks import has_meta_tensors
 from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step
 from ._fake_group import FakeGroupUnavailable, fake_group
@@ -47,6 +49,7 @@ from ._trials import (
     model_step,
     moved,
     state_tensors,
+    touched_tensors,
 )
 
 # NOTE [ find_batch, a long module ]
@@ -69,16 +72,20 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
                seq_len: Sequence[int] | None = None,
                what_if: bool = False, target: str | int | None = None,
                trace: Trace | None = None, step: ProbeStep | None = None,
-               parallel: str | None = None, cache: bool = True,
-               refresh: bool = False) -> BatchSizeReport:
+               parallel: str | None = None, keep_output: bool = True,
+               cache: bool = True, refresh: bool = False) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
     them per size, since Adam allocates its state on the first) and searches by predicting the
     boundary from measured memory, then verifying it (see NOTE [ Predict, then verify ]).
-    Out-of-memory errors are data; any other exception propagates unchanged. Model weights,
-    buffers, gradients, optimizer/scheduler/scaler state, train/eval modes, RNGs and backend
-    flags are restored bit for bit however it ends.
+    The step is the common loop's: ``out = model(x); loss = loss_fn(out, y); loss.backward();
+    optimizer.step()``, the output and loss alive until the next step's forward has returned
+    (``keep_output``). Out-of-memory errors are data; any other exception from the model, the
+    loss or the batch comes out of the user's type, its first line saying what find_batch
+    called with what, at which batch size, on fake or real tensors, and the user's error its
+    ``__cause__``. Model weights, buffers, gradients, optimizer/scheduler/scaler state,
+    train/eval modes, RNGs and backend flags are restored bit for bit however it ends.
 
     Parameters
     ----------
@@ -165,6 +172,14 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
         list the largest batch under each in ``report.what_if``, measured. Rows the per-op model
         predicts (no optimizer state, activation checkpointing of the largest blocks) are there
         whenever the model is.
+    keep_output : bool
+        The loop modelled (NOTE [ The loop the step models ] in probe/_trials.py). True: the
+        model's output and the loss stay alive through backward and the optimizer step, until
+        the next step's forward returns, as a loop's variables do (Hugging Face's manual loop,
+        ``out = model(x)``). False: a loop that frees the output before backward (the Hugging
+        Face Trainer's ``compute_loss``). ``report.loop`` says which; a what-if row predicts
+        the other. A loop that does more (``zero_grad(set_to_none=False)``, an EMA copy) is
+        what ``%%find_batch`` (the cell itself, measured) or ``step=`` is for.
     cache : bool
         Give back at once the answer an identical call measured before (in this process or
         another: ``report.remembered`` says when and where), and remember this one. The key is
@@ -196,8 +211,14 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
     """
     options = FIND_BATCH.pick(locals())  # see probe/_options.py
     setup = resolve(model, make_batch, options)
-    return remembered(setup, options,  # see NOTE [ Remembered answers ]
-                      lambda: _frontier(setup) if setup.seq_len is not None else _probe(setup))
+    try:
+        return remembered(setup, options,  # see NOTE [ Remembered answers ]
+                          lambda: _frontier(setup) if setup.seq_len is not None
+                          else _probe(setup))
+    except Exception as error:
+        if not is_said(error):
+            raise
+        raise error.with_traceback(None) from error.__cause__  # said in our words: from here
 
 
 def _probe(setup: ProbeSetup) -> BatchSizeReport:
@@ -213,13 +234,17 @@ def _probe(setup: ProbeSetup) -> BatchSizeReport:
         if report.max_batch_size == 0 and report.stop_reason != "stopped":
             raise NoBatchSizeFits(report)
         # each row planned, never measured; a plan for N GPUs has its strategies' rows instead.
-        # The per-op model's rows cost nothing: in every plan; what_if=True plans each change
+        # The other loop's answer and the per-op model's rows cost nothing: in every plan;
+        # what_if=True plans each change
         if setup.model is not None and setup.parallel is None:
-            report = dataclasses.replace(report, what_if=_what_if.for_target(
+            freed = () if search.model is None else tuple(_what_if.freed_output(
+                search.model, search.model.peak_bytes(report.max_batch_size),
+                multiple_of=setup.multiple_of, ceiling=setup.ceiling))
+            report = dataclasses.replace(report, what_if=freed + tuple(_what_if.for_target(
                 search.model, report.max_batch_size, setup.target[1],
                 (lambda **change: _probe(setup.with_change(**change))) if setup.what_if else None,
                 setup.optimizer, setup.amp, multiple_of=setup.multiple_of, ceiling=setup.ceiling,
-                modules=_what_if.checkpoint_candidates(setup.model), module=setup.model))
+                modules=_what_if.checkpoint_candidates(setup.model), module=setup.model)))
         return report
     rows = _predicted_what_ifs(setup, report, search)
     if setup.what_if and setup.model is not None:
@@ -305,7 +330,7 @@ def _search_guarded(setup: ProbeSetup, rule: StateRule | None = None) -> Search:
     home_state = (TrainingState(setup.owner, None, (), weights=False, loss_fn=setup.loss_fn,
                                 trains=setup.optimizer)
                   if fake else TrainingState(setup.owner, setup.optimizer, setup.extras,
-                                             loss_fn=setup.loss_fn))
+                                             loss_fn=setup.loss_fn, touches=_touches(setup)))
     meter = memory.probe_meter(setup.device, setup.budget_bytes,
                                setup.target[0] if setup.target is not None else None)
     guard = InterruptGuard()
@@ -323,14 +348,16 @@ def _search_guarded(setup: ProbeSetup, rule: StateRule | None = None) -> Search:
                             ceiling=setup.ceiling, limit_bytes=limit_bytes,
                             traced_only=setup.target is not None)
             if setup.fake_first:  # see NOTE [ A free first guess ] in _loop.py
-                search.seed(lambda: _fake_trainer(setup, meter, paused=True), setup.on_step,
-                            setup.should_stop)
+                search.seed(lambda: _fake_trainer(setup, meter, paused=True, home=home_state),
+                            setup.on_step, setup.should_stop)
             search.run(setup.on_step, setup.should_stop)
     except BaseException as error:  # its traceback (kept by IPython) must not keep them alive
         memory.drop_own_frames(error)
         raise
     finally:
         failed = restore_home(home_state, setup.model if setup.moves else None, setup.home, guard)
+        if search is not None and trainer is not None:
+            search.loss_from = getattr(trainer.step, "loss_from", "")
         home_state = trainer = None  # the traceback keeps this frame
         if search is not None:
             search.trainer = None
@@ -345,23 +372,39 @@ def _trainer(setup: ProbeSetup, meter: Any, home_state: TrainingState) -> Traine
     state = (moved(setup.model, setup.optimizer, setup.device, setup.extras, setup.loss_fn)
              if setup.moves else home_state)
     owned = [] if setup.owner is None else [*setup.owner.parameters(), *setup.owner.buffers()]
+    touches = _touches(setup)
     return Trainer(_step(setup, meter), meter, state, setup.steps_per_trial,
-                   lambda: state_tensors(setup.owner, setup.optimizer),
-                   Marks(owned, setup.optimizer))
+                   lambda: state_tensors(setup.owner, setup.optimizer) + touched_tensors(touches),
+                   Marks(owned, setup.optimizer), called="" if setup.model else "step")
+
+
+def _touches(setup: ProbeSetup) -> tuple:
+    """The other objects a %%find_batch cell names (NOTE [ A cell as the step ] in _cell.py):
+    put back after each trial, and counted, as the model is."""
+    mine = {id(o) for o in (setup.owner, setup.optimizer, *setup.extras) if o is not None}
+    return tuple(o for o in getattr(setup.step, "touches", ()) if id(o) not in mine)
 
 
 def _fake_trainer(setup: ProbeSetup, meter: Any, rule: StateRule | None = None,
-                  paused: bool = False) -> Trainer:
+                  paused: bool = False, home: TrainingState | None = None) -> Trainer:
     """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ]).
     ``rule``: the optimizer's state by shape (NOTE [ Optimizer state by shape ]). ``paused``: the
     caller holds the cycle collector paused over all the trials (one collection instead of one
-    per trial, which costs more than a small fake trial in a large process: see Search.seed)."""
+    per trial, which costs more than a small fake trial in a large process: see Search.seed).
+    A %%find_batch cell's: its objects' twins (NOTE [ A cell's fake trials ]), ``home`` put
+    back after each."""
     mode = fake_mode()
+    if setup.model is None:
+        cell = CellWorld(setup.step, mode, home)
+        return Trainer(FakeCellStep(cell, meter), meter, cell, setup.steps_per_trial,
+                       cell.tensors, Marks(cell.marked(), None),
+                       around=lambda: mode, fake=True)
     world = (ShardedWorld(setup.model, setup.optimizer, mode, setup.mesh) if setup.mesh is not None
              else FakeWorld(setup.model, setup.optimizer, mode, rule))
-    return Trainer(fake_step(world, setup.make, setup.loss_fn, setup.amp, meter), meter, world,
+    return Trainer(fake_step(world, setup.make, setup.loss_fn, setup.amp, meter,
+                             keep_output=setup.keep_output), meter, world,
                    setup.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
-                   around=(lambda: mode) if paused else world.active)
+                   around=(lambda: mode) if paused else world.active, fake=True)
 
 
 
@@ -373,7 +416,7 @@ def _step(setup: ProbeSetup, meter: Any) -> ProbeStep:
     if setup.amp == "fp16" and scaler is None:
         scaler = torch.amp.GradScaler(setup.device.type)
     return model_step(setup.model, setup.make, setup.loss_fn, setup.optimizer, setup.device,
-                      setup.amp, scaler, meter)
+                      setup.amp, scaler, meter, keep_output=setup.keep_output)
 
 
 def _report(setup: ProbeSetup, search: Search) -> BatchSizeReport:
@@ -405,7 +448,8 @@ def _report(setup: ProbeSetup, search: Search) -> BatchSizeReport:
         headroom=setup.headroom, multiple_of=setup.multiple_of, amp=setup.amp, stop_reason=stop,
         peak_segments=segments, method=" ".join([search.method(), *setup.notes]),
         worst_case=_batches_from(setup), memory_split=search.split,
-        memory_timeline=search.timeline, trace=setup.trace)
+        memory_timeline=search.timeline, trace=setup.trace, loop=_loop_of(setup),
+        assumed=setup.assumed + _loss_assumed(setup, search))
     if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report
@@ -423,6 +467,20 @@ def _batches_from(setup: ProbeSetup) -> str:
         make, extra = make.args[0], f", {make.args[1]}"
     name = getattr(make, "__qualname__", None) or type(make).__name__
     return f"{name}(batch_size{extra}), called at each size tried"
+
+
+def _loop_of(setup: ProbeSetup) -> str:
+    """The loop the answer is for (NOTE [ The loop the step models ] in _trials.py)."""
+    if setup.model is None:
+        return "your cell" if isinstance(setup.step, CellStep) else "your step"
+    return "keeps output" if setup.keep_output else "frees output"
+
+
+def _loss_assumed(setup: ProbeSetup, search: Search) -> tuple[str, ...]:
+    """The loss the model form took without ``loss_fn`` (NOTE [ Say what was assumed ])."""
+    if setup.model is None or setup.loss_fn is not None or not search.loss_from:
+        return ()
+    return (f"loss {search.loss_from} (loss_fn=)",)
 
 
 def _predicted_what_ifs(setup: ProbeSetup, report: BatchSizeReport, search: Search) -> list:

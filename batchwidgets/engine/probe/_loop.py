@@ -213,6 +213,7 @@ class Search:
         self.seed_size: int | None = None  # the fake search's answer, the first real size
         self.seed_note = ""  # why there was no fake search first, when it failed
         self._gave_up = False  # the fake search found no model to predict from
+        self.loss_from = ""  # where the model form's step took its loss (for the report)
 
     def seed(self, fake: Callable[[], Trainer], on_step: OnStep | None,
              should_stop: Callable[[], bool] | None) -> None:

@@ -97,6 +97,23 @@ def _true_or_false(name: str) -> Any:
     return check
 
 
+def _keep_output(value: Any, said: Spelling) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{said('keep_output')} should be True or False, but got "
+                        f"{said('keep_output', value)}; pass {said('keep_output', False)} for a "
+                        f"loop that frees the output before backward.")
+
+
+_YES, _NO = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+
+
+def _yes_no(text: str) -> bool:
+    """``--keep-output no`` -> False (yes/no, true/false, on/off, 1/0)."""
+    if text.lower() not in (*_YES, *_NO):
+        raise ValueError(f"should be yes or no, but got {text!r}.")
+    return text.lower() in _YES
+
+
 def _read_as_given(parse: Any) -> Any:
     """A flag's text checked as find_batch will read it, and kept as the text: find_batch then
     reads the string exactly as when it is called with it."""
@@ -157,6 +174,11 @@ FIND_BATCH = Options(
     Option("parallel", None, "with --target NxGPU (e.g. 8xA100-80GB): plan each rank under "
                              "DDP, ZeRO stage 1-3 or FSDP2, or compare them; the answer is per "
                              "rank", check=_parallel, choices=PARALLEL),
+    Option("keep_output", True, "model the loop that keeps the output and loss alive through "
+                                "backward and the optimizer step, until the next forward "
+                                "returns; no: a loop that frees them before backward (the "
+                                "Hugging Face Trainer)", check=_keep_output, metavar="yes|no",
+           parse=_yes_no),
     # see NOTE [ Remembered answers ] in probe/_remember.py
     Option("cache", True, "give back the answer an identical call remembered, and remember "
                           "this one (--no-cache: neither read nor write)",

@@ -17,6 +17,7 @@ from .._state import RngState
 from .._types import ProbeStep, ShouldStop
 from .._unsharded import meta_replica
 from .._util import default_device, usable_device
+from ._cell import CellStep
 from ._checks import (
     check_amp,
     check_arguments,
@@ -66,6 +67,8 @@ class ProbeSetup:
     on_step: OnStep | None
     should_stop: ShouldStop | None
     notes: tuple[str, ...]  # what the report says about what was probed
+    keep_output: bool  # the loop modelled (NOTE [ The loop the step models ] in _trials.py)
+    assumed: tuple[str, ...]  # what the call left out and the probe assumed, for the report
     mesh: Any = None  # a fake mesh: the trials run one FSDP2 rank (NOTE [ One FSDP2 rank, traced ])
 
     @property
@@ -109,12 +112,15 @@ def _batches(make_batch: Any) -> Callable[[int], Any]:
 
 
 def _fake_first(trace: str | None, planned: bool, is_module: bool,
-                device: torch.device) -> tuple[bool, list[str]]:
+                device: torch.device, step: Any = None) -> tuple[bool, list[str]]:
     """Whether a local search traces on fake tensors first (NOTE [ A free first guess ] in
-    _loop.py), and why not, for the report, where it could have (``trace`` left out)."""
+    _loop.py), and why not, for the report, where it could have (``trace`` left out). A
+    %%find_batch cell may: its objects are swapped for fakes (NOTE [ A cell's fake trials ])."""
     if planned or trace is not None:
         return False, []  # a plan is all fake; trace='real' asks for real steps only
-    if not is_module:
+    if isinstance(step, CellStep) and step.fakes:
+        return False, [f"No fake trace first: {step.fakes}."]
+    if not is_module and not isinstance(step, CellStep):
         return False, ["No fake trace first: a step(batch_size) of your own runs on your own "
                        "tensors."]
     if device.type != "cpu":
@@ -124,6 +130,27 @@ def _fake_first(trace: str | None, planned: bool, is_module: bool,
         return False, ["No fake trace first under torch.distributed: every rank takes the "
                        "same real steps."]
     return True, []
+
+
+# NOTE [ Say what was assumed ]
+# What the call leaves out, the model form assumes: a fresh AdamW (Adam-sized state: an MLP's
+# answer was 1,072 with it and 1,246 with the user's SGD), the model's dtype without autocast,
+# the model's device. The answer is for those, so the report says them in its summary and its
+# table (the loss taken is said once a step has run: the step knows where it came from).
+def _assumed(model: torch.nn.Module | None, options: Mapping[str, Any], device: torch.device,
+             planned: bool) -> tuple[str, ...]:
+    if model is None:
+        return ()
+    assumed = []
+    if options["optimizer"] is None:
+        assumed.append("optimizer AdamW (pass optimizer=)")
+    if options["amp"] is None:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                         if p.is_floating_point()})
+        assumed.append(f"{'/'.join(dtypes) or 'float32'} without autocast (amp=)")
+    if options["device"] is None and not planned:
+        assumed.append(f"device {device} (the model's)")
+    return tuple(assumed)
 
 
 # NOTE [ Why the probe starts at 2 ]
@@ -161,10 +188,11 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
     if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
         resolved, budget_bytes = torch.device("cpu"), None
     check_amp(amp, resolved)
-    fake_first, why_not = _fake_first(trace, planned is not None, is_module, resolved)
+    fake_first, why_not = _fake_first(trace, planned is not None, is_module, resolved, bare)
     if trace is None:  # see NOTE [ Fake trials ] in _fake.py
         trace = "fake" if planned is not None and is_module else "real"
     notes = notes_on(owner=owner, device=resolved, amp=amp) + why_not
+    assumed = _assumed(model if is_module else None, options, resolved, planned is not None)
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
     ceiling = (options["max_batch_size"] or SEARCH_CEILING) // multiple_of * multiple_of
@@ -183,8 +211,9 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
         trace=trace, fake_first=fake_first, start=start, ceiling=ceiling,
         headroom=float(options["headroom"]),
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None,
-        notes=tuple(notes), **{name: options[name] for name in _AS_GIVEN})
+        notes=tuple(notes), assumed=assumed, **{name: options[name] for name in _AS_GIVEN})
 
 
 _AS_GIVEN = ("loss_fn", "scaler", "scheduler", "amp", "multiple_of", "max_batch_size",
-             "steps_per_trial", "what_if", "on_step", "should_stop")  # options kept as given
+             "steps_per_trial", "what_if", "on_step", "should_stop",
+             "keep_output")  # options kept as given

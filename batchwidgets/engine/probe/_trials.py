@@ -12,7 +12,8 @@ import torch
 
 from ...results import Attempt
 from .. import memory
-from .._batches import forward_and_loss
+from .._batches import forward
+from .._called import calling, describe, said, scalar_hint, was_called
 from .._own_steps import own_steps
 from .._state import TrainingState, optimizers_within
 from .._util import first_line, to_device
@@ -32,6 +33,18 @@ def state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimize
         params = [p for group in optimizer.param_groups for p in group["params"]]
         tensors += params + [p.grad for p in params if p.grad is not None]
         tensors += state_values(optimizer)
+    return tensors
+
+
+def touched_tensors(touches: tuple) -> list:
+    """What the other objects a step names hold (a %%find_batch cell's: an EMA copy, a second
+    optimizer), counted in the budget as the model's are."""
+    tensors: list = []
+    for other in touches:
+        if isinstance(other, torch.nn.Module):
+            tensors += state_tensors(other, None)
+        elif isinstance(other, torch.optim.Optimizer):
+            tensors += state_tensors(None, other)
     return tensors
 
 
@@ -110,36 +123,58 @@ class Trainer:
 
     def __init__(self, step: Callable[[int], None], meter: Any, state: Any,
                  steps_per_trial: int, tracked: Callable[[], list], marks: Marks,
-                 around: Callable[[], Any] = nullcontext) -> None:
+                 around: Callable[[], Any] = nullcontext, *, fake: bool = False,
+                 called: str = "") -> None:
         """``state.restore()`` after each trial; ``around()`` is entered under the meter (the
-        fake trials' FakeTensorMode: see NOTE [ Fake trials ] in _fake.py)."""
+        fake trials' FakeTensorMode: see NOTE [ Fake trials ] in _fake.py), ``fake`` says so.
+        ``called``: what the step is to a user whose error it raises (``"step"``, a step of
+        their own), where the step does not say it (NOTE [ The user's error, said in our words
+        first ] in engine/_called.py)."""
         self.step, self.meter, self.state = step, meter, state
         self.steps_per_trial, self.tracked, self.marks = steps_per_trial, tracked, marks
-        self.around = around
+        self.around, self.fake, self.called = around, fake, called
+
+    def _steps(self, batch_size: int, in_job: bool) -> float | None:
+        """The trial's steps; the loop's variables let go at its end (``release``)."""
+        seconds = None
+        try:
+            for _ in range(self.steps_per_trial):
+                before = self.meter.live_bytes()
+                self.meter.start_step()
+                self.meter.synchronize()
+                started = time.perf_counter()
+                with (calling(lambda: f"{self.called}({batch_size})") if self.called
+                      else nullcontext()):
+                    self.step(batch_size)
+                self.meter.synchronize()
+                seconds = time.perf_counter() - started
+                self.marks.after_step(self.meter)
+                if self.meter.live_bytes() == before and not in_job:
+                    break  # see NOTE [ A second step only when the first left state behind ]
+        finally:
+            release = getattr(self.step, "release", None)
+            if release is not None:  # NOTE [ The loop the step models ]: inside the meter
+                release()
+        return seconds
 
     def attempt(self, batch_size: int, trace: bool = True) -> tuple[Attempt, Reading]:
-        seconds, oom = None, False
+        oom = False
         in_job = getattr(self.meter, "defer_budget", False)
         try:
             with self.around(), self.meter.measure(self.tracked, trace=trace) as reading, \
                     self.marks.trial(self.meter), own_steps():  # not a user's micro-step
-                for _ in range(self.steps_per_trial):
-                    before = self.meter.live_bytes()
-                    self.meter.start_step()
-                    self.meter.synchronize()
-                    started = time.perf_counter()
-                    self.step(batch_size)
-                    self.meter.synchronize()
-                    seconds = time.perf_counter() - started
-                    self.marks.after_step(self.meter)
-                    if self.meter.live_bytes() == before and not in_job:
-                        break  # see NOTE [ A second step only when the first left state behind ]
+                seconds = self._steps(batch_size, in_job)
                 if in_job:  # every rank ran as many steps (NOTE [ Over the budget inside a job ])
                     self.meter.end_trial()
-        except BaseException as error:  # OOM is data; everything else goes to the user as is
+        except BaseException as error:  # OOM is data; the user's errors said in our words
             if not (memory.is_oom(error, self.meter.device)
                     or (batch_size == 1 and memory.cannot_train_alone(error))):
-                raise
+                if not was_called(error):
+                    raise
+                new = said(error, "find_batch", batch_size, self.fake)
+                if new is error:
+                    raise
+                raise new from error
             oom = True
             message = first_line(error)
             budget_error = isinstance(error, memory.BudgetExceededError)
@@ -177,28 +212,81 @@ def moved(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torc
     return TrainingState(model, optimizer, extras, loss_fn=loss_fn)
 
 
-def model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Callable | None,
-               optimizer: torch.optim.Optimizer, device: torch.device, amp: str | None,
-               scaler: Any, meter: Any, call: Callable | None = None) -> Callable[[int], None]:
+# NOTE [ The loop the step models ]
+# The loop users write keeps the model's output and the loss in its variables: `outputs =
+# model(**batch); loss = outputs.loss; loss.backward(); optimizer.step()` (Hugging Face's manual
+# loop), `out = model(x); loss = loss_fn(out, y); ...`. They stay alive through backward and the
+# optimizer step, and until the next step's forward has returned (the loop rebinds `outputs`
+# only then). For a language model the logits are often the step's largest tensor, and a probe
+# whose step dropped them before backward answered a batch that ran out in the user's loop
+# (a GPT-2 at 512 MiB: 6 against the loop's 4). So the model form's step keeps them as those
+# variables do (``keep_output=True``, the default): held from its forward on, and let go only
+# once the next step's forward and loss are computed; the batch through the step too, until the
+# next step begins (``for batch in loader`` rebinds it to the loader's next one, on the host,
+# before ``.to(device)``). The Trainer lets the last step's go at the end of the trial, inside
+# the meter. A trial whose first step left the output alive runs a
+# second step (NOTE [ A second step only when the first left state behind ]), which starts with
+# it: the steady state of the loop, whose peak is never below the dropped-output loop's, and
+# the trace holds it (the per-op model, the allocator's steady replay, a rank's share).
+# ``keep_output=False`` drops the output (and the batch) before backward: the Trainer's
+# compute_loss, and loops that `del` it. The meter files what is held as the trace's "output"
+# part, from which the report predicts the other loop's answer (a what-if row).
+class ModelStep:
     """The model form's step(batch_size): a batch, forward and loss (under autocast with
-    ``amp``), backward, the optimizer's step (through ``scaler`` when there is one). ``call``
-    runs the model (default ``model``)."""
-    dtype = AMP_DTYPES.get(amp) if amp else None
+    ``amp``), backward, the optimizer's step (through ``scaler`` when there is one), the output
+    and loss kept as a loop keeps them with ``keep_output`` (NOTE [ The loop the step models ]).
+    ``call`` runs the model (default ``model``). ``loss_from`` says where the loss came from."""
 
-    def step(batch_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, make: Callable[[int], Any],
+                 loss_fn: Callable | None, optimizer: torch.optim.Optimizer,
+                 device: torch.device, amp: str | None, scaler: Any, meter: Any,
+                 call: Callable | None = None, *, keep_output: bool) -> None:
+        self.model, self.make, self.loss_fn, self.optimizer = model, make, loss_fn, optimizer
+        self.device, self.scaler, self.meter, self.call = device, scaler, meter, call
+        self.dtype = AMP_DTYPES.get(amp) if amp else None
+        self.keep_output = keep_output
+        self.batch: Any = None  # the last step's batch, as the loop's variable holds it
+        self.held: tuple | None = None  # the last step's (output, loss): the loop's variables
+        self.loss_from = ""
+
+    def __call__(self, batch_size: int) -> None:
+        model, meter, optimizer, scaler = self.model, self.meter, self.optimizer, self.scaler
         model.train()  # each trial starts from the user's modes, restored after the last one
-        with meter.making_batch():  # see TracingTracker.collapsed
-            batch = made_on_every_rank(lambda: to_device(make(batch_size), device),
+        self.batch = None  # `for batch in loader` rebinds it, then moves it to the device
+        with meter.making_batch(), calling(lambda: f"make_batch({batch_size})"):
+            batch = made_on_every_rank(lambda: to_device(self.make(batch_size), self.device),
                                        meter.defer_budget)  # real steps in a job
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = forward_and_loss(model, batch, loss_fn, call=call)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        self.batch = batch if self.keep_output else None
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+            output, loss, self.loss_from = forward(model, batch, self.loss_fn, call=self.call)
+        self.held = None  # `outputs` and `loss` rebound once the forward has returned
+        if self.keep_output:
+            self.held = (output, loss)
+            meter.hold((batch, output, loss))
+        del batch, output
+        what = f"loss.backward() on {describe(loss)} from {self.loss_from}"
+        hint = scalar_hint(loss)
+        with calling(lambda: what, lambda error: hint):
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        del loss
         meter.end_forward_backward()  # see NOTE [ Two phases ] in memory/_meters.py
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        with calling(lambda: f"optimizer.step() ({type(optimizer).__name__})"):
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    def release(self) -> None:
+        """The trial's end: the loop's variables go."""
+        self.batch = self.held = None
+
+
+def model_step(model: torch.nn.Module, make: Callable[[int], Any], loss_fn: Callable | None,
+               optimizer: torch.optim.Optimizer, device: torch.device, amp: str | None,
+               scaler: Any, meter: Any, call: Callable | None = None, *,
+               keep_output: bool) -> ModelStep:
+    """The model form's step (``ModelStep``)."""
+    return ModelStep(model, make, loss_fn, optimizer, device, amp, scaler, meter, call,
+                     keep_output=keep_output)

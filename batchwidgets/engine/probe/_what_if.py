@@ -49,7 +49,10 @@ COSTS = {
                    "checkpoint(block, ..., use_reentrant=False) around each block",
     "foreach": "foreach=False: the optimizer steps one parameter at a time: less temporary memory "
                "in the step, a slower step (a kernel per parameter)",
+    "output": "a loop that frees the model's output before backward (del outputs, or the "
+              "Hugging Face Trainer's compute_loss); same numerics, nothing to log from it",
 }
+FREED_OUTPUT = "keep_output=False (frees the output before backward)"
 
 
 def _largest(small: OpTrace, large: OpTrace, model: PeakModel, limit_bytes: int,
@@ -82,7 +85,7 @@ def predicted(model: PeakModel, limit_bytes: int, *, multiple_of: int, ceiling: 
     activation checkpointing of each of the modules that save the most for backward (only
     ``modules``, the model's own submodules, qualify; a mapping gives their class names)."""
     small, large = model.small, model.large
-    rows = []
+    rows = freed_output(model, limit_bytes, multiple_of=multiple_of, ceiling=ceiling)
     if any(large.parts.get("optimizer", ())):
         rows.append(WhatIf("SGD without momentum (no optimizer state)",
                            _largest(small.without("optimizer"), large.without("optimizer"), model,
@@ -98,6 +101,18 @@ def predicted(model: PeakModel, limit_bytes: int, *, multiple_of: int, ceiling: 
                                     model, limit_bytes, multiple_of, ceiling),
                            False, COSTS["checkpoint"]))
     return rows
+
+
+def freed_output(model: PeakModel, limit_bytes: int, *, multiple_of: int,
+                 ceiling: int) -> list[WhatIf]:
+    """The loop that frees the output before backward, where the step kept it: the trace
+    without what only the loop's variables held (NOTE [ The loop the step models ])."""
+    small, large = model.small, model.large
+    if not any(large.parts.get("output", ())) or "output" not in small.parts:
+        return []
+    return [WhatIf(FREED_OUTPUT, _largest(small.without("output"), large.without("output"),
+                                          model, limit_bytes, multiple_of, ceiling),
+                   False, COSTS["output"])]
 
 
 def expandable(model: PeakModel, limit_bytes: int, found: int, *, multiple_of: int,
