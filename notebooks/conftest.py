@@ -1,9 +1,12 @@
 """nbval runs every notebook here (see ``addopts`` in pyproject.toml). Cells tagged ``gpu`` need a
 CUDA device: they get the ``gpu`` marker and are skipped without one. The kernels keep
 find_batch's remembered answers in a folder of each notebook's own, never the user's cache nor
-another notebook's."""
+another notebook's. After each cell, every report the notebook holds is checked for one story
+(issue 41: each number against its field, each rule against its factor; tests/_story.py), in
+the notebook's own kernel: a cell whose reports disagree with themselves fails."""
 
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -43,3 +46,52 @@ def pytest_collection_modifyitems(items):
         if cell is not None and "gpu" in cell.metadata.get("tags", []):
             item.add_marker(pytest.mark.gpu)
             item.add_marker(no_gpu)
+
+
+TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+MARK = "batchwidgets-story:"
+CHECK = f"""
+import sys as _bw_sys
+if {TESTS!r} not in _bw_sys.path:
+    _bw_sys.path.append({TESTS!r})
+import json as _bw_json, _story as _bw_story
+print({MARK!r} + _bw_json.dumps(_bw_story.told_in(globals())))
+del _bw_sys, _bw_json, _bw_story
+"""
+
+
+def _told(kernel) -> dict:
+    """What the reports in the kernel's namespace get wrong (tests/_story.py's told_in), read back
+    from the kernel's output; every message of the request is consumed, so nbval's next cell
+    reads only its own."""
+    msg_id = kernel.execute_cell_input(CHECK, allow_stdin=False)
+    kernel.await_reply(msg_id, timeout=300)
+    out, error = "", None
+    while True:
+        msg = kernel.get_message(stream="iopub", timeout=300)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            out += content["text"]
+        elif kind == "error":
+            error = f"{content['ename']}: {content['evalue']}"
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    if error is not None:
+        return {"the story check itself": [error]}
+    line = next(line for line in out.splitlines() if line.startswith(MARK))
+    return json.loads(line[len(MARK):])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    kernel = getattr(item.parent, "kernel", None)
+    if getattr(item, "cell", None) is not None and kernel is not None and kernel.is_alive():
+        told = _told(kernel)
+        if told:
+            pytest.fail("the notebook's reports disagree with themselves (tests/_story.py):\n"
+                        + "\n".join(f"{name}: {problem}" for name, found in told.items()
+                                     for problem in found), pytrace=False)
+    return result

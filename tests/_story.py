@@ -25,6 +25,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from batchwidgets.results._text import TextForm
+
 # Numbers of the prose: years cited, the equation cited, "2× each" at the critical batch, the
 # S_min·(1 + B/B_simple) formulas' 1, and the percentages of a what-if's cost lines.
 PROSE = {0.0, 1.0, 2.0, 2017.0, 2018.0, 2025.0, 2.7, 2.8}
@@ -109,6 +111,8 @@ def text_fields(obj: Any, depth: int = 4) -> list[str]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and depth:
         for field in dataclasses.fields(obj):
             found += text_fields(getattr(obj, field.name), depth - 1)
+        if not isinstance(obj, TextForm) and "__str__" in type(obj).__dict__:
+            found.append(str(obj))  # a field's own words (report.remembered: when, where)
     elif isinstance(obj, str):
         found.append(obj)
     elif isinstance(obj, (tuple, list)):
@@ -377,3 +381,39 @@ def problems(report: Any, extra: dict[str, str] | None = None) -> list[str]:
         text = check_rules(report, text, found)
         check_numbers(name, text, shallow if name in SHALLOW else deep, found)
     return found
+
+
+def reports_in(namespace: dict) -> list:
+    """Every report a notebook's namespace holds: the values, their panels' and lists'."""
+    found, seen = [], set()
+
+    def visit(value, depth=0):
+        if id(value) in seen or depth > 2:
+            return
+        seen.add(id(value))
+        if isinstance(value, TextForm):
+            found.append(value)
+        elif isinstance(value, (list, tuple)) and len(value) < 100:
+            for item in value:
+                visit(item, depth + 1)
+        elif isinstance(value, dict) and len(value) < 100:
+            for item in value.values():
+                visit(item, depth + 1)
+        elif type(value).__name__.endswith("Panel"):
+            visit(getattr(value, "report", None), depth + 1)
+
+    for name, value in list(namespace.items()):
+        if not name.startswith("_") or name == "_":
+            visit(value)
+    return found
+
+
+def told_in(namespace: dict) -> dict[str, list[str]]:
+    """What each report in ``namespace`` (a notebook's globals) gets wrong, by its name there."""
+    names = {id(value): name for name, value in namespace.items()}
+    told = {}
+    for report in reports_in(namespace):
+        found = problems(report)
+        if found:
+            told[f"{names.get(id(report), 'a report')}: {type(report).__name__}"] = found
+    return told

@@ -7,12 +7,11 @@ says how). The checker is shown to catch each kind of disagreement it looks for.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from _story import panel_texts, problems
+from _story import panel_texts, problems, reports_in, told_in
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -271,68 +270,20 @@ def test_the_check_catches_traced_words_against_the_attempts(gallery):
 
 
 # ---- every tutorial ------------------------------------------------------------------------
+# Each tutorial's reports are checked where nbval runs it: after every cell, in its own kernel
+# (notebooks/conftest.py asks the kernel for told_in(globals()), tests/_story.py). Here: that the
+# check finds a tutorial's reports, and what it says of one that lies.
 
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-
-
-def reports_in(namespace: dict) -> list:
-    """Every report a notebook's namespace holds: the values, their panels' and lists'."""
-    found, seen = [], set()
-
-    def visit(value, depth=0):
-        if id(value) in seen or depth > 2:
-            return
-        seen.add(id(value))
-        if isinstance(value, results._text.TextForm):
-            found.append(value)
-        elif isinstance(value, (list, tuple)) and len(value) < 100:
-            for item in value:
-                visit(item, depth + 1)
-        elif isinstance(value, dict) and len(value) < 100:
-            for item in value.values():
-                visit(item, depth + 1)
-        elif type(value).__name__.endswith("Panel"):
-            visit(getattr(value, "report", None), depth + 1)
-
-    for name, value in list(namespace.items()):
-        if not name.startswith("_") or name == "_":
-            visit(value)
-    return found
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_every_report_a_tutorial_makes_tells_one_story(path, monkeypatch, tmp_path):
-    """Each tutorial's code cells run in an IPython shell here (the install cell and, without a
-    GPU, the cells tagged gpu left out), and every report they leave is checked."""
-    pytest.importorskip("transformers")
-    from IPython import get_ipython
-    from IPython.testing.globalipapp import start_ipython
-
-    start_ipython()
-    shell = get_ipython()
-    monkeypatch.chdir(path.parent)
-    monkeypatch.setenv("BATCHWIDGETS_CACHE_DIR", str(tmp_path))
-    threads = torch.get_num_threads()
-    shell.run_line_magic("reset", "-f")
-    cells = json.loads(path.read_text())["cells"]
-    told = {}
-    try:
-        for index, cell in enumerate(cells[2:], start=2):
-            tags = cell.get("metadata", {}).get("tags", [])
-            if cell["cell_type"] != "code" or ("gpu" in tags and not torch.cuda.is_available()):
-                continue
-            result = shell.run_cell("".join(cell["source"]), store_history=True)
-            raised = result.error_before_exec or result.error_in_exec
-            assert raised is None, f"cell {index} of {path.name} raised {raised!r}"
-            for report in reports_in(shell.user_ns):
-                found = problems(report)
-                if found:
-                    told[f"cell {index}: {type(report).__name__}"] = found
-    finally:
-        torch.set_num_threads(threads)
-        for panel in [v for v in shell.user_ns.values() if hasattr(v, "close")
-                      and type(v).__name__.endswith("Panel")]:
-            panel.close()
-        shell.run_line_magic("reset", "-f")
-    assert not told, said(told)
+def test_the_tutorial_check_finds_reports_in_a_namespace_and_what_they_get_wrong():
+    honest = bw.find_batch(mlp(), features, loss_fn=nn.functional.cross_entropy, budget="8MiB")
+    panel = type("ProbePanel", (), {"report": honest})()
+    namespace = {"report": honest, "reports": [honest], "panel": panel, "_hidden": honest}
+    assert reports_in(namespace) == [honest]  # each report once, however it is reached
+    assert told_in(namespace) == {}
+    again = bw.find_batch(mlp(), features, loss_fn=nn.functional.cross_entropy, budget="8MiB")
+    assert again.remembered is not None  # its when and where are words of the report's own
+    assert told_in({"again": again}) == {}
+    liar = lying(honest, summary=lambda self: "max_batch_size=9999, all measured")
+    told = told_in({"report": liar})
+    assert list(told) == ["report: LyingBatchSizeReport"]
+    assert any("9999" in problem for problem in told["report: LyingBatchSizeReport"])
