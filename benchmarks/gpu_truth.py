@@ -403,6 +403,27 @@ def gib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**30:.3f}"
 
 
+# What the CUDA claims rest on that no GPU run has checked yet (issue 39: the results say it, and
+# the README's claims about GPUs point here). Each entry goes when a run records its truth.
+UNCHECKED = (
+    "the named targets other than the H100 and H200 (T4, L4, A10G, V100, A100): their SM counts, "
+    "cuBLAS workspaces and CUDA context come from NVIDIA's and PyTorch's documentation and "
+    "source; no boundary was recorded on one",
+    "plans for N GPUs (parallel='ddp', 'fsdp', 'zero1'-'zero3'): per-rank rules read from "
+    "PyTorch's and DeepSpeed's source and checked on gloo process groups on the CPU; no "
+    "multi-GPU NCCL job has run them",
+    "find_batch inside a one-GPU NCCL job: under DDP and FSDP2 it failed on the H200 (the "
+    "ranks section); alone it was exact",
+    "the language models' \"keeps output\" truths were recorded with the output alive through "
+    "the whole next step, before find_batch modelled the loop that rebinds it after the next "
+    "forward (issue 38): the next run records that loop",
+    "what tests/test_gpu_truth.py names as known gaps: the memory-efficient attention "
+    "backward's workspace, LayerNorm's CUDA backward buffers, cuDNN's algorithm choice at the "
+    "edge, the allocator's layout under a cap around a 4.5 GB tensor",
+    "MPS: the probe has not run on an Apple GPU",
+)
+
+
 def markdown(head: dict, records: list[dict]) -> str:
     lines = [f"# GPU truth: {head['device']}", "",
              f"- date: {head['date']}; commit {head['commit']}; python {head['python']}, torch "
@@ -412,7 +433,8 @@ def markdown(head: dict, records: list[dict]) -> str:
              "- boundaries: real steps (2 per size) under the cap set by "
              "torch.cuda.set_per_process_memory_fraction; doubling, bisection, then the answer "
              "and the next size re-run (the lower of the runs); the cache emptied before each "
-             "size", ""]
+             "size", "", "## What no GPU has checked yet", "",
+             *(f"- {claim}" for claim in UNCHECKED), ""]
     bounds = [r for r in records if r["section"] == "boundaries"]
     if bounds:
         lines += ["## Boundaries and plans", "",
