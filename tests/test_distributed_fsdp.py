@@ -129,7 +129,8 @@ WORKER = textwrap.dedent("""
     seen = []
     report = bw.find_batch(model, make_batch, loss_fn=nn.functional.cross_entropy,
                            optimizer=trained(model), budget=1024 * KIB, on_step=seen.append,
-                           should_stop=lambda: rank == 1 and len(seen) >= 2)
+                           should_stop=lambda: rank == 1 and len(seen) >= 2,
+                           cache=False)  # measured: the same call's answer is remembered
     results["stopped"] = dataclasses.asdict(report)
 
     # a Hugging Face GPT-2 from a config, each block a unit, rank 1's texts twice as long
@@ -401,9 +402,11 @@ def test_fsdp2_uneven_data_the_longest_ranks_answer_on_every_rank(job):
 def test_an_error_on_one_rank_raises_on_every_rank_naming_it(job):
     assert job[1]["error"]["raised"] == "ValueError"  # its own error, unchanged
     message = job[1]["error"]["message"]
-    assert message.startswith("rank 1 cannot make a batch of ")
+    assert message.startswith("find_batch called make_batch(")  # what it called, then its own
+    own = message.split("it raised ValueError: ", 1)[1]
+    assert own.startswith("rank 1 cannot make a batch of ")
     assert job[0]["error"]["raised"] == "RankFailed"
-    assert f"rank 1 of 2 raised ValueError: {message} (" in job[0]["error"]["message"]
+    assert f"rank 1 of 2 raised ValueError: {own} (" in job[0]["error"]["message"]
     assert [rank["error"]["restored"] for rank in job] == [True, True]
 
 
@@ -457,7 +460,8 @@ def test_an_error_inside_one_ranks_step_raises_on_every_rank_within_the_groups_t
     # collective fails at the group's timeout (3 s here), and it names rank 1's error
     assert broken_job[1]["in_step"]["raised"] == "IndexError"
     message = broken_job[1]["in_step"]["message"]
-    assert message.startswith("rank 1 cannot take ")
+    assert message.startswith("find_batch called model(")  # what it called, then its own
+    assert "it raised IndexError: rank 1 cannot take " in message
     assert broken_job[0]["in_step"]["raised"] == "RankFailed"
     assert f"rank 1 of 2 raised IndexError: {message} (" in broken_job[0]["in_step"]["message"]
     assert [rank["restored"] for rank in broken_job] == [True, True]

@@ -150,9 +150,11 @@ class OwnError(nn.Module):
 
 
 @pytest.mark.parametrize("method", ["vmap", "loop", "auto"])
-def test_an_error_from_the_models_own_forward_propagates_unchanged(method):
-    with pytest.raises(LookupError, match=r"^my model's own bug$"):
+def test_an_error_from_the_models_own_forward_keeps_its_type_and_cause_and_says_the_call(method):
+    with pytest.raises(LookupError, match=r"^measure_noise called model\(batch\[0\]\) .*"
+                                          r"it raised LookupError: my model's own bug$") as raised:
         bw.measure_noise(OwnError(), make_data(12), loss_fn, method=method)
+    assert str(raised.value.__cause__) == "my model's own bug"  # the user's own error
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 3, 6])

@@ -234,17 +234,14 @@ def _probe(setup: ProbeSetup) -> BatchSizeReport:
         if report.max_batch_size == 0 and report.stop_reason != "stopped":
             raise NoBatchSizeFits(report)
         # each row planned, never measured; a plan for N GPUs has its strategies' rows instead.
-        # The other loop's answer and the per-op model's rows cost nothing: in every plan;
-        # what_if=True plans each change
+        # The per-op model's rows (the other loop's answer among them) cost nothing: in every
+        # plan; what_if=True plans each change
         if setup.model is not None and setup.parallel is None:
-            freed = () if search.model is None else tuple(_what_if.freed_output(
-                search.model, search.model.peak_bytes(report.max_batch_size),
-                multiple_of=setup.multiple_of, ceiling=setup.ceiling))
-            report = dataclasses.replace(report, what_if=freed + tuple(_what_if.for_target(
+            report = dataclasses.replace(report, what_if=_what_if.for_target(
                 search.model, report.max_batch_size, setup.target[1],
                 (lambda **change: _probe(setup.with_change(**change))) if setup.what_if else None,
                 setup.optimizer, setup.amp, multiple_of=setup.multiple_of, ceiling=setup.ceiling,
-                modules=_what_if.checkpoint_candidates(setup.model), module=setup.model)))
+                modules=_what_if.checkpoint_candidates(setup.model), module=setup.model))
         return report
     rows = _predicted_what_ifs(setup, report, search)
     if setup.what_if and setup.model is not None:

@@ -68,13 +68,21 @@ def planned(report: BatchSizeReport, search: Search, name: str, usable_bytes: in
     predict = functools.partial(memory.largest_batch_size, multiple_of=report.multiple_of,
                                 ceiling=search.ceiling, preallocated=large.preallocated)
     low = predict(small.events, b_small, large.events, b_large, usable_bytes)
+    needs = _needs(pair, low, report.multiple_of)
+    for _ in range(4):  # NOTE [ The answer under the curve ]
+        over = next((size for size, need in needs if size <= low and need > usable_bytes), None)
+        if over is None:
+            break
+        low = predict(small.events, b_small, large.events, b_large, usable_bytes,
+                      ceiling=max(0, over - 1))
+        needs = _needs(pair, low, report.multiple_of)
     tensors_only = [[e for e in t.events if e[0] != "workspace"] for t in (small, large)]
     high = predict(tensors_only[0], b_small, tensors_only[1], b_large, usable_bytes)
     return dataclasses.replace(
         report, max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
         budget_bytes=None, stop_reason=_stop(name, low, search.ceiling), target=name,
         target_band=(_evidence_low(low, report.multiple_of), max(low, high)),
-        target_peaks=_target_peaks(pair, usable_bytes, low, report.multiple_of),
+        target_peaks=_running_max(needs),
         method=report.method.replace("then verified", "then replayed for the target"))
 
 
@@ -121,20 +129,32 @@ def _evidence_low(found: int, multiple_of: int) -> int:
     return int(found * EVIDENCE_RATIO) // multiple_of * multiple_of
 
 
-def _target_peaks(pair: tuple[tuple[OpTrace, int], tuple[OpTrace, int]], usable_bytes: int,
-                  found: int, multiple_of: int) -> tuple[tuple[int, int], ...]:
+def _needs(pair: tuple[tuple[OpTrace, int], tuple[OpTrace, int]], found: int,
+           multiple_of: int) -> list[tuple[int, int]]:
     """What the step needs on the target (NOTE [ What a step needs ] in memory/_allocator.py)
     at sizes from 1 to twice the answer (doubling, and the answer and the next size exactly),
-    by the replay that decided the answer: at most ``usable_bytes`` at the answer, more at the
-    next size; a running maximum, so the curve never falls. Sizes up to half the answer take
-    the uncapped reserved peak of their tensors (no cap is near them: what they need is that or
-    a little less), the others the search down the capacities."""
+    by the replay that decided the answer. Sizes up to half the answer take the uncapped
+    reserved peak of their tensors (no cap is near them: what they need is that or a little
+    less), the others the search down the capacities."""
     (small, b_small), (large, b_large) = pair
-    peaks, most = [], 0
+    needs = []
     for size in _peak_sizes(found, multiple_of):
         events = memory.scale_events(small.events, b_small, large.events, b_large, size)
-        need = memory.needed_bytes(events, preallocated=large.preallocated,
-                                   exact=2 * size > found)
+        needs.append((size, memory.needed_bytes(events, preallocated=large.preallocated,
+                                                exact=2 * size > found)))
+    return needs
+
+
+# NOTE [ The answer under the curve ]
+# The replay is not monotone in the batch size either: a size can fit the usable memory while a
+# smaller one the curve samples does not (an MLP on 2 GiB, in the loop that keeps its batch to
+# the next step: 153,600 fit, 131,072 needed 2.2 GiB). The curve of needs is a running maximum
+# (a larger batch holds no fewer bytes), so max_batch_size is the largest size whose need, on
+# that curve, is at most the usable memory: below the first sampled size that does not fit.
+def _running_max(needs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The curve of needs, never falling: each size's need or a smaller size's, the larger."""
+    peaks, most = [], 0
+    for size, need in needs:
         most = max(most, need)
         peaks.append((size, most))
     return tuple(peaks)

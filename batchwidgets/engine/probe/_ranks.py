@@ -178,11 +178,21 @@ def made_on_every_rank(make: Callable[[], Any], in_a_job: bool) -> Any:
     return made
 
 
+def _shared(error: BaseException | None) -> bool:
+    """Whether ``error``, or the error it says in our words (its ``__cause__``, engine/_called.py),
+    was shared already: the verdict is taken once per error, or the ranks' collectives part."""
+    while error is not None:
+        if getattr(error, _SHARED, False):
+            return True
+        error = error.__cause__
+    return False
+
+
 def share_error(error: BaseException) -> None:
     """This rank met ``error`` (not out of memory) in a trial: tell every rank (NOTE [ One
     verdict per size, errors included ]), then return for the caller to re-raise it; raises
     RankFailed instead when ``error`` is a collective that failed because another rank left."""
-    if not in_job() or isinstance(error, RankFailed) or getattr(error, _SHARED, False):
+    if not in_job() or isinstance(error, RankFailed) or _shared(error):
         return
     setattr(error, _SHARED, True)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
