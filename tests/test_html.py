@@ -15,6 +15,7 @@ from batchwidgets.results import (
     AccumulationReport,
     Attempt,
     BatchSizeReport,
+    BatchSplitReport,
     Branch,
     CriticalBatchReport,
     DataStallReport,
@@ -105,6 +106,11 @@ EXAMPLES = {  # one or more per report type; test_every_report_type_has_an_examp
         LiveLoaderReport(segments=(), switches=(), settings={"num_workers": 0}, epoch=0),
     ],
 }
+EXAMPLES[BatchSplitReport] = [
+    BatchSplitReport(global_batch_size=128, world_size=2, per_device_batch_size=32,
+                     accumulation_steps=2, max_per_device=36,
+                     probe=EXAMPLES[BatchSizeReport][0]),
+]
 ALL_EXAMPLES = [report for reports in EXAMPLES.values() for report in reports]
 
 
