@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_noise import make_data, make_mlp
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 
@@ -19,16 +20,6 @@ from batchwidgets.results import CriticalBatchReport, NoiseReport
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def make_data(n, dim=5, classes=3, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, dim, generator=generator, dtype=torch.float64)
-    return TensorDataset(x, torch.randint(0, classes, (n,), generator=generator))
-
-
-def make_mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
 
 
 def biased_mlp():
