@@ -4,6 +4,7 @@ world size, the first line of an error, and integer argument checks."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -127,6 +128,15 @@ def world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return 1
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from the function that warns, to the first frame outside
+    batchwidgets (the user's call), however many of the engine's stages lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("batchwidgets"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def first_line(error: BaseException, *, with_type: bool = True) -> str:

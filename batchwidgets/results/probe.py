@@ -190,7 +190,7 @@ class BatchSizeReport(TextForm):
     target: str | None = None  # find_batch(..., target=): the GPU the answer is predicted for
     # the predicted max_batch_size's band on the target: from the answer times the lowest ratio of
     # true boundary to plan recorded on a real GPU (0.96) up to the tensors alone, without
-    # convolution workspaces (see NOTE [ The band of a plan, from the evidence ] in probe/_loop.py)
+    # convolution workspaces (see NOTE [ The band of a plan, from the evidence ] in probe/_plan.py)
     target_band: tuple[int, int] | None = None
     # what the answer rests on: "real" steps, or a "fake" trace (FakeTensorMode: shapes, no
     # compute, no memory) of the small sizes that a target's prediction is made from

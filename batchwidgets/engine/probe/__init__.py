@@ -1,6 +1,11 @@
 """``find_batch``: the largest batch that trains, as stages read top to bottom.
 
-- ``_find_batch.py``  find_batch: set up, search under the guard, report
+- ``_find_batch.py``  find_batch: set up, then one of the two engines (or each length's)
+- ``_measure.py``     engine 1, measuring on this device: real steps searched, the what-ifs
+- ``_plan.py``        engine 2, planning for a target: traces replayed under its memory, for one
+  GPU or each rank of N, the what-ifs planned
+- ``_core.py``        the traced core both stand on: the search run under the meter and the
+  state guard (real or fake trials), and the report of what it found
 - ``_options.py``     find_batch's options declared once: default, check, help, flag
 - ``_nothing_fits.py`` NoBatchSizeFits: not even the smallest batch trains, and what would help
 - ``_setup.py``       the arguments resolved once into a frozen ProbeSetup
@@ -10,7 +15,7 @@
 - ``_fake.py``        fake trials: the step on fake tensors, for a plan (meta models too)
 - ``_fake_group.py``  the one adapter over PyTorch's fake process group, and fully_shard
 - ``_sharded.py``     one FSDP2 rank traced: a meta copy under fully_shard on a fake mesh
-- ``_loop.py``        the search loop: run, fit the per-op model, ask the policy; target plans
+- ``_loop.py``        the search loop: run, fit the per-op model, ask the policy
 - ``_timeline.py``    one traced step's memory: split by part at the peak, by kind over its ops
 - ``_stop.py``        should_stop polled between ops: a Stop in the middle of a step
 - ``_optimizer_shapes.py``  optimizer state by shape: a tiny copy's real step, when fakes cannot

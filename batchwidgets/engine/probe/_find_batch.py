@@ -11,55 +11,27 @@ Usage:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport
-from .. import memory
 from .._called import is_said
-from .._state import InterruptGuard, TrainingState, restore_home
 from .._types import Amp, ProbeStep, ShouldStop, Trace
-from .._util import first_line
-from . import _search, _what_if
-from ._cell import CellStep, CellWorld, FakeCellStep
-from ._checks import has_meta_tensors
-from ._fake import FakeTraceError, FakeWorld, fake_mode, fake_step
-from ._fake_group import FakeGroupUnavailable, fake_group
-from ._loop import Search, planned
+from ._core import at_length
+from ._measure import measure
 from ._nothing_fits import NoBatchSizeFits
-from ._optimizer_shapes import OptimizerStateError, StateRule, state_rule
 from ._options import FIND_BATCH
-from ._parallel import plan_ranks
-from ._ranks import agree_limit, alone, in_job
+from ._plan import plan
 from ._remember import remembered
 from ._setup import ProbeSetup, resolve
-from ._sharded import ShardedWorld, ShardingError
-from ._trials import (
-    Marks,
-    OnStep,
-    Trainer,
-    held_outside_ops,
-    model_step,
-    moved,
-    state_tensors,
-    touched_tensors,
-)
+from ._trials import OnStep
 
-# NOTE [ find_batch, a long module ]
-# Over 400 lines: the public function's docstring is its manual (a hundred lines), and the
-# stages it runs (search under the guard, the report, a target's plans for one GPU and for N
-# ranks, the frontier) call one another; split them only with the ProbeSetup they share.
 MakeBatch = (Callable[[int], Any] | torch.utils.data.Dataset | torch.utils.data.DataLoader
              | torch.Tensor)
-
-_FLAT = "memory did not grow with the batch size: check make_batch"
 
 
 def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None = None,
@@ -222,281 +194,8 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
 
 
 def _probe(setup: ProbeSetup) -> BatchSizeReport:
-    """The stages after the setup: the search under the meter and the state guard, the report,
-    then what the report adds (a target's prediction, the what-ifs)."""
-    with alone() if setup.target is not None else contextlib.nullcontext():
-        setup, search = _searched(setup)
-    report = _report(setup, search)
-    if setup.target is not None:
-        report = planned(report, search, *setup.target)
-        if setup.parallel is not None:  # see NOTE [ Per-rank memory by strategy ]
-            report = _ranks_planned(setup, report, search)
-        if report.max_batch_size == 0 and report.stop_reason != "stopped":
-            raise NoBatchSizeFits(report)
-        # each row planned, never measured; a plan for N GPUs has its strategies' rows instead.
-        # The per-op model's rows (the other loop's answer among them) cost nothing: in every
-        # plan; what_if=True plans each change
-        if setup.model is not None and setup.parallel is None:
-            report = dataclasses.replace(report, what_if=_what_if.for_target(
-                search.model, report.max_batch_size, setup.target[1],
-                (lambda **change: _probe(setup.with_change(**change))) if setup.what_if else None,
-                setup.optimizer, setup.amp, multiple_of=setup.multiple_of, ceiling=setup.ceiling,
-                modules=_what_if.checkpoint_candidates(setup.model), module=setup.model))
-        return report
-    rows = _predicted_what_ifs(setup, report, search)
-    if setup.what_if and setup.model is not None:
-        rows += _what_if.measured(lambda **change: _probe(setup.with_change(**change)),
-                                  setup.optimizer, setup.amp, setup.model)
-    return dataclasses.replace(report, what_if=tuple(rows)) if rows else report
-
-
-def _ranks_planned(setup: ProbeSetup, report: BatchSizeReport,
-                   search: Search) -> BatchSizeReport:
-    """Each strategy's per-rank plan: FSDP2 traced on one rank of a fake group where it can be
-    (NOTE [ One FSDP2 rank, traced ]), the rest by each storage's share on a rank."""
-    traced: dict[str, BatchSizeReport] = {}
-    if setup.parallel in ("fsdp", "compare"):
-        fsdp, why_not = _fsdp_traced(setup) if setup.trace == "fake" else (
-            None, "the step was traced by real steps")
-        if fsdp is not None:
-            traced["fsdp"] = fsdp
-        else:
-            report = dataclasses.replace(report, method=f"{report.method} FSDP2 planned by its "
-                                                        f"published rules: {why_not}.")
-    name, usable = setup.target
-    return plan_ranks(report, setup.model, setup.parallel, setup.world_size, search._event_pair(),
-                      lambda pair: planned(report, search, name, usable, pair), traced)
-
-
-def _fsdp_traced(setup: ProbeSetup) -> tuple[BatchSizeReport | None, str]:
-    """One FSDP2 rank's plan, traced on a fake process group; or None and why it could not be."""
-    if state_rule(setup.optimizer) is not None:
-        return None, "its optimizer's state cannot be made on fake tensors"
-    try:
-        with fake_group(setup.world_size) as mesh:
-            sharded = dataclasses.replace(setup, mesh=mesh, what_if=False, on_step=None)
-            search = _search_guarded(sharded)
-            report = planned(_report(sharded, search), search, *setup.target)
-    except FakeGroupUnavailable as error:
-        return None, str(error)
-    except ShardingError:
-        if setup.parallel == "fsdp":
-            raise
-        return None, "fully_shard cannot wrap this model"
-    except Exception as error:  # what the plain trace ran, one FSDP2 rank could not
-        memory.drop_own_frames(error)
-        return None, f"one FSDP2 rank could not be traced ({first_line(error)})"
-    method = (f"{report.method} One FSDP2 rank of {setup.world_size} traced on a fake process "
-              f"group: its shards, all-gathers and reduce-scatters as they run.")
-    return dataclasses.replace(report, method=method), ""
-
-
-def _searched(setup: ProbeSetup) -> tuple[ProbeSetup, Search]:
-    """The search; a fake trace that cannot run is traced by real steps, the reason kept in
-    the setup's notes (a meta model has none to run: one line naming the op and the module)."""
-    if setup.trace == "real":
-        return setup, _search_guarded(setup)
-    try:
-        rule = state_rule(setup.optimizer)  # see NOTE [ Optimizer state by shape ]
-        with_rule = setup if rule is None else dataclasses.replace(
-            setup, notes=(*setup.notes, rule.note))
-        return with_rule, _search_guarded(with_rule, rule)
-    except Exception as error:
-        on_meta = has_meta_tensors(setup.model)
-        if isinstance(error, FakeTraceError) and on_meta:
-            raise ValueError(
-                f"model should run on fake tensors to be planned from the meta device, but "
-                f"{error.op} in {error.module} reads a value back or makes a shape from data; "
-                f"build the model on a real device (it is then traced by real steps), or avoid "
-                f"that op (e.g. pass attention_mask, labels of a fixed shape).") from error
-        if on_meta:
-            raise
-        reason = (str(error).rstrip(".") if isinstance(error, (FakeTraceError, OptimizerStateError))
-                  else first_line(error))
-        notes = (*setup.notes, f"Traced by real steps: {reason}.")
-        setup = dataclasses.replace(setup, trace="real", notes=notes)
-        return setup, _search_guarded(setup)
-
-
-def _search_guarded(setup: ProbeSetup, rule: StateRule | None = None) -> Search:
-    """Enter the meter and the state guard, run the search; every trial starts from the user's
-    state, and the user's state comes back however it ends (NOTE [ Restoring under Ctrl-C ] in
-    engine/_state.py). A fake trace touches none of the user's tensors: only the modes, RNGs
-    and flags are guarded then (see NOTE [ Fake trials ] in _fake.py)."""
-    fake = setup.trace == "fake"
-    home_state = (TrainingState(setup.owner, None, (), weights=False, loss_fn=setup.loss_fn,
-                                trains=setup.optimizer)
-                  if fake else TrainingState(setup.owner, setup.optimizer, setup.extras,
-                                             loss_fn=setup.loss_fn, touches=_touches(setup)))
-    meter = memory.probe_meter(setup.device, setup.budget_bytes,
-                               setup.target[0] if setup.target is not None else None)
-    guard = InterruptGuard()
-    search = trainer = None
-    try:
-        with meter.capped():
-            trainer = (_fake_trainer(setup, meter, rule) if fake
-                       else _trainer(setup, meter, home_state))
-            limit_bytes = agree_limit(meter.limit_bytes)
-            # real steps in a job run to their end: NOTE [ Over the budget inside a job ]
-            meter.defer_budget = in_job() and not fake
-            meter.held_bytes = 0 if fake else held_outside_ops(setup.owner)
-            meter.warm_up()
-            search = Search(trainer, meter, start=setup.start, multiple_of=setup.multiple_of,
-                            ceiling=setup.ceiling, limit_bytes=limit_bytes,
-                            traced_only=setup.target is not None)
-            if setup.fake_first:  # see NOTE [ A free first guess ] in _loop.py
-                search.seed(lambda: _fake_trainer(setup, meter, paused=True, home=home_state),
-                            setup.on_step, setup.should_stop)
-            search.run(setup.on_step, setup.should_stop)
-    except BaseException as error:  # its traceback (kept by IPython) must not keep them alive
-        memory.drop_own_frames(error)
-        raise
-    finally:
-        failed = restore_home(home_state, setup.model if setup.moves else None, setup.home, guard)
-        if search is not None and trainer is not None:
-            search.loss_from = getattr(trainer.step, "loss_from", "")
-        home_state = trainer = None  # the traceback keeps this frame
-        if search is not None:
-            search.trainer = None
-        memory.free_memory(setup.device, collect=not fake)  # fake tensors hold no memory
-        if failed is not None:
-            raise failed
-    return search
-
-
-def _trainer(setup: ProbeSetup, meter: Any, home_state: TrainingState) -> Trainer:
-    """Real trials: each starts from the user's state (moved to the device probed)."""
-    state = (moved(setup.model, setup.optimizer, setup.device, setup.extras, setup.loss_fn)
-             if setup.moves else home_state)
-    owned = [] if setup.owner is None else [*setup.owner.parameters(), *setup.owner.buffers()]
-    touches = _touches(setup)
-    return Trainer(_step(setup, meter), meter, state, setup.steps_per_trial,
-                   lambda: state_tensors(setup.owner, setup.optimizer) + touched_tensors(touches),
-                   Marks(owned, setup.optimizer), called="" if setup.model else "step")
-
-
-def _touches(setup: ProbeSetup) -> tuple:
-    """The other objects a %%find_batch cell names (NOTE [ A cell as the step ] in _cell.py):
-    put back after each trial, and counted, as the model is."""
-    mine = {id(o) for o in (setup.owner, setup.optimizer, *setup.extras) if o is not None}
-    return tuple(o for o in getattr(setup.step, "touches", ()) if id(o) not in mine)
-
-
-def _fake_trainer(setup: ProbeSetup, meter: Any, rule: StateRule | None = None,
-                  paused: bool = False, home: TrainingState | None = None) -> Trainer:
-    """Fake trials: the model's fake twins, each trial from their start (NOTE [ Fake trials ]).
-    ``rule``: the optimizer's state by shape (NOTE [ Optimizer state by shape ]). ``paused``: the
-    caller holds the cycle collector paused over all the trials (one collection instead of one
-    per trial, which costs more than a small fake trial in a large process: see Search.seed).
-    A %%find_batch cell's: its objects' twins (NOTE [ A cell's fake trials ]), ``home`` put
-    back after each."""
-    mode = fake_mode()
-    if setup.model is None:
-        cell = CellWorld(setup.step, mode, home)
-        return Trainer(FakeCellStep(cell, meter), meter, cell, setup.steps_per_trial,
-                       cell.tensors, Marks(cell.marked(), None),
-                       around=lambda: mode, fake=True)
-    world = (ShardedWorld(setup.model, setup.optimizer, mode, setup.mesh) if setup.mesh is not None
-             else FakeWorld(setup.model, setup.optimizer, mode, rule))
-    return Trainer(fake_step(world, setup.make, setup.loss_fn, setup.amp, meter,
-                             keep_output=setup.keep_output), meter, world,
-                   setup.steps_per_trial, world.tensors, Marks(world.marked(), world.optimizer),
-                   around=(lambda: mode) if paused else world.active, fake=True)
-
-
-
-def _step(setup: ProbeSetup, meter: Any) -> ProbeStep:
-    """What each real trial runs: the model form's training step, or the user's own step."""
-    if setup.model is None:
-        return setup.step
-    scaler = setup.scaler
-    if setup.amp == "fp16" and scaler is None:
-        scaler = torch.amp.GradScaler(setup.device.type)
-    return model_step(setup.model, setup.make, setup.loss_fn, setup.optimizer, setup.device,
-                      setup.amp, scaler, meter, keep_output=setup.keep_output)
-
-
-def _report(setup: ProbeSetup, search: Search) -> BatchSizeReport:
-    """The report of what the search found (``NoBatchSizeFits`` when nothing fits)."""
-    attempts = search.attempts
-    lo, hi = _search.bracket([a for a in attempts if not a.fake])  # what ran decides
-    if search.stopped:
-        stop = "stopped"
-    elif lo == 0:
-        stop = "nothing fits"
-    elif lo >= setup.ceiling:
-        stop = "max_batch_size" if setup.max_batch_size else "ceiling"
-        if stop == "ceiling" and _search.memory_stayed_flat(attempts):
-            stop = f"ceiling: {_FLAT}"
-            warnings.warn(f"find_batch reached its ceiling of {setup.ceiling} samples, but the "
-                          f"step's {_FLAT} (it must return a batch of the size it is given), "
-                          f"or the step allocates nothing on {setup.device}.",
-                          BatchwidgetsWarning, stacklevel=4)  # _probe, find_batch, the user
-    else:
-        stop = "boundary"
-    segments = () if search.model is None else search.model.envelope(
-        1, max(a.batch_size for a in attempts))
-    if setup.trace == "fake":  # nothing ran: no step times, every size marked
-        attempts = [dataclasses.replace(a, fake=True, step_time_s=None) for a in attempts]
-    report = BatchSizeReport(
-        max_batch_size=lo, first_oom_batch_size=hi, attempts=tuple(attempts),
-        device=str(setup.device), budget_bytes=setup.budget_bytes, limit_bytes=search.limit_bytes,
-        baseline_bytes=search.meter.baseline_bytes, memory_model=_search.fit_memory(attempts),
-        headroom=setup.headroom, multiple_of=setup.multiple_of, amp=setup.amp, stop_reason=stop,
-        peak_segments=segments, method=" ".join([search.method(), *setup.notes]),
-        worst_case=_batches_from(setup), memory_split=search.split,
-        memory_timeline=search.timeline, trace=setup.trace, loop=_loop_of(setup),
-        assumed=setup.assumed + _loss_assumed(setup, search))
-    if lo == 0 and stop != "stopped":
-        raise NoBatchSizeFits(report)
-    return report
-
-
-def _batches_from(setup: ProbeSetup) -> str:
-    """What the batches were built from, for the report: a Dataset's sample (its description),
-    else the callable or the step that made them."""
-    if setup.batch_description:
-        return setup.batch_description
-    if setup.model is None:
-        return "the step's own: step(batch_size) builds its batches"
-    make, extra = setup.make, ""
-    if isinstance(make, functools.partial) and make.func is _at_length:
-        make, extra = make.args[0], f", {make.args[1]}"
-    name = getattr(make, "__qualname__", None) or type(make).__name__
-    return f"{name}(batch_size{extra}), called at each size tried"
-
-
-def _loop_of(setup: ProbeSetup) -> str:
-    """The loop the answer is for (NOTE [ The loop the step models ] in _trials.py)."""
-    if setup.model is None:
-        return "your cell" if isinstance(setup.step, CellStep) else "your step"
-    return "keeps output" if setup.keep_output else "frees output"
-
-
-def _loss_assumed(setup: ProbeSetup, search: Search) -> tuple[str, ...]:
-    """The loss the model form took without ``loss_fn`` (NOTE [ Say what was assumed ])."""
-    if setup.model is None or setup.loss_fn is not None or not search.loss_from:
-        return ()
-    return (f"loss {search.loss_from} (loss_fn=)",)
-
-
-def _predicted_what_ifs(setup: ProbeSetup, report: BatchSizeReport, search: Search) -> list:
-    """The what-if rows the per-op model predicts (see probe/_what_if.py), where it was fitted."""
-    if search.model is None or search.limit_bytes is None:
-        return []
-    modules = _what_if.checkpoint_candidates(setup.owner) if setup.owner is not None else {}
-    # On CUDA the tensors' bytes are not what runs out: the boundary found says where, in
-    # tensor bytes, the reserved memory ran out, and the rows are predicted against that.
-    row_limit = (search.model.peak_bytes(report.max_batch_size)
-                 if search.replays and report.max_batch_size
-                 else search.limit_bytes - search.overhead_bytes)
-    rows = _what_if.predicted(search.model, row_limit, multiple_of=setup.multiple_of,
-                              ceiling=setup.ceiling, modules=modules)
-    if search.replays:  # the allocator's segments and rounding gone: tensors and workspaces
-        rows += _what_if.expandable(search.model, search.limit_bytes - search.unseen_bytes,
-                                    report.max_batch_size, multiple_of=setup.multiple_of,
-                                    ceiling=setup.ceiling)
-    return rows
+    """One probe: planned for a target, measured on this device otherwise."""
+    return plan(setup) if setup.target is not None else measure(setup)
 
 
 def _frontier(setup: ProbeSetup) -> BatchSizeReport:
@@ -504,10 +203,10 @@ def _frontier(setup: ProbeSetup) -> BatchSizeReport:
     frontier: dict[int, int] = {}
     report: BatchSizeReport | None = None
     for length in setup.seq_len:
-        at_length = dataclasses.replace(
-            setup, seq_len=None, make=functools.partial(_at_length, setup.make, length))
+        one_length = dataclasses.replace(
+            setup, seq_len=None, make=functools.partial(at_length, setup.make, length))
         try:
-            report = _probe(at_length)
+            report = _probe(one_length)
         except NoBatchSizeFits as error:
             report = error.report
         frontier[length] = report.max_batch_size
@@ -517,7 +216,3 @@ def _frontier(setup: ProbeSetup) -> BatchSizeReport:
     if report.max_batch_size == 0 and report.stop_reason != "stopped":
         raise NoBatchSizeFits(report)
     return report
-
-
-def _at_length(make_batch: Callable, length: int, batch_size: int) -> Any:
-    return make_batch(batch_size, length)

@@ -1,164 +1,27 @@
 """The probe's search loop: run a size, fit the per-op model on what ran, ask the policy for the
-next size (``Search``); the memory split at the largest size that ran, and the prediction for a
-GPU that is not here (``planned``)."""
+next size (``Search``); the memory split at the largest size that ran. Both engines run it: on
+real steps to measure, on fake ones to plan (a target's replay of its traces is in _plan.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ...results import Attempt, BatchSizeReport, MemorySplit, MemoryTimeline
+from ...results import Attempt, MemorySplit, MemoryTimeline
 from .. import memory
 from .._util import first_line
 from ..memory import OpTrace, PeakModel, Reading
 from . import _search
 from ._fake import FakeTraceError
 from ._ranks import agree, agree_size, in_job, share_error
-from ._setup import SEARCH_CEILING
 from ._stop import StepStopped, stop_between_ops
 from ._timeline import memory_split, memory_timeline
 from ._trials import OnStep, Trainer
 
 Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]  # two traced sizes: (trace, batch size)
-
-# NOTE [ The search loop, a long module ]
-# Over 400 lines: Search is one object (the loop, what it learns from each size, the model it
-# fits on the traces and what that predicts), and a target's plan is read from those traces.
-
-# NOTE [ The band of a plan, from the evidence ]
-# What the plan cannot trace (the real allocator's layout, kernels not modelled, cuDNN's choice)
-# moves the real edge. The band's low end is the answer times the lowest ratio of true boundary
-# to plan recorded on a real GPU, with the kernel rules of memory/_kernels.py, the workspaces of
-# memory/_simulated.py and the staging buffers and steady state of memory/_allocator.py: an H200
-# capped at 8 and 16 GiB (benchmarks/results/gpu_truth_h200.md, torch 2.11; replayed by
-# tests/test_gpu_truth.py): the plans made today are exact for the wide CNN and the encoder at
-# 8 GiB (641, 784), 0.993 and 0.976 of the plan at 16 GiB, and 0.947 for the checkpointed Llama
-# at 16 GiB (18 against 19, one sample); an H100 earlier gave the encoder 0.961 (784 against
-# 816, before the staging buffer). The recommended size (headroom 0.9) stays below every truth.
-EVIDENCE_RATIO = 0.96
-
-
-# NOTE [ Planning for a GPU that is not here ]
-# find_batch(..., target="T4") runs the step at two small sizes on the CPU, through the simulated
-# CUDA device (memory/_simulated.py: the caching allocator's rules, cuBLAS's workspace as the
-# target makes it, cuDNN-like convolution workspaces), with the target's kernels where the CPU
-# runs others (memory/_kernels.py: dropout, attention, the foreach optimizer step), and replays
-# the trace, scaled to each size, through the allocator's model under the target's memory less
-# the CUDA context (memory/_allocator.py: largest_batch_size). That is the answer, marked
-# predicted. The band's high end is the same replay with the tensors alone (no convolution
-# workspaces), its low end the answer as far below as real GPUs were found (NOTE [ The band of a
-# plan, from the evidence ]).
-def planned(report: BatchSizeReport, search: Search, name: str, usable_bytes: int,
-            pair: Pair | None = None) -> BatchSizeReport:
-    """The answer on the target from the search's traces (or ``pair``: a rank's share of them,
-    NOTE [ One rank's share of a trace ] in _parallel.py)."""
-    pair = pair or search._event_pair()
-    if pair is None:
-        raise RuntimeError(f"find_batch could not trace two sizes of the same op sequence on the "
-                           f"CPU to predict for {name} (sizes tried: "
-                           f"{[a.batch_size for a in report.attempts]}); the step's shapes depend "
-                           f"on its data. Probe on a GPU instead.")
-    if not search.replays:
-        return _planned_in_tensors(report, pair, name, usable_bytes, search.ceiling)
-    (small, b_small), (large, b_large) = pair
-    predict = functools.partial(memory.largest_batch_size, multiple_of=report.multiple_of,
-                                ceiling=search.ceiling, preallocated=large.preallocated)
-    low = predict(small.events, b_small, large.events, b_large, usable_bytes)
-    needs = _needs(pair, low, report.multiple_of)
-    for _ in range(4):  # NOTE [ The answer under the curve ]
-        over = next((size for size, need in needs if size <= low and need > usable_bytes), None)
-        if over is None:
-            break
-        low = predict(small.events, b_small, large.events, b_large, usable_bytes,
-                      ceiling=max(0, over - 1))
-        needs = _needs(pair, low, report.multiple_of)
-    tensors_only = [[e for e in t.events if e[0] != "workspace"] for t in (small, large)]
-    high = predict(tensors_only[0], b_small, tensors_only[1], b_large, usable_bytes)
-    return dataclasses.replace(
-        report, max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
-        budget_bytes=None, stop_reason=_stop(name, low, search.ceiling), target=name,
-        target_band=(_evidence_low(low, report.multiple_of), max(low, high)),
-        target_peaks=_running_max(needs),
-        method=report.method.replace("then verified", "then replayed for the target"))
-
-
-def _stop(name: str, found: int, ceiling: int) -> str:
-    """A plan's stop reason: predicted, and where max_batch_size (or the ceiling) decided."""
-    capped = ("" if found < ceiling else "; max_batch_size reached" if ceiling < SEARCH_CEILING
-              else "; ceiling reached")
-    return f"predicted for {name}: not run{capped}"
-
-
-def _planned_in_tensors(report: BatchSizeReport, pair: Pair, name: str,
-                        budget_bytes: int, ceiling: int) -> BatchSizeReport:
-    """CPU processes under a budget (``target="4xCPU"``): what runs out there is the step's
-    tensor bytes, as the budget meter counts them in a real job, so the per-op model of the pair
-    decides, with no allocator."""
-    (small, b_small), (large, b_large) = pair
-    model = PeakModel.fit(small, b_small, large, b_large)
-    if model is None:
-        raise RuntimeError(f"find_batch could not fit the per-op model on sizes {b_small} and "
-                           f"{b_large} to predict for {name}; this is a bug in batchwidgets; "
-                           f"please report it with the report above")
-    found = model.largest_batch_size(budget_bytes, multiple_of=report.multiple_of,
-                                     ceiling=ceiling)
-    return dataclasses.replace(
-        report, max_batch_size=found, first_oom_batch_size=None, limit_bytes=budget_bytes,
-        budget_bytes=budget_bytes, stop_reason=_stop(name, found, ceiling), target=name,
-        target_band=(found, found), target_peaks=tuple(
-            (size, model.peak_bytes(size)) for size in _peak_sizes(found, report.multiple_of)),
-        method=report.method.replace("then verified", "then predicted under the budget"))
-
-
-def _peak_sizes(found: int, multiple_of: int) -> list[int]:
-    """Sizes a plan's peaks are given at: doubling from 1 to twice the answer, the answer and
-    the next size exactly."""
-    sizes = {found, found + multiple_of}
-    size = 1
-    while size < 2 * max(found, 1) and size <= SEARCH_CEILING:
-        sizes.add(size)
-        size *= 2
-    return sorted(s for s in sizes if 0 < s <= SEARCH_CEILING)
-
-
-def _evidence_low(found: int, multiple_of: int) -> int:
-    return int(found * EVIDENCE_RATIO) // multiple_of * multiple_of
-
-
-def _needs(pair: tuple[tuple[OpTrace, int], tuple[OpTrace, int]], found: int,
-           multiple_of: int) -> list[tuple[int, int]]:
-    """What the step needs on the target (NOTE [ What a step needs ] in memory/_allocator.py)
-    at sizes from 1 to twice the answer (doubling, and the answer and the next size exactly),
-    by the replay that decided the answer. Sizes up to half the answer take the uncapped
-    reserved peak of their tensors (no cap is near them: what they need is that or a little
-    less), the others the search down the capacities."""
-    (small, b_small), (large, b_large) = pair
-    needs = []
-    for size in _peak_sizes(found, multiple_of):
-        events = memory.scale_events(small.events, b_small, large.events, b_large, size)
-        needs.append((size, memory.needed_bytes(events, preallocated=large.preallocated,
-                                                exact=2 * size > found)))
-    return needs
-
-
-# NOTE [ The answer under the curve ]
-# The replay is not monotone in the batch size either: a size can fit the usable memory while a
-# smaller one the curve samples does not (an MLP on 2 GiB, in the loop that keeps its batch to
-# the next step: 153,600 fit, 131,072 needed 2.2 GiB). The curve of needs is a running maximum
-# (a larger batch holds no fewer bytes), so max_batch_size is the largest size whose need, on
-# that curve, is at most the usable memory: below the first sampled size that does not fit.
-def _running_max(needs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """The curve of needs, never falling: each size's need or a smaller size's, the larger."""
-    peaks, most = [], 0
-    for size, need in needs:
-        most = max(most, need)
-        peaks.append((size, most))
-    return tuple(peaks)
-
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:

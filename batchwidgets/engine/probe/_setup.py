@@ -185,7 +185,7 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
             world_size = count if count > 1 else torch.distributed.get_world_size()
     elif parallel is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         parallel, world_size = "ddp", torch.distributed.get_world_size()  # the job's, as it runs
-    if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _loop.py
+    if planned is not None:  # see NOTE [ Planning for a GPU that is not here ] in _plan.py
         resolved, budget_bytes = torch.device("cpu"), None
     check_amp(amp, resolved)
     fake_first, why_not = _fake_first(trace, planned is not None, is_module, resolved, bare)

@@ -1,0 +1,253 @@
+"""Planning for a target: the step traced at the sizes a search picks, on fake tensors (real
+steps where fakes cannot run), then replayed through the target's caching allocator under its
+memory (``planned``), for one GPU or for each rank of N (``_parallel.py``), the what-ifs planned
+too. Nothing runs on the target, and the model is only read."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ...results import BatchSizeReport
+from .. import memory
+from .._util import first_line
+from ..memory import OpTrace, PeakModel
+from . import _what_if
+from ._checks import has_meta_tensors
+from ._core import report_of, traced
+from ._fake import FakeTraceError
+from ._fake_group import FakeGroupUnavailable, fake_group
+from ._loop import Search
+from ._nothing_fits import NoBatchSizeFits
+from ._optimizer_shapes import OptimizerStateError, state_rule
+from ._parallel import plan_ranks
+from ._ranks import alone
+from ._setup import SEARCH_CEILING, ProbeSetup
+from ._sharded import ShardingError
+
+Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]  # two traced sizes: (trace, batch size)
+
+def plan(setup: ProbeSetup) -> BatchSizeReport:
+    """The step traced for the target (NOTE [ Planning for a GPU that is not here ]), replayed
+    under its memory for one GPU or each rank of N, and the what-if rows, each planned."""
+    with alone():
+        setup, search = _traced(setup)
+    report = report_of(setup, search)
+    if search.stopped:  # planned from the sizes traced before the stop, where they are two
+        if search._event_pair() is None:
+            return dataclasses.replace(report, target=setup.target[0])
+        return dataclasses.replace(planned(report, search, *setup.target), stop_reason="stopped")
+    report = planned(report, search, *setup.target)
+    if setup.parallel is not None:  # see NOTE [ Per-rank memory by strategy ]
+        report = _ranks_planned(setup, report, search)
+    if report.max_batch_size == 0 and report.stop_reason != "stopped":
+        raise NoBatchSizeFits(report)
+    # each row planned, never measured; a plan for N GPUs has its strategies' rows instead.
+    # The per-op model's rows (the other loop's answer among them) cost nothing: in every
+    # plan; what_if=True plans each change
+    if setup.model is not None and setup.parallel is None:
+        report = dataclasses.replace(report, what_if=_what_if.for_target(
+            search.model, report.max_batch_size, setup.target[1],
+            (lambda **change: plan(setup.with_change(**change))) if setup.what_if else None,
+            setup.optimizer, setup.amp, multiple_of=setup.multiple_of, ceiling=setup.ceiling,
+            modules=_what_if.checkpoint_candidates(setup.model), module=setup.model))
+    return report
+
+
+# NOTE [ The band of a plan, from the evidence ]
+# What the plan cannot trace (the real allocator's layout, kernels not modelled, cuDNN's choice)
+# moves the real edge. The band's low end is the answer times the lowest ratio of true boundary
+# to plan recorded on a real GPU, with the kernel rules of memory/_kernels.py, the workspaces of
+# memory/_simulated.py and the staging buffers and steady state of memory/_allocator.py: an H200
+# capped at 8 and 16 GiB (benchmarks/results/gpu_truth_h200.md, torch 2.11; replayed by
+# tests/test_gpu_truth.py): the plans made today are exact for the wide CNN and the encoder at
+# 8 GiB (641, 784), 0.993 and 0.976 of the plan at 16 GiB, and 0.947 for the checkpointed Llama
+# at 16 GiB (18 against 19, one sample); an H100 earlier gave the encoder 0.961 (784 against
+# 816, before the staging buffer). The recommended size (headroom 0.9) stays below every truth.
+EVIDENCE_RATIO = 0.96
+
+
+# NOTE [ Planning for a GPU that is not here ]
+# find_batch(..., target="T4") runs the step at two small sizes on the CPU, through the simulated
+# CUDA device (memory/_simulated.py: the caching allocator's rules, cuBLAS's workspace as the
+# target makes it, cuDNN-like convolution workspaces), with the target's kernels where the CPU
+# runs others (memory/_kernels.py: dropout, attention, the foreach optimizer step), and replays
+# the trace, scaled to each size, through the allocator's model under the target's memory less
+# the CUDA context (memory/_allocator.py: largest_batch_size). That is the answer, marked
+# predicted. The band's high end is the same replay with the tensors alone (no convolution
+# workspaces), its low end the answer as far below as real GPUs were found (NOTE [ The band of a
+# plan, from the evidence ]).
+def planned(report: BatchSizeReport, search: Search, name: str, usable_bytes: int,
+            pair: Pair | None = None) -> BatchSizeReport:
+    """The answer on the target from the search's traces (or ``pair``: a rank's share of them,
+    NOTE [ One rank's share of a trace ] in _parallel.py)."""
+    pair = pair or search._event_pair()
+    if pair is None:
+        raise RuntimeError(f"find_batch could not trace two sizes of the same op sequence on the "
+                           f"CPU to predict for {name} (sizes tried: "
+                           f"{[a.batch_size for a in report.attempts]}); the step's shapes depend "
+                           f"on its data. Probe on a GPU instead.")
+    if not search.replays:
+        return _planned_in_tensors(report, pair, name, usable_bytes, search.ceiling)
+    (small, b_small), (large, b_large) = pair
+    predict = functools.partial(memory.largest_batch_size, multiple_of=report.multiple_of,
+                                ceiling=search.ceiling, preallocated=large.preallocated)
+    low = predict(small.events, b_small, large.events, b_large, usable_bytes)
+    needs = _needs(pair, low, report.multiple_of)
+    for _ in range(4):  # NOTE [ The answer under the curve ]
+        over = next((size for size, need in needs if size <= low and need > usable_bytes), None)
+        if over is None:
+            break
+        low = predict(small.events, b_small, large.events, b_large, usable_bytes,
+                      ceiling=max(0, over - 1))
+        needs = _needs(pair, low, report.multiple_of)
+    tensors_only = [[e for e in t.events if e[0] != "workspace"] for t in (small, large)]
+    high = predict(tensors_only[0], b_small, tensors_only[1], b_large, usable_bytes)
+    return dataclasses.replace(
+        report, max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
+        budget_bytes=None, stop_reason=_stop(name, low, search.ceiling), target=name,
+        target_band=(_evidence_low(low, report.multiple_of), max(low, high)),
+        target_peaks=_running_max(needs),
+        method=report.method.replace("then verified", "then replayed for the target"))
+
+
+def _stop(name: str, found: int, ceiling: int) -> str:
+    """A plan's stop reason: predicted, and where max_batch_size (or the ceiling) decided."""
+    capped = ("" if found < ceiling else "; max_batch_size reached" if ceiling < SEARCH_CEILING
+              else "; ceiling reached")
+    return f"predicted for {name}: not run{capped}"
+
+
+def _planned_in_tensors(report: BatchSizeReport, pair: Pair, name: str,
+                        budget_bytes: int, ceiling: int) -> BatchSizeReport:
+    """CPU processes under a budget (``target="4xCPU"``): what runs out there is the step's
+    tensor bytes, as the budget meter counts them in a real job, so the per-op model of the pair
+    decides, with no allocator."""
+    (small, b_small), (large, b_large) = pair
+    model = PeakModel.fit(small, b_small, large, b_large)
+    if model is None:
+        raise RuntimeError(f"find_batch could not fit the per-op model on sizes {b_small} and "
+                           f"{b_large} to predict for {name}; this is a bug in batchwidgets; "
+                           f"please report it with the report above")
+    found = model.largest_batch_size(budget_bytes, multiple_of=report.multiple_of,
+                                     ceiling=ceiling)
+    return dataclasses.replace(
+        report, max_batch_size=found, first_oom_batch_size=None, limit_bytes=budget_bytes,
+        budget_bytes=budget_bytes, stop_reason=_stop(name, found, ceiling), target=name,
+        target_band=(found, found), target_peaks=tuple(
+            (size, model.peak_bytes(size)) for size in _peak_sizes(found, report.multiple_of)),
+        method=report.method.replace("then verified", "then predicted under the budget"))
+
+
+def _peak_sizes(found: int, multiple_of: int) -> list[int]:
+    """Sizes a plan's peaks are given at: doubling from 1 to twice the answer, the answer and
+    the next size exactly."""
+    sizes = {found, found + multiple_of}
+    size = 1
+    while size < 2 * max(found, 1) and size <= SEARCH_CEILING:
+        sizes.add(size)
+        size *= 2
+    return sorted(s for s in sizes if 0 < s <= SEARCH_CEILING)
+
+
+def _evidence_low(found: int, multiple_of: int) -> int:
+    return int(found * EVIDENCE_RATIO) // multiple_of * multiple_of
+
+
+def _needs(pair: tuple[tuple[OpTrace, int], tuple[OpTrace, int]], found: int,
+           multiple_of: int) -> list[tuple[int, int]]:
+    """What the step needs on the target (NOTE [ What a step needs ] in memory/_allocator.py)
+    at sizes from 1 to twice the answer (doubling, and the answer and the next size exactly),
+    by the replay that decided the answer. Sizes up to half the answer take the uncapped
+    reserved peak of their tensors (no cap is near them: what they need is that or a little
+    less), the others the search down the capacities."""
+    (small, b_small), (large, b_large) = pair
+    needs = []
+    for size in _peak_sizes(found, multiple_of):
+        events = memory.scale_events(small.events, b_small, large.events, b_large, size)
+        needs.append((size, memory.needed_bytes(events, preallocated=large.preallocated,
+                                                exact=2 * size > found)))
+    return needs
+
+
+# NOTE [ The answer under the curve ]
+# The replay is not monotone in the batch size either: a size can fit the usable memory while a
+# smaller one the curve samples does not (an MLP on 2 GiB, in the loop that keeps its batch to
+# the next step: 153,600 fit, 131,072 needed 2.2 GiB). The curve of needs is a running maximum
+# (a larger batch holds no fewer bytes), so max_batch_size is the largest size whose need, on
+# that curve, is at most the usable memory: below the first sampled size that does not fit.
+def _running_max(needs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The curve of needs, never falling: each size's need or a smaller size's, the larger."""
+    peaks, most = [], 0
+    for size, need in needs:
+        most = max(most, need)
+        peaks.append((size, most))
+    return tuple(peaks)
+
+
+def _ranks_planned(setup: ProbeSetup, report: BatchSizeReport,
+                   search: Search) -> BatchSizeReport:
+    """Each strategy's per-rank plan: FSDP2 traced on one rank of a fake group where it can be
+    (NOTE [ One FSDP2 rank, traced ]), the rest by each storage's share on a rank."""
+    traced: dict[str, BatchSizeReport] = {}
+    if setup.parallel in ("fsdp", "compare"):
+        fsdp, why_not = _fsdp_traced(setup) if setup.trace == "fake" else (
+            None, "the step was traced by real steps")
+        if fsdp is not None:
+            traced["fsdp"] = fsdp
+        else:
+            report = dataclasses.replace(report, method=f"{report.method} FSDP2 planned by its "
+                                                        f"published rules: {why_not}.")
+    name, usable = setup.target
+    return plan_ranks(report, setup.model, setup.parallel, setup.world_size, search._event_pair(),
+                      lambda pair: planned(report, search, name, usable, pair), traced)
+
+
+def _fsdp_traced(setup: ProbeSetup) -> tuple[BatchSizeReport | None, str]:
+    """One FSDP2 rank's plan, traced on a fake process group; or None and why it could not be."""
+    if state_rule(setup.optimizer) is not None:
+        return None, "its optimizer's state cannot be made on fake tensors"
+    try:
+        with fake_group(setup.world_size) as mesh:
+            sharded = dataclasses.replace(setup, mesh=mesh, what_if=False, on_step=None)
+            search = traced(sharded)
+            report = planned(report_of(sharded, search), search, *setup.target)
+    except FakeGroupUnavailable as error:
+        return None, str(error)
+    except ShardingError:
+        if setup.parallel == "fsdp":
+            raise
+        return None, "fully_shard cannot wrap this model"
+    except Exception as error:  # what the plain trace ran, one FSDP2 rank could not
+        memory.drop_own_frames(error)
+        return None, f"one FSDP2 rank could not be traced ({first_line(error)})"
+    method = (f"{report.method} One FSDP2 rank of {setup.world_size} traced on a fake process "
+              f"group: its shards, all-gathers and reduce-scatters as they run.")
+    return dataclasses.replace(report, method=method), ""
+
+
+def _traced(setup: ProbeSetup) -> tuple[ProbeSetup, Search]:
+    """The search; a fake trace that cannot run is traced by real steps, the reason kept in
+    the setup's notes (a meta model has none to run: one line naming the op and the module)."""
+    if setup.trace == "real":
+        return setup, traced(setup)
+    try:
+        rule = state_rule(setup.optimizer)  # see NOTE [ Optimizer state by shape ]
+        with_rule = setup if rule is None else dataclasses.replace(
+            setup, notes=(*setup.notes, rule.note))
+        return with_rule, traced(with_rule, rule)
+    except Exception as error:
+        on_meta = has_meta_tensors(setup.model)
+        if isinstance(error, FakeTraceError) and on_meta:
+            raise ValueError(
+                f"model should run on fake tensors to be planned from the meta device, but "
+                f"{error.op} in {error.module} reads a value back or makes a shape from data; "
+                f"build the model on a real device (it is then traced by real steps), or avoid "
+                f"that op (e.g. pass attention_mask, labels of a fixed shape).") from error
+        if on_meta:
+            raise
+        reason = (str(error).rstrip(".") if isinstance(error, (FakeTraceError, OptimizerStateError))
+                  else first_line(error))
+        notes = (*setup.notes, f"Traced by real steps: {reason}.")
+        setup = dataclasses.replace(setup, trace="real", notes=notes)
+        return setup, traced(setup)
