@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -529,3 +531,33 @@ def test_the_report_says_what_was_probed_compiled_models_bf16_on_the_cpu_old_gra
         with pytest.warns(bw.BatchwidgetsWarning, match="without bf16 instructions"):
             bw.find_batch(small_cnn(), images_16, loss_fn=nn.functional.cross_entropy,
                           budget="24MiB", max_batch_size=16, amp="bf16")
+
+
+STOP_AT_EVERY_OP = """
+import sys, torch, warnings, batchwidgets as bw
+from torch import nn
+from batchwidgets.engine.probe import _stop
+_stop.POLL_S = 0.0  # asked at every op, so the k-th answer lands on the k-th op that asks
+warnings.simplefilter("ignore")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+make = lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,)))
+for target in (None, "T4"):
+    for k in range(int(sys.argv[1])):
+        asked = []
+        report = bw.find_batch(model, make, nn.functional.cross_entropy, budget=None if target
+                               else "1MiB", target=target, cache=False,
+                               should_stop=lambda: asked.append(1) or len(asked) > k)
+        assert report.stop_reason == "stopped" or len(asked) <= k, (target, k, report.stop_reason)
+print("unwound at every op")
+"""
+
+
+def test_a_stop_at_any_op_of_a_fake_or_real_trial_unwinds_the_step():
+    # Fake trials ask Python for a tensor's device and sizes from C++, where no exception may
+    # pass: a stop raised there ended the process (NOTE [ Stopping mid-step ]). In a process of
+    # its own, so that such an end fails this test and not the suite.
+    done = subprocess.run([sys.executable, "-c", STOP_AT_EVERY_OP, "40"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "unwound at every op" in done.stdout

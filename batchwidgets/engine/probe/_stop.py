@@ -30,6 +30,10 @@ POLL_S = 0.05  # should_stop is asked at most this often: a user's callable may 
 #   timed steps near the boundary keep their speed. CUDA ops are queued far faster than they
 #   run, so a stop waits at most for the queued work (``synchronize`` in the trial's end).
 # Inside a job (torchrun) no rank stops alone: ranks agree on a stop between sizes.
+# The dispatch mode asks only at ops that compute (aten's, not a query of a tensor's metadata):
+# on fake tensors C++ asks Python for a tensor's device, sizes and strides (prim.device,
+# aten.sym_size, aten.is_contiguous) where no exception may pass, and StepStopped raised there
+# ended the process ("terminate called after throwing an instance of 'python_error'").
 
 
 class StepStopped(Exception):
@@ -54,8 +58,20 @@ class _BetweenOps(TorchDispatchMode):
         self.poll = poll
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.poll()
+        if _computes(func):
+            self.poll()
         return func(*args, **(kwargs or {}))
+
+
+_QUERIES = ("dim", "size", "stride", "numel", "storage_offset")
+
+
+def _computes(func: Any) -> bool:
+    """An op that computes, where an exception may be raised; not a query of a tensor's metadata
+    that C++ makes through Python."""
+    name = func._opname
+    return (func.namespace == "aten" and name not in _QUERIES
+            and not name.startswith(("sym_", "is_")))
 
 
 @contextlib.contextmanager
