@@ -789,9 +789,7 @@ def _alive(kind: type) -> int:
 
 
 @pytest.mark.parametrize("failure", [
-    pytest.param(ValueError("the user's bug"), marks=pytest.mark.xfail(strict=True, reason=(
-        "since a user's error is said in our words (issue 38) one TrainingState outlives the "
-        "call: what holds it is not found yet"))),
+    ValueError("the user's bug"),
     KeyboardInterrupt()], ids=["user error", "keyboard interrupt"])
 def test_the_traceback_ipython_keeps_holds_no_snapshot_and_no_batch(shell, failure):
     targets: list[weakref.ref] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import os
 import traceback
 
@@ -81,17 +82,28 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(
 # passes through. batchwidgets' own frames hold the snapshot (a host copy of weights, gradients
 # and optimizer state) and the batches, so their locals are cleared before the error leaves the
 # probe. Frames of the user's code keep theirs: they are what %debug is for.
+_GENERATOR = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 def drop_own_frames(error: BaseException) -> None:
-    """Clear the locals of batchwidgets' finished frames in ``error``'s traceback and context."""
+    """Clear the locals of batchwidgets' finished frames in ``error``'s traceback and context,
+    and of those its frames were called from: a frame keeps its caller's frame (``f_back``), so
+    the user's forward, kept by the user's error that a said error carries as its cause, keeps
+    the step that called it, and the trial's snapshot of the user's state with it."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         tb = error.__traceback__
         while tb is not None:
-            frame = tb.tb_frame
-            if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-                with contextlib.suppress(RuntimeError):  # still running: it clears its own
-                    frame.clear()
+            frame, called = tb.tb_frame, False
+            while frame is not None:
+                # a caller that is a generator may be suspended, not done: clearing it would
+                # close it (its finally run early), so only the traceback's own are cleared
+                ours = frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+                if ours and not (called and frame.f_code.co_flags & _GENERATOR):
+                    with contextlib.suppress(RuntimeError):  # still running: it clears its own
+                        frame.clear()
+                frame, called = frame.f_back, True
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
 
