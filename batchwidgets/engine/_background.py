@@ -122,14 +122,25 @@ def copied(*objects: Any) -> tuple[Any, ...]:
     return copies
 
 
+def check_free(model: torch.nn.Module) -> None:
+    """ModelHeldError where another probe holds ``model``: its registries may hold that probe's
+    fake twins, so nothing of the model (its device, a copy of it) may be read until it ends."""
+    with _HELD_LOCK:
+        _refuse_held(model)
+
+
+def _refuse_held(model: torch.nn.Module) -> None:
+    if id(model) in _HELD:
+        raise ModelHeldError(f"model should be free to probe, but it is held by "
+                             f"{_HELD[id(model)]}; wait for it (panel.wait()) first.")
+
+
 @contextmanager
 def held(model: torch.nn.Module, optimizer: Any = None, holder: str = "a probe") -> Iterator[None]:
     """Only this thread may call ``model`` or step ``optimizer`` until the block ends
     (see NOTE [ Probing in the background ])."""
     with _HELD_LOCK:
-        if id(model) in _HELD:
-            raise ModelHeldError(f"model should be free to probe, but it is held by "
-                                 f"{_HELD[id(model)]}; wait for it (panel.wait()) first.")
+        _refuse_held(model)
         _HELD[id(model)] = holder
     owner = threading.get_ident()
 

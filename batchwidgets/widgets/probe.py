@@ -53,6 +53,7 @@ def _off_the_main_thread(probe: Probe) -> Iterator[Probe]:
         yield probe
         return
     model = probe.args[0]
+    _background.check_free(model)  # held by another panel: its fake twins may stand in it now
     options = dict(probe.keywords)
     optimizer = options.get("optimizer")
     first = next(model.parameters(), None)
