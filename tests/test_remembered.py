@@ -195,6 +195,20 @@ def test_what_decides_memory_measures_again(fresh_cache):
     assert probe(model).remembered is not None
 
 
+def test_a_function_the_model_keeps_is_in_the_key(fresh_cache):
+    """A module may keep what it calls as a plain attribute (``self.act = F.gelu``, a dropout
+    given as a function): two models alike but for it are two answers."""
+    def keeping(function) -> Counted:
+        model = Counted()
+        model.body[3].act = function  # the ReLU's slot: what a block would call
+        return model
+
+    kinds = [torch.tanh, torch.sigmoid, lambda x: x * 2, lambda x: x * x]
+    for kind in kinds:
+        assert probe(keeping(kind)).remembered is None, kind
+    assert all(probe(keeping(kind)).remembered is not None for kind in kinds)
+
+
 def test_an_edited_step_or_a_global_it_reads_measures_again(fresh_cache):
     """The loop modelled is its code: a step= (or a %%find_batch cell) edited, or a value it
     reads from the notebook changed, is another key."""

@@ -27,7 +27,8 @@ MAX_DEPTH = 4  # callables reading callables reading values: deeper is only a ty
 # next when nothing changed, so it holds values, never ids or default reprs (they hold addresses). A
 # module: its class (by name and the code of the methods its classes define, so a class edited in a
 # notebook cell is another), ``extra_repr``, its plain settings (``vars`` of simple values: ``p`` of
-# a Dropout, ``gradient_checkpointing`` of a Hugging Face block, a test fake's threshold), its hook
+# a Dropout, ``gradient_checkpointing`` of a Hugging Face block, a test fake's threshold), the
+# functions it keeps as attributes (by the callable's rules: ``self.act = F.gelu``), its hook
 # counts, a Hugging Face ``config``; every parameter's name, shape, dtype, device, ``requires_grad``
 # and gradient. A callable: its code (not its file or line numbers), its defaults, the values in its
 # closure and the globals it names, each by the same rules, so ``step`` reading a notebook's
@@ -130,8 +131,9 @@ def _settings(owner: Any) -> dict[str, Any]:
     return found
 
 
-def module_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
+def module_fingerprint(model: torch.nn.Module, walk: _Walk | None = None) -> dict[str, Any]:
     """Every module, parameter and buffer of ``model`` (NOTE [ What a fingerprint holds ])."""
+    walk = walk or _Walk()
     modules = []
     for name, module in model.named_modules():
         try:
@@ -141,7 +143,12 @@ def module_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
         hooks = [len(getattr(module, hook, ())) for hook in
                  ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                   "_backward_pre_hooks")]
-        modules.append([name, class_fingerprint(type(module)), extra, _settings(module), hooks])
+        # what the module calls that is no module: a function kept as an attribute
+        # (``self.act = F.gelu``, a dropout given as a lambda, a forward patched on the instance)
+        calls = {key: walk.value(value, 1) for key, value in vars(module).items()
+                 if callable(value) and not isinstance(value, (torch.nn.Module, type))}
+        modules.append([name, class_fingerprint(type(module)), extra, _settings(module), hooks,
+                        calls])
     parameters = [[name, *_tensor(p), p.requires_grad,
                    None if p.grad is None else _tensor(p.grad)]
                   for name, p in model.named_parameters()]
@@ -201,7 +208,7 @@ class _Walk:
 
     def _object(self, value: Any, depth: int) -> Any:
         if isinstance(value, torch.nn.Module):
-            return module_fingerprint(value)
+            return module_fingerprint(value, self)
         if isinstance(value, torch.optim.Optimizer):
             return optimizer_fingerprint(value)
         if isinstance(value, types.ModuleType):
@@ -243,6 +250,8 @@ class _Walk:
             call = inspect.getattr_static(kind, "__call__", None)
             found = {"type": _name(kind), "settings": _settings(function)
                      if hasattr(function, "__dict__") else {}}
+            if isinstance(function, types.BuiltinFunctionType):  # torch.tanh, not torch.relu
+                found["name"] = f"{function.__module__}.{function.__qualname__}"
             if isinstance(call, types.FunctionType):
                 found["call"] = _code(call.__code__)
             return found

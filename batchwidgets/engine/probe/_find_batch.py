@@ -155,12 +155,13 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
     cache : bool
         Give back at once the answer an identical call measured before (in this process or
         another: ``report.remembered`` says when and where), and remember this one. The key is
-        everything that decides memory: the model's structure, parameters and buffers, the
-        optimizer's class and settings, the batch's shapes and dtypes, the code of
-        ``make_batch`` and ``step``, the options, the device and the memory free on it, the
-        versions of torch and of the engine. Files in ``$BATCHWIDGETS_CACHE_DIR`` (default:
-        the user cache folder, e.g. ``~/.cache/batchwidgets``); ``batchwidgets.forget()``
-        clears them. False: neither read nor write.
+        everything that decides memory: the model's structure (the functions its modules
+        keep too), parameters and buffers, the optimizer's class and settings, the batch's
+        shapes and dtypes, the code of ``make_batch`` and ``step``, the options, the device and
+        the memory free on it, the versions of torch and of the engine. Files in
+        ``$BATCHWIDGETS_CACHE_DIR`` (default: the user cache folder, e.g.
+        ``~/.cache/batchwidgets``); ``batchwidgets.forget()`` clears them. False: neither read
+        nor write.
     refresh : bool
         Measure again even where an answer is remembered, and remember the new one.
 
