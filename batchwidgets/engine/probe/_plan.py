@@ -17,7 +17,7 @@ from ._checks import has_meta_tensors
 from ._core import report_of, traced
 from ._fake import FakeTraceError
 from ._fake_group import FakeGroupUnavailable, fake_group
-from ._loop import Search
+from ._loop import Pair, Search
 from ._nothing_fits import NoBatchSizeFits
 from ._optimizer_shapes import OptimizerStateError, state_rule
 from ._parallel import plan_ranks
@@ -25,7 +25,6 @@ from ._ranks import alone
 from ._setup import SEARCH_CEILING, ProbeSetup
 from ._sharded import ShardingError
 
-Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]  # two traced sizes: (trace, batch size)
 
 def plan(setup: ProbeSetup) -> BatchSizeReport:
     """The step traced for the target (NOTE [ Planning for a GPU that is not here ]), replayed
