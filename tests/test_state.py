@@ -288,7 +288,9 @@ class BareStep:
         if self.calls == self.fail_on_call:
             raise KeyboardInterrupt
         self.optimizer.zero_grad()
-        self.model(torch.randn(batch_size, 8)).square().mean().backward()
+        # at most 64 rows: the search tries millions of samples after its prediction misses (the
+        # meter does not see this OOM), and the step need only change the weights before it fails
+        self.model(torch.randn(min(batch_size, 64), 8)).square().mean().backward()
         self.optimizer.step()
         if batch_size > 16:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
