@@ -1,6 +1,7 @@
 """The search: exact boundaries with few sizes tried, for a pure out-of-memory threshold (gallop and
 bisect) and for steps whose memory can be measured (predict, then verify), linear or not; after a
-prediction misses, within its proven bound (issue 37)."""
+prediction misses, within its proven bound (issue 37), and after an out-of-memory error the model
+did not predict, within min(bisection, walk) whatever the model says (issue 44)."""
 
 from __future__ import annotations
 
@@ -447,3 +448,88 @@ def test_a_device_no_meter_sees_still_ends_exact_within_the_bound(d, skew):
     assert runs_for_real(model, 300 - d, MISS_BUDGET)
     assert not runs_for_real(model, 300 - d + 1, MISS_BUDGET)
     assert len(sizes) - 1 <= after_miss_bound(d)
+
+
+# -- after an out-of-memory error the model did not predict (issue 44, NOTE [ What a miss may
+# cost ] in probe/_after_miss.py) -----------------------------------------------------------------
+
+def miss_bound(lo: int, miss: int, largest: int) -> int:
+    """The sizes allowed after ``miss`` ran out of memory, ``lo`` the largest size that ran."""
+    return min(math.ceil(math.log2(miss - lo)) + 2,
+               2 * math.ceil(math.log2(miss - largest + 1)) + 2)
+
+
+def search_after_oom(lo: int, miss: int, largest: int, guess,
+                     multiple_of: int = 1) -> list[Attempt]:
+    """The policy alone after ``miss`` ran out of memory against the prediction, against a
+    threshold at ``largest``; ``guess(attempts)`` is what the refitted model says each time."""
+    m = multiple_of
+    attempts = [Attempt(m, True, 0, None), Attempt(lo, True, 0, None)] if lo else []
+    attempts.append(Attempt(miss, False, 0, None, predicted_fits=True))
+    start = len(attempts)
+    while (size := next_batch_size(attempts, start=m, multiple_of=m, ceiling=2**40,
+                                   limit_bytes=None, predicted=guess(attempts))) is not None:
+        attempts.append(Attempt(size, size <= largest, 0, None))
+        assert len(attempts) - start <= 64
+    return attempts[start:]
+
+
+def model_guesses(largest: int, lo: int, miss: int, m: int) -> dict:
+    """What a refitted model may say: nothing, the truth, near it, the miss again, lo, or a
+    guess that wanders (a different wrong edge each time)."""
+    return {"none": lambda a: None, "truth": lambda a: largest, "one low": lambda a: largest - m,
+            "one high": lambda a: largest + m, "three high": lambda a: largest + 3 * m,
+            "the miss": lambda a: miss, "lo": lambda a: lo,
+            "wanders": lambda a: lo + (len(a) * 7919 * m) % max(miss - lo, m)}
+
+
+def assert_within_the_miss_bound(after: list[Attempt], lo: int, miss: int, largest: int,
+                                 m: int = 1) -> None:
+    ran = [a.batch_size for a in after if a.fits] + [lo]
+    failed = [a.batch_size for a in after if not a.fits] + [miss]
+    assert (max(ran), min(failed)) == (largest, largest + m)
+    sizes = [a.batch_size for a in after]
+    assert len(set(sizes)) == len(sizes)
+    assert all(size % m == 0 for size in sizes)
+    assert len(after) <= miss_bound(lo // m, miss // m, largest // m)
+    assert sum(not a.fits for a in after) <= len(after) // 2 + 1
+
+
+@pytest.mark.parametrize(("lo", "miss"), [(0, 2), (0, 9), (4, 37), (4, 100), (2, 300), (0, 300),
+                                          (4, 1603), (1000, 1603), (4, 4100)])
+def test_after_an_oom_the_model_missed_every_truth_within_min_of_bisection_and_walk(lo, miss):
+    wrong = {}
+    for largest in range(lo, miss):
+        for name, guess in model_guesses(largest, lo, miss, 1).items():
+            after = search_after_oom(lo, miss, largest, guess)
+            try:
+                assert_within_the_miss_bound(after, lo, miss, largest)
+            except AssertionError:
+                wrong[(largest, name)] = [a.batch_size for a in after]
+    assert wrong == {}
+
+
+@pytest.mark.parametrize("largest", [4, 5, 6, 7, 100, 2_899_000, 2_899_998, 2_899_999])
+def test_a_meter_wrong_by_any_factor_costs_a_bisection_not_a_walk(largest):
+    lo, miss = 4, 2_900_000
+    for name, guess in model_guesses(largest, lo, miss, 1).items():
+        after = search_after_oom(lo, miss, largest, guess)
+        assert_within_the_miss_bound(after, lo, miss, largest)
+        assert len(after) <= 24, name  # ceil(log2(2,899,996)) + 2
+
+
+def test_after_an_oom_sizes_stay_multiples_of_multiple_of_within_the_bound():
+    m, lo, miss = 8, 32, 8 * 300
+    for largest in range(lo, miss, m):
+        for guess in model_guesses(largest, lo, miss, m).values():
+            assert_within_the_miss_bound(search_after_oom(lo, miss, largest, guess, m), lo,
+                                         miss, largest, m)
+
+
+def test_a_miss_of_a_sample_or_two_costs_a_size_or_two_past_one_that_refits():
+    # one size for the refit (the model has nothing real near the miss), then the edge
+    lo, miss = 4, 1603
+    for largest in (1601, 1602):
+        after = search_after_oom(lo, miss, largest, lambda a, t=largest: t)
+        assert len(after) <= 3
+        assert sum(not a.fits for a in after) <= 1

@@ -33,7 +33,7 @@ from ._setup import ProbeSetup
 # the per-op or allocator model, a target's numbers, the report's fields. Answers the old
 # engine measured are then measured again instead of given back. It is not the package's
 # version: a release that leaves the engine alone keeps its users' answers.
-ENGINE_VERSION = "2025-issue-40"
+ENGINE_VERSION = "2025-issue-44-search"
 KIND = "find_batch"  # the cache's folder for these entries
 # Options that say how to report or whether to remember, not what is measured. Every other
 # option of FIND_BATCH is in the key, as given and as resolve() made it where it made one.

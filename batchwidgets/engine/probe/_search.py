@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...results import Attempt, MemoryModel
+from ._after_miss import next_after_oom
 
 # NOTE [ Predict, then verify ]
 # With the per-op model (NOTE [ Every op's live bytes are affine in the batch size ] in
@@ -49,31 +50,30 @@ MAX_MISSES = 2  # of the fake search, which keeps predicting after a miss (its s
 # NOTE [ After a miss ]
 # A real size P that went the other way than the per-op model predicted says the model is off
 # near the boundary (allocator rounding, a meter that counts a little otherwise than the device,
-# a workspace the trace cannot see), by an amount nothing says. From then on the search keeps
-# the bracket (lo, hi) of what ran and what failed, and tries, each size once:
-# - the window, first, where P ran out of memory: P - P/WINDOW, a size that most likely runs
-#   (misses recorded on real GPUs were up to 5% of P), so the model is refitted on a real step
-#   near the boundary (NOTE [ One real size after a miss ] in _loop.py);
-# - the pair, once: q, the first size the refitted model says fails (its edge + m, where no
-#   size tried belies the edge), then q's neighbour across the edge, q + m where q ran, q - m
-#   where q failed before any step: a refitted model right or one sample low ends there, 4 real
-#   sizes and 2 OOMs in all;
-# - else steps out from A, the end of the bracket on P's side when the first step is taken (P,
-#   or the window or the pair where they went P's way): A -+ m, 3m, 7m, ..., each doubling the
-#   distance proven, never past the bracket's middle, until one goes the other way; then
-#   bisection of what is left.
-# The bound. Let d be the distance from P to the nearest size that goes the other way (in units
-# of m), d' <= d the same from A. The steps at offsets 2^j - 1 first go the other way at j = t =
+# a workspace the trace cannot see, a device whose count no meter sees), by an amount nothing
+# says: a sample, or a factor of a million. From then on the search keeps the bracket (lo, hi)
+# of what ran and what failed, and tries each size once:
+# - P ran out of memory: the sizes of NOTE [ What a miss may cost ] in _after_miss.py, which
+#   come up from lo and down from P at once, each the one nearest the refitted model's edge
+#   that keeps every truth T within min(ceil(log2(P - lo)) + 2, 2 ceil(log2(P - T + 1)) + 2)
+#   sizes, at most half of them plus one out of memory: a far miss costs a bisection, a near
+#   one a walk from P, whatever the model says;
+# - P ran (the boundary lies above it): the pair, once: q, the first size the refitted model
+#   says fails (its edge + m, where no size tried belies the edge), then q's neighbour across
+#   the edge, q + m where q ran, q - m where q failed before any step; else steps out from A,
+#   the largest size that ran when the first step is taken (P, or the pair where it ran):
+#   A + m, 3m, 7m, ..., each doubling the distance proven, never past the bracket's middle,
+#   until one fails; then bisection of what is left.
+# The bound of the second. Let d be the distance from P to the nearest size that fails (in units
+# of m), d' <= d the same from A. The steps at offsets 2^j - 1 first fail at j = t =
 # ceil(log2(d' + 1)) and leave 2^(t-1) - 1 sizes between offsets 2^(t-1) - 1 and 2^t - 1, which
 # bisection settles in t - 1 tries: 2t - 1 sizes. Where the middle stops a step, less than twice
-# the distance proven is left, which bisection settles within the same count. The window and the
-# pair cost 3 sizes at most; what they leave is a narrower bracket or a step further out, never
-# more steps (a pair that fails after the steps began has no second size: that pays for the one
-# bisection a step moved out can add). So after P at most 2 ceil(log2(d + 1)) + 2 sizes, and the
-# answer is exact: a size that ran next to one that failed. tests/test_search.py checks it for
-# every time and size the model could choose for the pair. A fake size that misses costs no
-# step: the fake search predicts on, up to MAX_MISSES misses.
-WINDOW = 16  # the window: 1/16 of P below it
+# the distance proven is left, which bisection settles within the same count. The pair costs 2
+# sizes at most, and leaves a narrower bracket or a step further out. So after P at most
+# 2 ceil(log2(d + 1)) + 2 sizes, and the answer is exact: a size that ran next to one that
+# failed. tests/test_search.py checks both for every size the model could choose. A fake size
+# that misses costs no step: the fake search predicts on, up to MAX_MISSES misses.
+WINDOW = 16  # after a miss the model refits on a real size at least P/16 below P
 
 
 def misses(attempts: Sequence[Attempt]) -> int:
@@ -219,62 +219,49 @@ def _top(hi: int | None, multiple_of: int, ceiling: int) -> int:
 
 def _after_miss(attempts: Sequence[Attempt], miss: int, predicted: int | None, m: int,
                 ceiling: int) -> int | None:
-    """The window, the pair or a step out from the miss, then bisection (NOTE [ After a miss ])."""
+    """After an OOM the model did not predict, NOTE [ What a miss may cost ]; after a size that
+    ran against the prediction, the pair or a step out, then bisection (NOTE [ After a miss ])."""
     lo, hi = bracket(attempts)
     top = _top(hi, m, ceiling)
     if lo >= top:
         return None
+    edge = None if predicted is None else predicted // m * m
+    if not attempts[miss].fits:
+        return next_after_oom(attempts, miss, multiple_of=m, guess=edge)
     kinds, anchor = _after_miss_so_far(attempts, miss, m, ceiling)
-    went_up = attempts[miss].fits  # the boundary lies above the miss
-    if not kinds and not went_up and lo < _window(attempts[miss].batch_size, m) <= top:
-        return _window(attempts[miss].batch_size, m)
     if kinds.count("pair") == 1 and kinds[-1] == "pair" and (attempts[-1].fits or anchor is None):
         second = attempts[-1].batch_size + (m if attempts[-1].fits else -m)  # across the edge
         if lo < second <= top:
             return second
-    edge = None if predicted is None else predicted // m * m
     if "pair" not in kinds and edge is not None and lo <= edge and (hi is None or edge < hi):
         return min(edge + m, top)  # the first size the model says fails, where nothing belies it
-    return _step_or_bisect(attempts, went_up, anchor, m, ceiling)
+    return _step_or_bisect(attempts, anchor, m, ceiling)
 
 
-def _window(anchor: int, m: int) -> int:
-    """The first size tried after ``anchor`` ran out of memory: about 6% below it."""
-    return anchor - max(m, -(-anchor // WINDOW // m) * m)
-
-
-def _step_or_bisect(attempts: Sequence[Attempt], went_up: bool, anchor: int | None, m: int,
+def _step_or_bisect(attempts: Sequence[Attempt], anchor: int | None, m: int,
                     ceiling: int) -> int:
-    """Out from ``anchor`` (None: the bracket's end on the miss's side) by m, 3m, 7m, ..., never
-    past the bracket's middle, until a step goes the other way; then the middle."""
+    """Up from ``anchor`` (None: the largest size that ran) by m, 3m, 7m, ..., never past the
+    bracket's middle, until a step fails; then the middle."""
     lo, hi = bracket(attempts)
     top = _top(hi, m, ceiling)
-    if went_up:  # up from the largest size that ran, twice as far from the anchor
-        step = lo + (lo - (lo if anchor is None else anchor)) + m
-        if hi is None:
-            return min(step, top)
-    else:  # down from the smallest size that failed, likewise
-        step = hi - ((hi if anchor is None else anchor) - hi) - m
-    middle = min(max((lo + hi) // 2 // m * m, lo + m), top)
-    return min(step, middle) if went_up else max(step, middle)
+    step = lo + (lo - (lo if anchor is None else anchor)) + m  # twice as far from the anchor
+    if hi is None:
+        return min(step, top)
+    return min(step, min(max((lo + hi) // 2 // m * m, lo + m), top))
 
 
 def _after_miss_so_far(attempts: Sequence[Attempt], miss: int, m: int,
                        ceiling: int) -> tuple[list[str], int | None]:
-    """What each size after the miss was: "window", "pair" or "step" (a step or a bisection;
-    a size a step would have been too counts as one), and where the steps started from (None:
-    none yet), the end of the bracket on the miss's side when the first step was taken."""
+    """What each size after a miss that ran was: "pair" or "step" (a step or a bisection; a
+    size a step would have been too counts as one), and where the steps started from (None:
+    none yet), the largest size that ran when the first step was taken."""
     kinds: list[str] = []
     anchor = None
-    went_up = attempts[miss].fits
     for i in range(miss + 1, len(attempts)):
-        size, before = attempts[i].batch_size, attempts[:i]
-        lo, hi = bracket(before)
-        if not kinds and not went_up and size == _window(attempts[miss].batch_size, m):
-            kinds.append("window")
-        elif size == _step_or_bisect(before, went_up, anchor, m, ceiling):
+        before = attempts[:i]
+        if attempts[i].batch_size == _step_or_bisect(before, anchor, m, ceiling):
             kinds.append("step")
-            anchor = (lo if went_up else hi) if anchor is None else anchor
+            anchor = bracket(before)[0] if anchor is None else anchor
         else:
             kinds.append("pair")
     return kinds, anchor
