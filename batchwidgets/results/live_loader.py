@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _html
-from ._text import TextForm
+from ._text import Short, TextForm
 
 
 def _label(settings: dict[str, object]) -> str:
@@ -32,7 +32,7 @@ def _stall(wait_s: float, wall_s: float) -> float:
 
 
 @dataclass(frozen=True)
-class LoaderSegment:
+class LoaderSegment(Short):
     """The training loop's own numbers while one setting was in force: from the batch after a
     switch (or the first batch) to the batch before the next switch."""
 
@@ -68,7 +68,7 @@ class LoaderSegment:
 
 
 @dataclass(frozen=True)
-class LoaderSwitch:
+class LoaderSwitch(Short):
     """One change of settings: asked for (by ``set``, a panel or autotune), applied at the next
     batch, or at the next epoch where the position cannot be carried over."""
 

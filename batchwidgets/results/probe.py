@@ -9,12 +9,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .. import _html
-from ._text import TextForm
+from ._text import Short, TextForm
 from .memory import MemorySplit, MemoryTimeline
 
 
 @dataclass(frozen=True)
-class Attempt:
+class Attempt(Short):
     """One trial of the probe: did ``batch_size`` train, and what did it cost."""
 
     batch_size: int
@@ -38,7 +38,7 @@ class Attempt:
 
 
 @dataclass(frozen=True)
-class MemoryModel:
+class MemoryModel(Short):
     """Peak memory as ``fixed_bytes + per_sample_bytes * batch_size``, fitted on measured steps."""
 
     fixed_bytes: float
@@ -56,7 +56,7 @@ class MemoryModel:
 
 
 @dataclass(frozen=True)
-class PeakSegment:
+class PeakSegment(Short):
     """From ``batch_size`` on (until the next segment) the step's peak is ``fixed_bytes +
     per_sample_bytes * B``, held by the op at ``where`` ("backward of encoder.layer.5 (aten.bmm)").
     The peak is convex in B, so at any size it is the largest of the segments' lines."""
@@ -71,7 +71,7 @@ class PeakSegment:
 
 
 @dataclass(frozen=True)
-class WhatIf:
+class WhatIf(Short):
     """The largest batch under one change the user could make (``report.what_if``)."""
 
     name: str  # "bf16", "SGD (no optimizer state)", "checkpoint encoder.layer.0", ...
@@ -86,7 +86,7 @@ class WhatIf:
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class ParallelPlan(Short):
     """One strategy's plan for N GPUs (``report.parallel_plans``): the largest batch on each rank
     and what a rank holds, predicted for the same target."""
 
@@ -111,7 +111,7 @@ class ParallelPlan:
 
 
 @dataclass(frozen=True)
-class Remembered:
+class Remembered(Short):
     """Where a remembered answer comes from (``report.remembered``): when and where the probe
     that measured it ran, and the file that keeps it (``batchwidgets.forget()`` clears them)."""
 
