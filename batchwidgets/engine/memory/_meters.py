@@ -56,7 +56,7 @@ class TracingTracker(TensorMemoryTracker):
                  where: _Where, held_bytes: int = 0) -> None:
         self.trace: OpTrace | None = None
         super().__init__(device, budget_bytes, baseline, held_bytes)
-        self.trace, self._where = OpTrace(), where
+        self.trace, self._where = OpTrace(kinds=where.modules.kinds), where
         self._op_names: dict[Any, str] = {}  # str(func) once per op overload
         self._batch_peak: int | None = None  # while making the batch; see collapsed()
         # See NOTE [ Where the memory goes ]: storage key -> serial, serial -> lifetime

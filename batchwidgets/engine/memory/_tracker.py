@@ -237,7 +237,13 @@ class TensorMemoryTracker(TorchDispatchMode):
 # batch that fits. A forward that runs inside backward is a recomputation: its modules still
 # enter ``parents`` (the ops are named), but no gradient hook is left on its tensors.
 class _Modules(ModuleTracker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: dict[str, str] = {}  # each module entered, by its path: its class's name
+
     def _fw_pre_hook(self, mod, input) -> None:
+        name = self._get_mod_name(mod)  # "RootClass.child.grandchild", as ``parents`` holds it
+        self.kinds[name.split(".", 1)[1] if "." in name else ""] = type(mod).__name__
         if torch._C._current_graph_task_id() == -1:
             return super()._fw_pre_hook(mod, input)
         self._get_append_fn(self._get_mod_name(mod), False)()
