@@ -164,17 +164,20 @@ class PeakModel:
 
 
 def said_where(trace: OpTrace, i: int) -> str:
-    """Where op ``i`` of ``trace`` ran, for a reader: the module by its path and class, then the
-    phase, then the op ("layers.9 (Linear) backward, at aten.mm.default"); the optimizer step
-    and the batch's own ops by name ("optimizer step, at aten._foreach_add_.List")."""
-    op = trace.names[i]
-    if not trace.where:
-        return op
-    where = trace.where[i]
+    """Where op ``i`` of ``trace`` ran, for a reader (``said_at``)."""
+    return said_at(trace.where[i], trace.names[i], trace.kinds) if trace.where else trace.names[i]
+
+
+def said_at(where: str, op: str, kinds: dict[str, str]) -> str:
+    """``where`` ("backward of layers.9") and ``op`` for a reader: the module by its path and
+    class, then the phase, then the op ("layers.9 (Linear) backward, at aten.mm.default"); the
+    optimizer step and the batch's own ops by name ("optimizer step, at aten.add_.Tensor")."""
+    if where == "making the batch":  # the batch's own ops: the user's make_batch, or ours
+        return where
     phase, of, module = where.partition(" of ")
     if not of or phase not in ("forward", "backward"):
         return f"{where}, at {op}"
     if module == "the step":  # no module entered: the loss, autograd's own ops
         return f"{phase} outside the model's modules, at {op}"
-    kind = trace.kinds.get(module)
+    kind = kinds.get(module)
     return f"{module} ({kind}) {phase}, at {op}" if kind else f"{module} {phase}, at {op}"
