@@ -4,6 +4,7 @@ and ``LiveLoaderReport`` (all of them, and the loop's samples/s and data stall o
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from .. import _html
@@ -89,7 +90,7 @@ class LoaderSwitch(Short):
 
 @dataclass(frozen=True)
 class LiveLoaderReport(TextForm):
-    """What ``live.report()`` says: the loop's throughput and data stall, overall and per
+    """What ``live.report`` says: the loop's throughput and data stall, overall and per
     setting, each switch with its cost, and the settings in force."""
 
     segments: tuple[LoaderSegment, ...]
@@ -99,6 +100,13 @@ class LiveLoaderReport(TextForm):
     autotune: bool = False
     autotune_status: str = ""  # what autotune is doing, in one line ("" when it is off)
     warnings: tuple[str, ...] = ()
+
+    def __call__(self) -> LiveLoaderReport:
+        """``live.report()``, from when ``report`` was a method: the report itself."""
+        warnings.warn("live.report() is deprecated: live.report is the report itself (a "
+                      "property, as acc.report and panel.report are); drop the ().",
+                      DeprecationWarning, stacklevel=2)
+        return self
 
     @property
     def n_batches(self) -> int:
