@@ -98,7 +98,7 @@ def binary_units(said: str | int | None) -> bool:
     if said is None:
         return False
     if isinstance(said, int):
-        return said % 2**20 == 0 or said % 10**6 != 0
+        return said % 1024 == 0 or said % 1000 != 0  # "2MB" is 2,000,000: not 1024's
     found = re.findall(r"\d\s*([kmgt])(i?)(b?)", said.lower())
     if not found:
         return bool(re.fullmatch(r"\s*\d+\s*", said))
