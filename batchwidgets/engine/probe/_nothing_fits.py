@@ -98,12 +98,20 @@ def binary_units(said: str | int | None) -> bool:
     if said is None:
         return False
     if isinstance(said, int):
-        return said % 1024 == 0 or said % 1000 != 0  # "2MB" is 2,000,000: not 1024's
+        # the system whose larger unit divides it: 8GB is 8 x 1000^3, 8GiB 8 x 1024^3
+        return _exact(said, 1024) >= _exact(said, 1000)
     found = re.findall(r"\d\s*([kmgt])(i?)(b?)", said.lower())
     if not found:
         return bool(re.fullmatch(r"\s*\d+\s*", said))
     _, binary, byte = found[-1]
     return bool(binary) or not byte
+
+
+def _exact(n: int, base: int) -> int:
+    power = 0
+    while power < 4 and n % base ** (power + 1) == 0:
+        power += 1
+    return power
 
 
 def sized(nbytes: float, binary: bool) -> str:
