@@ -80,14 +80,26 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
     memory_ax.set_title(f"memory on {where}: max batch {report.max_batch_size}")
     memory_ax.legend(fontsize="small", loc="lower right")
     timed = [a for a in ran if a.samples_per_s]  # out-of-memory and fake ones have no time
-    speed_ax.plot([a.batch_size for a in timed], [a.samples_per_s for a in timed], "o-",
-                  color="tab:orange")
-    speed_ax.set_xlabel("batch size")
-    speed_ax.set_ylabel("samples/s")
-    speed_ax.set_title("throughput")
+    if len(timed) > 1 or ax is not None:
+        speed_ax.plot([a.batch_size for a in timed], [a.samples_per_s for a in timed], "o-",
+                      color="tab:orange")
+        speed_ax.set_xlabel("batch size")
+        speed_ax.set_ylabel("samples/s")
+        speed_ax.set_title("throughput")
+    else:  # one point is no curve: its value, said
+        _said_instead(speed_ax, "throughput", f"{timed[0].samples_per_s:.4g} samples/s at batch "
+                      f"size {timed[0].batch_size}\n(the one size timed)" if timed else
+                      "no size timed" + (" (a plan: nothing ran)" if report.target else ""))
     if ax is None and (report.memory_split is not None or report.frontier):
         _draw_probe_extras(figure, report)
     return figure
+
+
+def _said_instead(ax: Axes, title: str, text: str) -> None:
+    """A panel with one point (or none) says its value instead of plotting a lone marker."""
+    ax.axis("off")
+    ax.set_title(title)
+    ax.text(0.5, 0.5, text, ha="center", va="center", fontsize="large", transform=ax.transAxes)
 
 
 def _draw_probe_extras(figure: Figure, report: BatchSizeReport) -> None:
@@ -117,6 +129,11 @@ def _draw_probe_extras(figure: Figure, report: BatchSizeReport) -> None:
     if report.frontier:
         frontier_ax = figure.add_subplot(grid[1, 1])
         lengths = list(report.frontier)
+        if len(lengths) == 1:
+            _said_instead(frontier_ax, "the (batch, length) frontier",
+                          f"batch size {report.frontier[lengths[0]]} at length {lengths[0]}\n"
+                          f"(the one length probed)")
+            return
         frontier_ax.plot(lengths, list(report.frontier.values()), "o-", color="tab:purple")
         frontier_ax.set_xscale("log", base=2)
         frontier_ax.set_xlabel("sequence length")

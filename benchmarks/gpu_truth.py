@@ -812,7 +812,7 @@ def section_loader(log: Log, device: Device, seconds: float) -> None:
                 step_started = time.monotonic()
         if not device.dry:
             torch.cuda.synchronize()
-        report = live.report()
+        report = live.report
     finally:
         live.close()
     for segment in report.segments:

@@ -97,7 +97,7 @@ def one_round(data, batch_size, step_s, settings, rotate: int) -> dict:
         if run == "autotune":
             live = bw.live_loader(data, batch_size=batch_size, shuffle=True, autotune=True)
             wall, samples = epoch(live, step_s)
-            report = live.report()
+            report = live.report
             out["autotune"] = {
                 "epoch_s": wall, "samples_per_s": samples / wall, "status": live.autotune_status,
                 "settled": report.settings, "switches": [
@@ -141,7 +141,7 @@ def switch_costs(method: str, rounds: int) -> dict:
                 if i == 8:
                     break
             live.close()
-            switch = next(s for s in live.report().switches if s.new["num_workers"] == new)
+            switch = next(s for s in live.report.switches if s.new["num_workers"] == new)
             costs[label].append(switch.cost_s)
             shutdowns[label].append(switch.shutdown_s)
     return {label: {"cost_s": statistics.median(costs[label]),

@@ -379,7 +379,10 @@ def problems(report: Any, extra: dict[str, str] | None = None) -> list[str]:
             if len(field) > 12:
                 text = text.replace(field, " ")
         text = check_rules(report, text, found)
-        check_numbers(name, text, shallow if name in SHALLOW else deep, found)
+        pool = shallow if name in SHALLOW else deep
+        if name == "text" and getattr(report, "what_if", ()):  # its what-if line reads the rows
+            pool = pool | numbers(report.what_if, depth=2, deep=True)
+        check_numbers(name, text, pool, found)
     return found
 
 

@@ -249,7 +249,7 @@ def test_a_real_live_loader_moves_off_zero_workers_with_the_same_batches_and_not
     live = bw.live_loader(make(), autotune=True)
     oracle = make()
     epochs = 0
-    while not live.report().switches and epochs < 40:  # the first trial takes ~0.3 s
+    while not live.report.switches and epochs < 40:  # the first trial takes ~0.3 s
         want = [batch[:, 0].tolist() for batch in oracle]
         got = []
         for batch in live:
@@ -257,7 +257,7 @@ def test_a_real_live_loader_moves_off_zero_workers_with_the_same_batches_and_not
             torch.ones(64, 64).sum()  # the step: next to loading, almost nothing
         assert got == want
         epochs += 1
-    switch = live.report().switches[0]
+    switch = live.report.switches[0]
     assert (switch.by, switch.old["num_workers"]) == ("autotune", 0)
     assert 1 <= switch.new["num_workers"] <= usable_cpus()
     assert live.autotune_status.startswith(("exploring", "settled"))
@@ -290,5 +290,5 @@ def test_workers_that_could_not_unpickle_the_dataset_stop_autotune_not_the_loop(
     assert all(got == want for got in epochs)
     assert not live.autotune
     assert live.num_workers == 0
-    assert live.report().switches == ()
-    assert any("autotune stopped" in text for text in live.report().warnings)
+    assert live.report.switches == ()
+    assert any("autotune stopped" in text for text in live.report.warnings)

@@ -187,17 +187,18 @@ def test_when_the_states_alone_do_not_fit_the_error_says_which_and_what_would():
     assert "\n" not in message
     assert message.startswith("No batch size fits on T4 (predicted, not run): the model's "
                               "states alone (weights 4.3 GB, gradients 4.3 GB, optimizer state "
-                              "8.6 GB) need 17.2 GB, of 15.3 GB usable.")
+                              "8.6 GB) need 17.2 GB, more than the 15.3 GB usable.")
     for hint in ("bf16", "requires_grad=False", "FSDP"):
         assert hint in message
     assert info.value.report.max_batch_size == 0
 
 
-def test_on_a_small_target_the_error_counts_in_megabytes():
+def test_on_a_small_target_the_error_counts_in_mebibytes_as_the_target_was_given():
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 8.4M parameters
-    with pytest.raises(bw.NoBatchSizeFits, match=r"states alone \(weights 33\.6 MB, gradients "
-                       r"33\.6 MB, optimizer state 67\.2 MB\) need 134\.3 MB, of 134\.2 MB usable"):
+    with pytest.raises(bw.NoBatchSizeFits, match=r"states alone \(weights 32\.0 MiB, gradients "
+                       r"32\.0 MiB, optimizer state 64\.1 MiB\) need 128\.1 MiB, more than the "
+                       r"128\.0 MiB usable"):
         bw.find_batch(model, lambda n: (torch.randn(n, 1024), torch.randn(n, 1024)),
                       loss_fn=nn.functional.mse_loss, target="128MiB")
 

@@ -239,6 +239,6 @@ def test_lightnings_trainer_runs_a_live_loader_as_is_and_a_switch_lands_mid_epoc
     plain = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True,
                                         generator=torch.Generator().manual_seed(0))
     assert module.seen == [batch[1].tolist() for _ in range(2) for batch in plain]
-    (switch,) = live.report().switches
+    (switch,) = live.report.switches
     assert (switch.epoch, switch.batch) == (0, 3)
     live.close()

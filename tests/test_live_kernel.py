@@ -32,7 +32,7 @@ for i, (x,) in enumerate(live):  # 150 batches, about 20 ms each
         print("start", flush=True)
     time.sleep(0.02)
 plain = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
-switches = live.report().switches
+switches = live.report.switches
 print("order", seen == [x.tolist() for (x,) in plain])
 print("switches", [(s.epoch, s.batch, s.new["num_workers"]) for s in switches])
 print("workers", workers.count(0), workers.count(2), len(seen), flush=True)

@@ -118,7 +118,7 @@ def test_the_batches_and_order_of_the_wrapped_loader_across_switches_epoch_after
     live = bw.live_loader(make(kind))
     got = run_epochs(live, 3, SWITCHES, set_epoch=kind == "distributed")
     assert got == want
-    assert len(live.report().switches) >= 3
+    assert len(live.report.switches) >= 3
     live.close()
     assert multiprocessing.active_children() == []
 
@@ -163,7 +163,7 @@ def test_a_switch_from_another_thread_lands_at_the_next_batch_without_losing_the
             thread.join()
     assert asked.is_set()
     assert got == want
-    (switch,) = live.report().switches
+    (switch,) = live.report.switches
     assert (switch.epoch, switch.batch) == (0, 2)
     assert switch.old["num_workers"] == 0
     assert switch.new == {"num_workers": 1, "pin_memory": False, "prefetch_factor": 2,
@@ -223,7 +223,7 @@ def test_bad_settings_are_one_line_errors_and_the_loader_carries_on(settings, me
             assert message in str(error.value)
             assert "\n" not in str(error.value)
     assert got == run_epochs(make("shuffle"), 1)[0]
-    assert live.report().switches == ()
+    assert live.report.switches == ()
 
 
 def test_a_dataset_spawned_workers_cannot_unpickle_is_refused_at_set():
@@ -314,7 +314,7 @@ def test_an_iterable_dataset_switches_at_the_next_epoch_and_says_so():
     second = [indices(b) for b in live]
     assert live.num_workers == 2
     assert sorted(i for batch in second for i in batch) == list(range(24))
-    (switch,) = live.report().switches
+    (switch,) = live.report.switches
     assert (switch.epoch, switch.batch) == (1, 0)
     assert "next epoch" in switch.note
     live.close()
@@ -331,7 +331,7 @@ def test_the_report_is_the_loops_own_time_per_setting():
         time.sleep(0.002)  # the step
         if i == 5:
             live.set(num_workers=2)
-    report = live.report()
+    report = live.report
     assert report.n_batches == 12
     assert report.n_samples == 24
     assert [s.n_batches for s in report.segments] == [6, 6]
@@ -379,7 +379,7 @@ def test_workers_started_by_spawn_switch_with_the_order_kept_and_the_cost_said()
                           multiprocessing_context="spawn")
     got = run_epochs(live, 1, {1: {"num_workers": 1}, 6: {"num_workers": 0}})
     assert got == run_epochs(make("shuffle"), 1)
-    first, _back = live.report().switches
+    first, _back = live.report.switches
     assert first.cost_s > first.shutdown_s >= 0  # a new interpreter per worker: seconds, said
     live.close()
     assert multiprocessing.active_children() == []

@@ -83,7 +83,7 @@ def test_the_panel_of_a_live_loader_is_bound_to_it_and_starts_at_its_settings(pa
     assert isinstance(panel.autotune, _controls.Checkbox)
     assert panel.autotune.value is False
     assert isinstance(panel.report, LiveLoaderReport)
-    assert panel.report == live.report()
+    assert panel.report == live.report
     assert panel.report.n_batches == 0
     assert "no batch drawn yet" in panel.readout.value
     assert len(refreshers()) == 1
@@ -104,17 +104,17 @@ def test_a_control_set_between_batches_switches_the_loop_at_the_next_batch_in_or
             getattr(panel, name).value = value
 
     assert train(live, click) == order(shuffled())
-    switches = live.report().switches
+    switches = live.report.switches
     assert [(s.batch, s.new["num_workers"], s.new["prefetch_factor"], s.by)
             for s in switches] == [(3, 2, 2, "set"), (6, 2, 4, "set"), (8, 0, None, "set")]
-    assert [s.settings["num_workers"] for s in live.report().segments] == [0, 2, 2, 0]
+    assert [s.settings["num_workers"] for s in live.report.segments] == [0, 2, 2, 0]
     assert (panel.num_workers.value, panel.prefetch_factor.value) == (0, None)
     assert panel.prefetch_factor.disabled
     # the next epoch, with the settings in force, is still the plain loader's second epoch
     panel.num_workers.value = 1
     assert train(live) == order(shuffled(), epochs=2)[len(live):]
     assert live.num_workers == 1
-    assert panel.report == live.report()
+    assert panel.report == live.report
 
 
 def test_a_control_set_from_another_thread_mid_loop_lands_at_the_next_batch(panels):
@@ -128,7 +128,7 @@ def test_a_control_set_from_another_thread_mid_loop_lands_at_the_next_batch(pane
             other.join(WAIT_S)
 
     assert train(live, from_elsewhere) == order(shuffled(seed=3))
-    (switch,) = live.report().switches
+    (switch,) = live.report.switches
     assert (switch.batch, switch.old["num_workers"], switch.new["num_workers"]) == (4, 0, 1)
     assert switch.cost_s > 0
 
@@ -155,7 +155,7 @@ def test_the_readout_follows_the_loop_from_the_refresher_while_it_runs(panels):
     assert REFRESHER in threads
     report = panel.refresh()
     current = report.current
-    assert report == live.report()
+    assert report == live.report
     assert f">{current.samples_per_s:,.0f}</span> samples/s" in panel.readout.value
     assert f">{current.stall_fraction:.0%}</span> of its time waiting" in panel.readout.value
     assert f">{report.samples_per_s:,.0f}</span>" in panel.readout.value
@@ -187,7 +187,7 @@ def test_a_switch_waiting_for_the_next_batch_is_shown_as_such(panels):
     panel.refresh()
     assert "from the next batch" not in panel.readout.value
     assert live.num_workers == 1
-    assert [s.new["num_workers"] for s in live.report().switches] == [1]
+    assert [s.new["num_workers"] for s in live.report.switches] == [1]
     epoch.close()
 
 
@@ -212,7 +212,7 @@ def test_a_bad_setting_is_one_line_in_the_panel_and_the_control_goes_back(panels
     assert live.num_workers == 0
     assert [first[0].tolist(), *(b[0].tolist() for b in epoch)] == [[0, 1], [2, 3], [4, 5],
                                                                    [6, 7]]
-    assert live.report().switches == ()
+    assert live.report.switches == ()
     panel.pin_memory.value = True  # a good change clears the error
     assert panel.error is None
     assert live.pin_memory is True
@@ -226,7 +226,7 @@ def test_the_controls_follow_settings_asked_for_by_code(panels):
     assert (panel.num_workers.value, panel.prefetch_factor.value) == (1, 3)
     assert 3 in [value for _, value in panel.prefetch_factor.options]
     assert train(live) == order(shuffled())
-    assert [(s.batch, s.new["prefetch_factor"]) for s in live.report().switches] == [(0, 3)]
+    assert [(s.batch, s.new["prefetch_factor"]) for s in live.report.switches] == [(0, 3)]
     live.set(num_workers=0)
     panel.refresh()
     assert (panel.num_workers.value, panel.prefetch_factor.value) == (0, None)
@@ -242,7 +242,7 @@ def test_the_autotune_checkbox_turns_it_on_and_a_control_by_hand_turns_it_off(pa
     train(live)
     panel.refresh()
     assert panel.autotune.value is live.autotune
-    assert {s.by for s in live.report().switches} <= {"autotune"}  # never set back by the panel
+    assert {s.by for s in live.report.switches} <= {"autotune"}  # never set back by the panel
     assert {k: getattr(panel, k).value for k in live.requested} == live.requested
     panel.num_workers.value = 1 if live.requested["num_workers"] != 1 else 0
     assert live.autotune is False

@@ -157,7 +157,7 @@ def loader_reports() -> tuple[dict, dict]:
             live.set(num_workers=1)
         if i == 10:
             break
-    return ({"tune_loader": tuned, "data_stall": tuned.stall, "live_loader": live.report()},
+    return ({"tune_loader": tuned, "data_stall": tuned.stall, "live_loader": live.report},
             {"live": live})
 
 

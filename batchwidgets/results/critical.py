@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from .. import _html
 from ._noise_theory import verdict
-from ._text import TextForm
+from ._text import Short, TextForm
 
 
 @dataclass(frozen=True)
-class Branch:
+class Branch(Short):
     """One run from the same weights at ``batch_size`` with learning rate ``lr``, to the target
     loss: ``steps`` and ``examples`` (steps x batch size) to reach it, None if it did not
     within the step limit; ``diverged``: the loss blew up (the branch is run again at half the

@@ -4,10 +4,11 @@ and ``LiveLoaderReport`` (all of them, and the loop's samples/s and data stall o
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from .. import _html
-from ._text import TextForm
+from ._text import Short, TextForm
 
 
 def _label(settings: dict[str, object]) -> str:
@@ -32,7 +33,7 @@ def _stall(wait_s: float, wall_s: float) -> float:
 
 
 @dataclass(frozen=True)
-class LoaderSegment:
+class LoaderSegment(Short):
     """The training loop's own numbers while one setting was in force: from the batch after a
     switch (or the first batch) to the batch before the next switch."""
 
@@ -68,7 +69,7 @@ class LoaderSegment:
 
 
 @dataclass(frozen=True)
-class LoaderSwitch:
+class LoaderSwitch(Short):
     """One change of settings: asked for (by ``set``, a panel or autotune), applied at the next
     batch, or at the next epoch where the position cannot be carried over."""
 
@@ -89,7 +90,7 @@ class LoaderSwitch:
 
 @dataclass(frozen=True)
 class LiveLoaderReport(TextForm):
-    """What ``live.report()`` says: the loop's throughput and data stall, overall and per
+    """What ``live.report`` says: the loop's throughput and data stall, overall and per
     setting, each switch with its cost, and the settings in force."""
 
     segments: tuple[LoaderSegment, ...]
@@ -99,6 +100,13 @@ class LiveLoaderReport(TextForm):
     autotune: bool = False
     autotune_status: str = ""  # what autotune is doing, in one line ("" when it is off)
     warnings: tuple[str, ...] = ()
+
+    def __call__(self) -> LiveLoaderReport:
+        """``live.report()``, from when ``report`` was a method: the report itself."""
+        warnings.warn("live.report() is deprecated: live.report is the report itself (a "
+                      "property, as acc.report and panel.report are); drop the ().",
+                      DeprecationWarning, stacklevel=2)
+        return self
 
     @property
     def n_batches(self) -> int:

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _html
-from ._text import TextForm
+from ._text import Short, TextForm
 
 
 @dataclass(frozen=True)
-class LoaderTrial:
+class LoaderTrial(Short):
     """One DataLoader setting, measured by ``measure_loader``: steady-state throughput over a
     bounded time, with the warm-up (worker start to the first batch) reported apart."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _html
-from ._text import TextForm
+from ._text import Short, TextForm
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ TIMELINE_KINDS = ("parameter", "optimizer", "gradient", "activation", "temporary
 
 
 @dataclass(frozen=True)
-class MemoryTimeline:
+class MemoryTimeline(Short):
     """The live bytes of one step at ``batch_size`` over its ops, by kind, as PyTorch's memory
     timeline draws them: ``by_kind`` maps each of TIMELINE_KINDS to the bytes alive at each of
     ``ops`` (op indices, at most a few hundred: the op of largest total in each window, so the

@@ -17,11 +17,11 @@ from ._noise_theory import (
     population_rule,
     steps_over_min,
 )
-from ._text import TextForm
+from ._text import Short, TextForm
 
 
 @dataclass(frozen=True)
-class LayerNoise:
+class LayerNoise(Short):
     """One parameter's share of the gradient noise: the totals are the sums over all layers."""
 
     name: str  # as in model.named_parameters()

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 from .. import _html
 from ._noise_theory import compare_estimates, examples_over_min, noise_advice, steps_over_min
-from ._text import TextForm
+from ._text import Short, TextForm
 from .critical import CriticalBatchReport
 from .schedule import BatchSchedule, accumulation_advice, plan_batch
 
 
 @dataclass(frozen=True)
-class NoisePoint:
+class NoisePoint(Short):
     """One measured update of the history: B_simple (None during the warm-up or while not
     measurable), its standard error, and the moving averages of |G|^2 and tr(Sigma) then. It
     unpacks and indexes as the 4-tuple the history held before:

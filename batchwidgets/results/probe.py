@@ -9,12 +9,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .. import _html
-from ._text import TextForm
+from ._text import Short, TextForm
 from .memory import MemorySplit, MemoryTimeline
 
 
 @dataclass(frozen=True)
-class Attempt:
+class Attempt(Short):
     """One trial of the probe: did ``batch_size`` train, and what did it cost."""
 
     batch_size: int
@@ -38,7 +38,7 @@ class Attempt:
 
 
 @dataclass(frozen=True)
-class MemoryModel:
+class MemoryModel(Short):
     """Peak memory as ``fixed_bytes + per_sample_bytes * batch_size``, fitted on measured steps."""
 
     fixed_bytes: float
@@ -56,7 +56,7 @@ class MemoryModel:
 
 
 @dataclass(frozen=True)
-class PeakSegment:
+class PeakSegment(Short):
     """From ``batch_size`` on (until the next segment) the step's peak is ``fixed_bytes +
     per_sample_bytes * B``, held by the op at ``where`` ("backward of encoder.layer.5 (aten.bmm)").
     The peak is convex in B, so at any size it is the largest of the segments' lines."""
@@ -71,7 +71,7 @@ class PeakSegment:
 
 
 @dataclass(frozen=True)
-class WhatIf:
+class WhatIf(Short):
     """The largest batch under one change the user could make (``report.what_if``)."""
 
     name: str  # "bf16", "SGD (no optimizer state)", "checkpoint encoder.layer.0", ...
@@ -86,7 +86,7 @@ class WhatIf:
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class ParallelPlan(Short):
     """One strategy's plan for N GPUs (``report.parallel_plans``): the largest batch on each rank
     and what a rank holds, predicted for the same target."""
 
@@ -111,7 +111,7 @@ class ParallelPlan:
 
 
 @dataclass(frozen=True)
-class Remembered:
+class Remembered(Short):
     """Where a remembered answer comes from (``report.remembered``): when and where the probe
     that measured it ran, and the file that keeps it (``batchwidgets.forget()`` clears them)."""
 
@@ -131,6 +131,35 @@ def attempts_table(attempts: tuple[Attempt, ...] | list[Attempt]) -> str:
             for a in attempts]
     return _html.table(rows, caption="attempts, in order",
                        header=("batch size", "fits", "peak memory", "step s", "samples/s"))
+
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def _unit(n: float) -> int:
+    """The power of 1024 format_bytes writes ``n`` in."""
+    power = 0
+    while abs(n) >= 1024 ** (power + 1) and power < len(_UNITS) - 1:
+        power += 1
+    return power
+
+
+def line_text(model: MemoryModel, at: int) -> str:
+    """``"3.347 MiB + 1.449 MiB per sample"``: the fitted line, with as many decimals as its
+    numbers need, as shown, to give its peak at ``at`` again to the table's 0.1 (issue 46: the
+    demo's "3.3 MiB + 1.4 MiB per sample" gave 247 MiB at 174, where its table said 255.5)."""
+    at = max(at, 1)
+    target = model.predict_bytes(at)
+    tolerance = 0.05 * 1024 ** _unit(target)
+    parts = [(value, 1024 ** _unit(value)) for value in (model.fixed_bytes,
+                                                         model.per_sample_bytes)]
+    for decimals in range(1, 7):
+        shown = [round(value / unit, decimals) for value, unit in parts]
+        if abs(shown[0] * parts[0][1] + shown[1] * parts[1][1] * at - target) <= tolerance:
+            break
+    fixed, slope = (f"{number:.{decimals}f} {_UNITS[_unit(value)]}" if unit > 1 else
+                    f"{value:.0f} B" for number, (value, unit) in zip(shown, parts))
+    return f"{fixed} + {slope} per sample"
 
 
 def _sizes(sizes: list[int]) -> str:
@@ -363,6 +392,10 @@ class BatchSizeReport(TextForm):
                 f"recommended_batch_size={self.recommended_batch_size} ({self.device}, "
                 f"{real} tries{fake}, {self.n_ooms} OOM)")
 
+    def text_parts(self) -> list[str]:
+        """After the summary: the what-if rows in a line, where the report has them."""
+        return [what_if_line(self)]
+
     def rows(self) -> list[tuple[str, object]]:
         """The rows of the report's table (label, value)."""
         model = self.memory_model
@@ -385,9 +418,7 @@ class BatchSizeReport(TextForm):
             ("recommended_batch_size", self.recommended_batch_size),
             ("rule", self.recommendation_rule),
             ("headroom at recommended", _html.format_bytes(self.headroom_bytes)),
-            ("memory model", "-" if model is None else
-             f"{_html.format_bytes(model.fixed_bytes)} + "
-             f"{_html.format_bytes(model.per_sample_bytes)} per sample"),
+            ("memory model", "-" if model is None else line_text(model, self.max_batch_size)),
             ("peak at max_batch_size", self.peak_location or "-"),
             ("search", self.method or "-"),
             ("traced", self.traced),
@@ -415,7 +446,7 @@ def details_html(report: BatchSizeReport) -> str:
             caption="largest batch at each sequence length",
             header=("sequence length", "batch size", "tokens per batch")))
     if report.what_if:
-        parts.append(_html.table([row.row() for row in report.what_if], caption="what if",
+        parts.append(_html.table(what_if_rows(report), caption="what if",
                                  header=("change", "max batch size", "how", "samples/s", "cost")))
     if report.parallel_plans:
         parts.append(_html.table(
@@ -426,3 +457,32 @@ def details_html(report: BatchSizeReport) -> str:
     if report.memory_split is not None:
         parts.append(report.memory_split._repr_html_())
     return "".join(parts)
+
+
+def no_gain(report: BatchSizeReport) -> tuple[WhatIf, ...]:
+    """The what-if rows that leave the answer as it is (each stays in ``report.what_if``)."""
+    return tuple(row for row in report.what_if if row.max_batch_size == report.max_batch_size)
+
+
+def what_if_rows(report: BatchSizeReport) -> list[tuple[object, ...]]:
+    """The what-if table's rows: each change that moves the answer, then those that do not,
+    folded into one row ("no gain: checkpoint h.0.attn, checkpoint h.1.attn")."""
+    same = no_gain(report)
+    rows = [row.row() for row in report.what_if if row not in same]
+    if same:
+        how = {"measured" if row.measured else "predicted" for row in same}
+        rows.append((f"no gain: {', '.join(row.name for row in same)}", report.max_batch_size,
+                     "/".join(sorted(how)), "-", "the answer stays as it is"))
+    return rows
+
+
+def what_if_line(report: BatchSizeReport) -> str:
+    """The what-if rows in one line of text, those that do not move the answer folded."""
+    if not report.what_if:
+        return ""
+    same = no_gain(report)
+    said = [f"{row.name} -> {row.max_batch_size} ({'measured' if row.measured else 'predicted'})"
+            for row in report.what_if if row not in same]
+    if same:
+        said.append(f"no gain: {', '.join(row.name for row in same)}")
+    return "what if: " + "; ".join(said)

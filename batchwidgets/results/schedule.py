@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import _html
 from ._noise_theory import NOISE_SCALE_RULE, examples_over_min, lr_scale, steps_over_min
-from ._text import TextForm
+from ._text import Short, TextForm
 
 # NOTE [ The batch-size schedule ]
 # McCandlish et al. 2018 (eq. 2.11): at batch B, training to a loss takes S_min(1 + B_noise/B)
@@ -124,7 +124,7 @@ class BatchSchedule(TextForm):
 
 
 @dataclass(frozen=True)
-class ScheduleChange:
+class ScheduleChange(Short):
     """One change ``accumulate(steps="auto")`` made: at which update, from and to how many
     micro-batches, the B_simple behind it and the learning-rate factor in force after it."""
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _html
+from ._text import TextForm
 from .probe import BatchSizeReport, Remembered
 
 
 @dataclass(frozen=True)
-class BatchSplitReport:
+class BatchSplitReport(TextForm):
     """A trainer's global batch as ``per_device_batch_size x accumulation_steps x world_size``,
     the per-device batch from ``probe`` (the largest divisor of the global batch per device that
     fits under ``max_per_device``)."""
@@ -33,6 +34,10 @@ class BatchSplitReport:
                 f"{self.accumulation_steps} x {self.world_size} {devices} = global_batch_size "
                 f"{self.global_batch_size} (up to {self.max_per_device} fits per device)")
         return said if self.remembered is None else f"{said}; remembered, {self.remembered}"
+
+    def text_parts(self) -> list[str]:
+        """After the split, the probe it rests on, in its own summary."""
+        return [f"probe: {self.probe.summary()}"]
 
     def rows(self) -> list[tuple[str, object]]:
         return [

@@ -173,7 +173,7 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
     that iterates it: no measurement of its own; its controls call ``live.set`` (the loop
     switches at its next batch, also on a click while the training cell runs), an "autotune"
     checkbox sets ``live.autotune``, and a daemon thread refreshes the readout from
-    ``live.report()``, the loop's own numbers.
+    ``live.report``, the loop's own numbers.
 
     Parameters
     ----------
@@ -213,7 +213,7 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
     report : LoaderReport, LiveLoaderReport or None
         Every setting measured in this panel (the latest measurement of each); ``current`` is
         the one measured last, so ``report.samples_per_s`` is the latest samples/s. For a live
-        loader, ``live.report()``: the loop's own numbers so far.
+        loader, ``live.report``: the loop's own numbers so far.
     loader : DataLoader or LiveLoader
         A new DataLoader with the current settings. It is the caller's: the panel keeps no
         reference to it and never starts its workers, so its (persistent) workers live and
@@ -360,8 +360,8 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
     @property
     def report(self) -> LoaderReport | LiveLoaderReport | None:
         """Every setting measured in this panel; ``current`` is the one measured last. For a
-        live loader, ``live.report()``: the running loop's own numbers (any thread)."""
-        return self._live.report() if self._live is not None else self._report
+        live loader, ``live.report``: the running loop's own numbers (any thread)."""
+        return self._live.report if self._live is not None else self._report
 
     @property
     def loader(self) -> DataLoader:
@@ -554,7 +554,7 @@ class LoaderPanel(ReportDisplay, widgets.Panel):
         change; any thread) and return ``report``; ``chart``: draw the chart too if it is out
         of date (it is drawn seldom while the loop runs)."""
         with self._refreshing:
-            report, requested = self._live.report(), self._live.requested
+            report, requested = self._live.report, self._live.requested
             self._follow()
             seen = (report.n_batches, len(report.switches), tuple(requested.items()),
                     report.autotune, report.autotune_status, report.warnings)

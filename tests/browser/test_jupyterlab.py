@@ -43,7 +43,7 @@ TUTORIALS = {
     # the live NoisePanel, %%accumulate --noise's and the one showing what batch to train at;
     # the measure_noise report and the %%accumulate cell's report
     "03_batch_noise.ipynb": {"noise": 3, "static_reports": 2},
-    # the LoaderPanel and LoaderPanel(live); tune_loader's report and live.report()
+    # the LoaderPanel and LoaderPanel(live); tune_loader's report and live.report
     "04_dataloader.ipynb": {"loader": 2, "static_reports": 2},
 }
 
@@ -362,7 +362,7 @@ for i, (x,) in enumerate(live):  # 600 batches of about 25 ms: 15 s to click in
     workers.append(live.num_workers)
     time.sleep(0.025)
 plain = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
-switches = [(s.epoch, s.batch, s.new["num_workers"]) for s in live.report().switches]
+switches = [(s.epoch, s.batch, s.new["num_workers"]) for s in live.report.switches]
 print("order", seen == [x.tolist() for (x,) in plain], "switches", switches)""",
 )
 

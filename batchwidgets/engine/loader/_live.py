@@ -10,7 +10,7 @@ Usage:
     >>> [batch[0].tolist() for batch in live]
     [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
     >>> live.set(num_workers=1)              # takes effect at the next batch
-    >>> live.report().n_batches
+    >>> live.report.n_batches
     3
 """
 
@@ -512,9 +512,11 @@ class LiveLoader(DataLoader):
             self._notes.append(note)
             warnings.warn(note, BatchwidgetsWarning, stacklevel=4)
 
+    @property
     def report(self) -> LiveLoaderReport:
         """The loop's own numbers so far: samples/s and the data stall, overall and per
-        setting, each switch with its cost (any thread)."""
+        setting, each switch with its cost (any thread). A property, as ``acc.report`` and
+        ``panel.report`` are; ``live.report`` still gives it, with a DeprecationWarning."""
         with self._lock:
             return LiveLoaderReport(
                 segments=tuple(LoaderSegment(**dict(s, settings=dict(s["settings"])))
@@ -552,7 +554,7 @@ def live_loader(loader_or_dataset: DataLoader | Any, /, *, autotune: bool = Fals
     Returns
     -------
     LiveLoader
-        ``live.set(num_workers=2)`` (any thread) switches at the next batch; ``live.report()``
+        ``live.set(num_workers=2)`` (any thread) switches at the next batch; ``live.report``
         returns a ``LiveLoaderReport``; ``live.close()`` stops every worker.
 
     Examples

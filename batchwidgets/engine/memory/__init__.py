@@ -22,7 +22,7 @@ from ._meters import Reading
 from ._oom import cannot_train_alone, drop_own_frames, forget, free_memory, is_oom
 from ._simulated import probe_meter, simulated_cuda
 from ._targets import CPU_TARGET, GPU_TARGETS, is_cpu_target, parse_gpus, parse_target
-from ._trace import OpTrace, PeakModel
+from ._trace import OpTrace, PeakModel, said_where
 from ._tracker import BudgetExceededError, TensorMemoryTracker, track_tensor_memory
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "TensorMemoryTracker", "available_memory_bytes", "cannot_train_alone", "drop_own_frames",
     "forget", "free_memory", "is_cpu_target", "is_oom", "largest_batch_size", "needed_bytes",
     "parse_bytes",
-    "parse_gpus", "parse_target", "probe_meter", "replay", "scale_events", "simulated_cuda",
+    "parse_gpus", "parse_target", "probe_meter", "replay", "said_where", "scale_events",
+    "simulated_cuda",
     "track_tensor_memory",
 ]

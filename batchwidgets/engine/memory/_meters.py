@@ -14,7 +14,7 @@ import torch
 
 from .._state import makes_weakref_callbacks
 from ._budget import available_memory_bytes
-from ._trace import OpTrace
+from ._trace import OpTrace, said_at
 from ._tracker import TensorMemoryTracker, _Where, unique_tensors
 
 HELD_KEY = -(10**15) - 1  # the held bytes' place in a trace (no storage's key)
@@ -56,7 +56,7 @@ class TracingTracker(TensorMemoryTracker):
                  where: _Where, held_bytes: int = 0) -> None:
         self.trace: OpTrace | None = None
         super().__init__(device, budget_bytes, baseline, held_bytes)
-        self.trace, self._where = OpTrace(), where
+        self.trace, self._where = OpTrace(kinds=where.modules.kinds), where
         self._op_names: dict[Any, str] = {}  # str(func) once per op overload
         self._batch_peak: int | None = None  # while making the batch; see collapsed()
         # See NOTE [ Where the memory goes ]: storage key -> serial, serial -> lifetime
@@ -234,6 +234,11 @@ class TracingTracker(TensorMemoryTracker):
             return super().__torch_dispatch__(func, types, args, kwargs)
         finally:
             self.record_op(func)
+
+    def op_said(self, func: Any) -> str:
+        """The op an out-of-memory message names, with the user's module it ran in."""
+        where = self._where() if self._batch_peak is None else "making the batch"
+        return said_at(where, str(func), self.trace.kinds)
 
     def record_op(self, func) -> None:
         """The op's entry in the trace (after it ran or raised), or the batch's running peak."""

@@ -37,6 +37,7 @@ class OpTrace:
     names: list[str] = field(default_factory=list)
     live: list[int] = field(default_factory=list)
     where: list[str] = field(default_factory=list)
+    kinds: dict[str, str] = field(default_factory=dict)  # module path -> its class's name
     events: list[tuple[str, int, int]] = field(default_factory=list)
     complete: bool = True
     # (key, nbytes) of the storages alive when the trial began, for the allocator model's replay
@@ -59,7 +60,7 @@ class OpTrace:
         for part in parts:
             for i, value in enumerate(self.parts.get(part, ())):
                 live[i] -= value
-        return OpTrace(names=self.names, live=live, where=self.where)
+        return OpTrace(names=self.names, live=live, where=self.where, kinds=self.kinds)
 
     def same_ops(self, other: OpTrace) -> bool:
         return self.names == other.names
@@ -115,10 +116,9 @@ class PeakModel:
         return self._bytes_at(self._argmax(batch_size), batch_size)
 
     def where(self, batch_size: int) -> str:
-        """Where the peak sits at ``batch_size``: "backward of encoder.layer.5 (aten.bmm)"."""
-        i = self._argmax(batch_size)
-        return f"{self.large.where[i]} ({self.large.names[i]})" if self.large.where else \
-            self.large.names[i]
+        """Where the peak sits at ``batch_size``: "encoder.layer.5 (BertLayer) backward, at
+        aten.bmm.default" (``said_where``)."""
+        return said_where(self.large, self._argmax(batch_size))
 
     def largest_batch_size(self, limit_bytes: int, *, multiple_of: int, ceiling: int) -> int:
         """The largest multiple of ``multiple_of`` (at most ``ceiling``) whose predicted peak stays
@@ -143,9 +143,7 @@ class PeakModel:
             low, high = self.small.live[i], self.large.live[i]
             per_sample = (high - low) / (self.batch_large - self.batch_small)
             fixed = low - per_sample * self.batch_small
-            where = (f"{self.large.where[i]} ({self.large.names[i]})" if self.large.where
-                     else self.large.names[i])
-            segments.append(PeakSegment(size, fixed, per_sample, where))
+            segments.append(PeakSegment(size, fixed, per_sample, said_where(self.large, i)))
             size = self._next_kink(i, size, hi)
         return tuple(segments)
 
@@ -163,3 +161,23 @@ class PeakModel:
             if size < crossing < nearest:
                 nearest = crossing
         return nearest
+
+
+def said_where(trace: OpTrace, i: int) -> str:
+    """Where op ``i`` of ``trace`` ran, for a reader (``said_at``)."""
+    return said_at(trace.where[i], trace.names[i], trace.kinds) if trace.where else trace.names[i]
+
+
+def said_at(where: str, op: str, kinds: dict[str, str]) -> str:
+    """``where`` ("backward of layers.9") and ``op`` for a reader: the module by its path and
+    class, then the phase, then the op ("layers.9 (Linear) backward, at aten.mm.default"); the
+    optimizer step and the batch's own ops by name ("optimizer step, at aten.add_.Tensor")."""
+    if where == "making the batch":  # the batch's own ops: the user's make_batch, or ours
+        return where
+    phase, of, module = where.partition(" of ")
+    if not of or phase not in ("forward", "backward"):
+        return f"{where}, at {op}"
+    if module == "the step":  # no module entered: the loss, autograd's own ops
+        return f"{phase} outside the model's modules, at {op}"
+    kind = kinds.get(module)
+    return f"{module} ({kind}) {phase}, at {op}" if kind else f"{module} {phase}, at {op}"

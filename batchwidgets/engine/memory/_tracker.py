@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -189,14 +190,23 @@ class TensorMemoryTracker(TorchDispatchMode):
             key = id(tensor.untyped_storage())
             if key in self._storages or key not in inputs:
                 self._count(tensor)
-        if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+        # only the op that allocates crosses the budget: an op that allocated nothing runs
+        # after the crossing (a profiler's record_function exit while the error unwinds, under
+        # Lightning), and naming it would hide the op that did (issue 46)
+        if (self.budget_bytes is not None and self.live_bytes > self.budget_bytes
+                and self.live_bytes > before):
             message = (
                 f"{self.device.type.upper()} out of memory (batchwidgets budget): the step held "
-                f"{self.live_bytes} bytes of tensors after {func}, over the budget of "
-                f"{self.budget_bytes} bytes (tried to allocate {self.live_bytes - before} bytes).")
+                f"{self.live_bytes} bytes of tensors after {self.op_said(func)}, over the budget "
+                f"of {self.budget_bytes} bytes (tried to allocate {self.live_bytes - before} "
+                f"bytes).")
             if not self.defer_budget:
                 raise BudgetExceededError(message)
             self.over_budget = self.over_budget or message
+
+    def op_said(self, func: Any) -> str:
+        """The op an out-of-memory message names (a tracer adds its module)."""
+        return str(func)
 
     def raise_if_over_budget(self) -> None:
         """Raise the budget's out-of-memory error that ``defer_budget`` held back, if any."""
@@ -237,7 +247,13 @@ class TensorMemoryTracker(TorchDispatchMode):
 # batch that fits. A forward that runs inside backward is a recomputation: its modules still
 # enter ``parents`` (the ops are named), but no gradient hook is left on its tensors.
 class _Modules(ModuleTracker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: dict[str, str] = {}  # each module entered, by its path: its class's name
+
     def _fw_pre_hook(self, mod, input) -> None:
+        name = self._get_mod_name(mod)  # "RootClass.child.grandchild", as ``parents`` holds it
+        self.kinds[name.split(".", 1)[1] if "." in name else ""] = type(mod).__name__
         if torch._C._current_graph_task_id() == -1:
             return super()._fw_pre_hook(mod, input)
         self._get_append_fn(self._get_mod_name(mod), False)()

@@ -23,7 +23,7 @@ from .._called import is_said
 from .._types import Amp, ProbeStep, ShouldStop, Trace
 from ._core import at_length
 from ._measure import measure
-from ._nothing_fits import NoBatchSizeFits
+from ._nothing_fits import NoBatchSizeFits, already
 from ._options import FIND_BATCH
 from ._plan import plan
 from ._remember import remembered
@@ -195,8 +195,14 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
 
 
 def _probe(setup: ProbeSetup) -> BatchSizeReport:
-    """One probe: planned for a target, measured on this device otherwise."""
-    return plan(setup) if setup.target is not None else measure(setup)
+    """One probe: planned for a target, measured on this device otherwise. Where nothing fits,
+    the error's advice is the call's (NOTE [ Advice from the call ] in _nothing_fits.py)."""
+    try:
+        return plan(setup) if setup.target is not None else measure(setup)
+    except NoBatchSizeFits as error:
+        if error.call is not None:
+            raise
+        raise NoBatchSizeFits(error.report, already(setup)) from None
 
 
 def _frontier(setup: ProbeSetup) -> BatchSizeReport:
@@ -215,5 +221,5 @@ def _frontier(setup: ProbeSetup) -> BatchSizeReport:
             break
     report = dataclasses.replace(report, frontier=frontier, seq_len=length)
     if report.max_batch_size == 0 and report.stop_reason != "stopped":
-        raise NoBatchSizeFits(report)
+        raise NoBatchSizeFits(report, already(setup))
     return report

@@ -7,7 +7,7 @@ import itertools
 
 from ...results import MemorySplit, MemoryTimeline
 from ...results.memory import TIMELINE_KINDS
-from ..memory import OpTrace
+from ..memory import OpTrace, said_where
 
 
 def memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
@@ -19,7 +19,7 @@ def memory_split(batch_size: int, trace: OpTrace, parts: dict[str, int],
         activations_bytes=parts.get("activation", 0),
         temporaries_bytes=parts.get("temporary", 0) + parts.get("step", 0),
         communication_bytes=parts.get("communication", 0), by_module=by_module,
-        where=f"{trace.where[peak]} ({trace.names[peak]})")
+        where=said_where(trace, peak))
 
 
 TIMELINE_POINTS = 300  # enough for a picture; a report stays small

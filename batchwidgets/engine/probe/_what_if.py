@@ -29,6 +29,7 @@ from ...results import BatchSizeReport, WhatIf
 from .._grads import is_sharded
 from .._unsharded import shallow_replica
 from ..memory import OpTrace, PeakModel
+from ._nothing_fits import checkpoints
 
 CHECKPOINT_ROWS = 3  # activation checkpointing of the blocks that save the most
 COSTS = {
@@ -74,7 +75,10 @@ def _checkpointed(trace: OpTrace, module: str) -> OpTrace:
 def checkpoint_candidates(model: torch.nn.Module) -> dict[str, str]:
     """The submodules a user would checkpoint, by name, with their class names: those that hold
     parameters. A parameter-free activation or pool alone (a ReLU, a MaxPool2d) saves its input
-    for backward, but checkpointing it by itself is a choice nobody makes (issue 41)."""
+    for backward, but checkpointing it by itself is a choice nobody makes (issue 41). None
+    where the model checkpoints already: a row would suggest what is so (issue 46)."""
+    if checkpoints(model):
+        return {}
     return {name: type(module).__name__ for name, module in model.named_modules()
             if name and next(module.parameters(), None) is not None}
 
