@@ -203,6 +203,11 @@ class BatchSizeReport(TextForm):
     world_size: int = 1
     parallel: str | None = None
     parallel_plans: tuple[ParallelPlan, ...] = ()
+    # the wrapping a plan for N GPUs assumed (FSDP2's units: each block and the root by default,
+    # the job's own where the model came sharded), and why the per-rank order ddp <= zero1 <=
+    # zero2 <= zero3, zero2 <= fsdp does not hold among parallel_plans ("" where it holds)
+    wrapping: str = ""
+    parallel_order: str = ""
     # find_batch(..., cache=True) gave the answer it kept from an earlier identical call (see
     # NOTE [ Remembered answers ] in engine/probe/_remember.py): when and where that one ran.
     # Not compared: a remembered report equals the one measured.
@@ -342,8 +347,14 @@ class BatchSizeReport(TextForm):
         # one short line (the panel shows it beside its progress bar), then what it rests on
         said = "; ".join(part for part in (self._answer_line(), self.loop_line,
                                            "assumed " + ", ".join(self.assumed)
-                                           if self.assumed else "") if part)
+                                           if self.assumed else "", *self._parallel_lines())
+                         if part)
         return said if self.remembered is None else f"{said}; remembered, {self.remembered}"
+
+    def _parallel_lines(self) -> tuple[str, ...]:
+        """A plan for N GPUs: the wrapping it assumed, and why the strategies' order breaks."""
+        return (f"wrapping: {self.wrapping}" if self.wrapping else "",
+                f"order: {self.parallel_order}" if self.parallel_order else "")
 
     def _answer_line(self) -> str:
         if self.target is not None and self.parallel is not None:
@@ -372,6 +383,8 @@ class BatchSizeReport(TextForm):
             *([("ranks", f"{self.world_size} under {self.parallel}: global_batch_size "
                          f"{self.global_batch_size} (max_batch_size is per rank)")]
               if self.parallel else []),
+            *([("wrapping", self.wrapping)] if self.wrapping else []),
+            *([("order of strategies", self.parallel_order)] if self.parallel_order else []),
             ("device", self.device),
             ("budget", _html.format_bytes(self.budget_bytes) if self.budget_bytes
              else "whole device"),

@@ -80,7 +80,8 @@ def check_arguments(model: Any, make_batch: Any = None, *, said: Spelling = PYTH
 
 def check_sharded(owner: torch.nn.Module | None, device: torch.device) -> None:
     """A model sharded by fully_shard (FSDP2) is probed inside its job, on its shards' device."""
-    shards = [p for p in owner.parameters() if hasattr(p, "full_tensor")] if owner else []
+    shards = ([p for p in owner.parameters() if hasattr(p, "full_tensor")]
+              if owner is not None else [])  # not `if owner`: torch.compile's has no len()
     if not shards:
         return
     if not in_job():

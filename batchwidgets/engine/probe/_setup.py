@@ -26,6 +26,7 @@ from ._checks import (
     check_sharded_plan,
     notes_on,
 )
+from ._sharded import sharded_units
 from ._trials import OnStep
 
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
@@ -70,6 +71,10 @@ class ProbeSetup:
     keep_output: bool  # the loop modelled (NOTE [ The loop the step models ] in _trials.py)
     assumed: tuple[str, ...]  # what the call left out and the probe assumed, for the report
     mesh: Any = None  # a fake mesh: the trials run one FSDP2 rank (NOTE [ One FSDP2 rank, traced ])
+    # the modules the user's own fully_shard wrapped, by name ("" the root), where the model came
+    # sharded: a plan for N GPUs wraps its meta replica the same (NOTE [ The wrapping a plan
+    # assumes ] in _parallel.py)
+    units: tuple[str, ...] = ()
 
     @property
     def extras(self) -> tuple[Any, Any]:
@@ -172,12 +177,14 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
     budget_bytes = memory.parse_bytes(options["budget"], "budget")
     resolved = _device(owner, options["device"])
     count, gpu = memory.parse_gpus(target) if target is not None else (1, None)
+    units: tuple[str, ...] = ()
     parallel, world_size = check_parallel(options["parallel"], target, count, is_module)
     planned = _target(gpu, budget_bytes) if target is not None else None
     if planned is None:
         check_sharded(owner, resolved)
     elif is_module and is_sharded(list(model.parameters())):  # a plan inside an FSDP2 job
         check_sharded_plan(trace)
+        units = sharded_units(model)
         model, optimizer = meta_replica(model, optimizer)
         owner = model
         if parallel is None:  # as the job runs: FSDP2 over its ranks, or the target's count
@@ -211,7 +218,8 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
         trace=trace, fake_first=fake_first, start=start, ceiling=ceiling,
         headroom=float(options["headroom"]),
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None,
-        notes=tuple(notes), assumed=assumed, **{name: options[name] for name in _AS_GIVEN})
+        notes=tuple(notes), assumed=assumed, units=units,
+        **{name: options[name] for name in _AS_GIVEN})
 
 
 _AS_GIVEN = ("loss_fn", "scaler", "scheduler", "amp", "multiple_of", "max_batch_size",
