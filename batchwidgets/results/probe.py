@@ -208,6 +208,9 @@ class BatchSizeReport(TextForm):
     # zero2 <= zero3, zero2 <= fsdp does not hold among parallel_plans ("" where it holds)
     wrapping: str = ""
     parallel_order: str = ""
+    # which step's memory was measured, where it is not plainly the model's own: a compiled
+    # model's eager step, and why ("" for a model not compiled)
+    measured_step: str = ""
     # find_batch(..., cache=True) gave the answer it kept from an earlier identical call (see
     # NOTE [ Remembered answers ] in engine/probe/_remember.py): when and where that one ran.
     # Not compared: a remembered report equals the one measured.
@@ -354,7 +357,8 @@ class BatchSizeReport(TextForm):
     def _parallel_lines(self) -> tuple[str, ...]:
         """A plan for N GPUs: the wrapping it assumed, and why the strategies' order breaks."""
         return (f"wrapping: {self.wrapping}" if self.wrapping else "",
-                f"order: {self.parallel_order}" if self.parallel_order else "")
+                f"order: {self.parallel_order}" if self.parallel_order else "",
+                f"measured {self.measured_step}" if self.measured_step else "")
 
     def _answer_line(self) -> str:
         if self.target is not None and self.parallel is not None:
@@ -385,6 +389,7 @@ class BatchSizeReport(TextForm):
               if self.parallel else []),
             *([("wrapping", self.wrapping)] if self.wrapping else []),
             *([("order of strategies", self.parallel_order)] if self.parallel_order else []),
+            *([("measured", self.measured_step)] if self.measured_step else []),
             ("device", self.device),
             ("budget", _html.format_bytes(self.budget_bytes) if self.budget_bytes
              else "whole device"),

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,6 +221,41 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None,
         notes=tuple(notes), assumed=assumed, units=units,
         **{name: options[name] for name in _AS_GIVEN})
+
+
+# NOTE [ A compiled model is probed in its eager step ]
+# find_batch meters a step through dispatch modes (the tensor tracker, the simulated device, the
+# fake mode). Under any of them torch.compile does not compile: Dynamo skips the frame ("non-infra
+# torch dispatch mode present") and marks the forward's code to be skipped from then on, so a
+# compiled model probed as it is trained eagerly afterwards, for good (torch 2.13). Where Dynamo
+# has compiled code already, that code runs under the modes instead, and its kernels allocate
+# their buffers outside the dispatcher (inductor's empty_strided_cpu), which no mode sees. So
+# while a compiled model (torch.compile(module), module.compile()) is probed, torch.compile's
+# stance is "force_eager" (torch >= 2.6): the step run and measured is the eager one, Dynamo
+# caches nothing, and the model compiles as before afterwards. The report says so
+# (report.measured_step): the eager step's memory bounds the compiled one's from above where
+# inductor fuses and frees activations, and a real step on the GPU, where the allocator sees
+# every buffer, is what measures the compiled step itself.
+def compiled(model: Any) -> bool:
+    """torch.compile's OptimizedModule, or a module whose .compile() was called."""
+    return isinstance(model, torch.nn.Module) and (
+        hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None)
+
+
+EAGER_STEP = ("the eager step: torch.compile's own buffers are not seen on the CPU (its "
+              "kernels allocate outside the dispatcher); probe again on the GPU")
+
+
+@contextlib.contextmanager
+def eager_while_probed(setup: ProbeSetup) -> Iterator[str]:
+    """The probe of a compiled model runs its eager step (NOTE [ A compiled model is probed in
+    its eager step ]); yields what the report says was measured ("" for a model not compiled)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    if not compiled(setup.owner) or stance is None:
+        yield "" if not compiled(setup.owner) else "the step as torch.compile ran it"
+        return
+    with stance("force_eager"):
+        yield EAGER_STEP
 
 
 _AS_GIVEN = ("loss_fn", "scaler", "scheduler", "amp", "multiple_of", "max_batch_size",
