@@ -79,7 +79,8 @@ def test_torch_compile_of_a_custom_module_is_probed_and_still_compiles_afterward
     assert backend.compiled == 0  # nothing compiled under the meter
     assert_restored(model, before, training=True)
     model(torch.randn(4, 32)).sum().backward()  # the user's next step compiles as before
-    assert backend.compiled == 1 and backend.ran == 1
+    assert backend.compiled == 1
+    assert backend.ran == 1
 
 
 def test_module_compile_is_probed_the_same_way():
