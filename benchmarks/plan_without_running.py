@@ -7,6 +7,7 @@ Each plan runs in a fresh process, so its peak RSS is its own.
 
     python benchmarks/plan_without_running.py          # -> results/plan_without_running_cpu.*
     python benchmarks/plan_without_running.py --quick  # the small rows only
+    python benchmarks/plan_without_running.py --parallel  # the 8B plans for N GPUs, per strategy
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ ROWS = [
     ("Llama-3-8B shape", 2048, "A100-80GB", "fake", False, "bfloat16"),
 ]
 QUICK = ROWS[:4]
+# plans for N GPUs: (shape, tokens, target, dtype), every strategy planned ("compare"), full
+# fine-tuning with AdamW; the per-rank order ddp <= zero1 <= zero2 <= zero3, zero2 <= fsdp
+PARALLEL_ROWS = [("Llama-3-8B shape", 2048, "8xA100-80GB", "float32"),
+                 ("Llama-3-8B shape", 2048, "2xA100-80GB", "float32")]
+ORDER = (("ddp", "zero1"), ("zero1", "zero2"), ("zero2", "zero3"), ("zero2", "fsdp"))
 
 CHILD = r"""
 import json, resource, sys, time, warnings
@@ -84,6 +90,92 @@ print(json.dumps({"max_batch_size": answer, "band": band, "plan_s": seconds,
                   "params": sum(p.numel() for p in model.parameters()),
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
+
+
+PARALLEL_CHILD = r"""
+import json, resource, sys, time, warnings
+warnings.simplefilter("ignore")
+import torch, transformers
+import batchwidgets as bw
+shape, tokens, target, dtype = json.loads(sys.argv[1])
+hidden, layers, heads, kv, inter, vocab = json.loads(sys.argv[2])
+config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                  num_attention_heads=heads, num_key_value_heads=kv,
+                                  intermediate_size=inter, max_position_embeddings=max(tokens, 256))
+with torch.device("meta"):
+    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
+
+def make_batch(batch_size):
+    ids = torch.randint(0, vocab, (batch_size, tokens))
+    return {"input_ids": ids, "labels": ids}
+
+started, cpu_started = time.perf_counter(), time.process_time()
+try:
+    report = bw.find_batch(model, make_batch, target=target, parallel="compare", cache=False)
+    per_rank = {row.parallel: row.max_batch_size for row in report.parallel_plans}
+    order, wrapping = report.parallel_order, report.wrapping
+except bw.NoBatchSizeFits as caught:
+    per_rank = {row.parallel: row.max_batch_size for row in caught.report.parallel_plans}
+    order, wrapping = caught.report.parallel_order, caught.report.wrapping
+print(json.dumps({"per_rank": per_rank, "parallel_order": order, "wrapping": wrapping,
+                  "plan_s": time.perf_counter() - started,
+                  "plan_cpu_s": time.process_time() - cpu_started,
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def run_parallel(row: tuple) -> dict:
+    shape, tokens, target, dtype = row
+    result = subprocess.run(
+        [sys.executable, "-c", PARALLEL_CHILD, json.dumps(row), json.dumps(SHAPES[shape])],
+        capture_output=True, text=True, check=True)
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    return {"shape": shape, "tokens": tokens, "target": target, "dtype": dtype, **measured}
+
+
+def parallel_table(results: list[dict]) -> list[str]:
+    lines = ["| model | tokens | dtype | target | ddp | zero1 | zero2 | zero3 | fsdp | order "
+             "holds | plan (s) | CPU (s) | peak RSS |",
+             "|---|--:|---|---|--:|--:|--:|--:|--:|---|--:|--:|--:|"]
+    for r in results:
+        found = r["per_rank"]
+        holds = all(found[low] <= found[high] for low, high in ORDER)
+        lines.append(f"| {r['shape']} | {r['tokens']} | {r['dtype']} | {r['target']} | "
+                     + " | ".join(str(found[name]) for name in
+                                  ("ddp", "zero1", "zero2", "zero3", "fsdp"))
+                     + f" | {'yes' if holds else 'no: ' + r['parallel_order']} | "
+                     f"{r['plan_s']:.1f} | {r['plan_cpu_s']:.1f} | "
+                     f"{r['peak_rss_bytes'] / 2**30:.2f} GiB |")
+    return lines
+
+
+def main_parallel(out: Path) -> None:
+    results, loads = [], [os.getloadavg()[0]]
+    for row in PARALLEL_ROWS:
+        results.append(run_parallel(row))
+        loads.append(os.getloadavg()[0])
+        print(parallel_table(results)[-1], flush=True)
+    lines = [
+        "# Plans for N GPUs on fake tensors: every strategy's per-rank batch", "",
+        f"- date: {time.strftime('%Y-%m-%d')}",
+        f"- machine: {_machine.device_name(torch.device('cpu'))}",
+        f"- versions: python {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"batchwidgets commit {_machine.commit()}",
+        "- step: full fine-tuning in fp32 with AdamW (find_batch's default), the model's own "
+        "loss on labels = input_ids; the model built on the meta device; "
+        "find_batch(model, make_batch, target=..., parallel='compare'), one fresh process each",
+        f"- wrapping assumed: {results[0]['wrapping']}",
+        "- order: per rank ddp <= zero1 <= zero2 <= zero3 and zero2 <= fsdp",
+        f"- time: wall and the process's CPU time; the machine is shared (1-minute load "
+        f"average {min(loads):.1f}-{max(loads):.1f} on its {os.cpu_count()} cores), so wall "
+        f"time includes waiting for a core",
+        "- regenerate: `python benchmarks/plan_without_running.py --parallel`", "",
+        *parallel_table(results), ""]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_without_running_parallel_cpu.md").write_text("\n".join(lines))
+    (out / "plan_without_running_parallel_cpu.json").write_text(
+        json.dumps({"header": lines[:10], "results": results}, indent=1))
+    print("\n".join(lines))
 
 
 def run(row: tuple) -> dict:
@@ -133,8 +225,13 @@ def agreement(results: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the small rows only")
+    parser.add_argument("--parallel", action="store_true",
+                        help="the plans for N GPUs only (every strategy's per-rank batch)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.parallel:
+        main_parallel(args.out)
+        return
     results, loads = [], [os.getloadavg()[0]]
     for row in QUICK if args.quick else ROWS:
         results.append(run(row))

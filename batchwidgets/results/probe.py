@@ -232,6 +232,14 @@ class BatchSizeReport(TextForm):
     world_size: int = 1
     parallel: str | None = None
     parallel_plans: tuple[ParallelPlan, ...] = ()
+    # the wrapping a plan for N GPUs assumed (FSDP2's units: each block and the root by default,
+    # the job's own where the model came sharded), and why the per-rank order ddp <= zero1 <=
+    # zero2 <= zero3, zero2 <= fsdp does not hold among parallel_plans ("" where it holds)
+    wrapping: str = ""
+    parallel_order: str = ""
+    # which step's memory was measured, where it is not plainly the model's own: a compiled
+    # model's eager step, and why ("" for a model not compiled)
+    measured_step: str = ""
     # find_batch(..., cache=True) gave the answer it kept from an earlier identical call (see
     # NOTE [ Remembered answers ] in engine/probe/_remember.py): when and where that one ran.
     # Not compared: a remembered report equals the one measured.
@@ -371,8 +379,15 @@ class BatchSizeReport(TextForm):
         # one short line (the panel shows it beside its progress bar), then what it rests on
         said = "; ".join(part for part in (self._answer_line(), self.loop_line,
                                            "assumed " + ", ".join(self.assumed)
-                                           if self.assumed else "") if part)
+                                           if self.assumed else "", *self._parallel_lines())
+                         if part)
         return said if self.remembered is None else f"{said}; remembered, {self.remembered}"
+
+    def _parallel_lines(self) -> tuple[str, ...]:
+        """A plan for N GPUs: the wrapping it assumed, and why the strategies' order breaks."""
+        return (f"wrapping: {self.wrapping}" if self.wrapping else "",
+                f"order: {self.parallel_order}" if self.parallel_order else "",
+                f"measured {self.measured_step}" if self.measured_step else "")
 
     def _answer_line(self) -> str:
         if self.target is not None and self.parallel is not None:
@@ -405,6 +420,9 @@ class BatchSizeReport(TextForm):
             *([("ranks", f"{self.world_size} under {self.parallel}: global_batch_size "
                          f"{self.global_batch_size} (max_batch_size is per rank)")]
               if self.parallel else []),
+            *([("wrapping", self.wrapping)] if self.wrapping else []),
+            *([("order of strategies", self.parallel_order)] if self.parallel_order else []),
+            *([("measured", self.measured_step)] if self.measured_step else []),
             ("device", self.device),
             ("budget", _html.format_bytes(self.budget_bytes) if self.budget_bytes
              else "whole device"),

@@ -33,10 +33,12 @@ def _cpu_has_bf16() -> bool:
 def notes_on(owner: torch.nn.Module | None, device: torch.device, amp: str | None) -> list[str]:
     """What the user should know about what was probed, said in the report (and warned)."""
     notes = []
-    if owner is not None and hasattr(owner, "_orig_mod"):  # torch.compile's OptimizedModule
-        notes.append("The model is torch.compile'd: the probe ran it as compiled on this device, "
-                     "but a compiled step's memory can change after recompilation (new shapes): "
-                     "probe again at the size you train with.")
+    if owner is not None and (hasattr(owner, "_orig_mod")  # torch.compile's OptimizedModule
+                              or getattr(owner, "_compiled_call_impl", None) is not None):
+        notes.append("The model is torch.compile'd: find_batch measured its eager step "
+                     "(torch.compile's own buffers are not seen on the CPU, and compiling under "
+                     "the meter would stop it compiling for good); the compiled step often holds "
+                     "less: probe again on the GPU at the size you train with.")
     if amp == "bf16" and device.type == "cpu" and not _cpu_has_bf16():
         notes.append("amp='bf16' on a CPU without bf16 instructions (no avx512_bf16 or "
                      "amx_bf16): the memory is right, but each step runs several times slower "
@@ -80,7 +82,8 @@ def check_arguments(model: Any, make_batch: Any = None, *, said: Spelling = PYTH
 
 def check_sharded(owner: torch.nn.Module | None, device: torch.device) -> None:
     """A model sharded by fully_shard (FSDP2) is probed inside its job, on its shards' device."""
-    shards = [p for p in owner.parameters() if hasattr(p, "full_tensor")] if owner else []
+    shards = ([p for p in owner.parameters() if hasattr(p, "full_tensor")]
+              if owner is not None else [])  # not `if owner`: torch.compile's has no len()
     if not shards:
         return
     if not in_job():

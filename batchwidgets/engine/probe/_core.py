@@ -95,7 +95,7 @@ def _trainer(setup: ProbeSetup, meter: Any, home_state: TrainingState) -> Traine
     touches = _touches(setup)
     return Trainer(_step(setup, meter), meter, state, setup.steps_per_trial,
                    lambda: state_tensors(setup.owner, setup.optimizer) + touched_tensors(touches),
-                   Marks(owned, setup.optimizer), called="" if setup.model else "step")
+                   Marks(owned, setup.optimizer), called="" if setup.model is not None else "step")
 
 
 def _touches(setup: ProbeSetup) -> tuple:
@@ -119,7 +119,8 @@ def _fake_trainer(setup: ProbeSetup, meter: Any, rule: StateRule | None = None,
         return Trainer(FakeCellStep(cell, meter), meter, cell, setup.steps_per_trial,
                        cell.tensors, Marks(cell.marked(), None),
                        around=lambda: mode, fake=True)
-    world = (ShardedWorld(setup.model, setup.optimizer, mode, setup.mesh) if setup.mesh is not None
+    world = (ShardedWorld(setup.model, setup.optimizer, mode, setup.mesh,
+                          setup.units) if setup.mesh is not None
              else FakeWorld(setup.model, setup.optimizer, mode, rule))
     return Trainer(fake_step(world, setup.make, setup.loss_fn, setup.amp, meter,
                              keep_output=setup.keep_output), meter, world,

@@ -23,6 +23,23 @@ import torch
 # there) the plan takes the strategy's published rules instead (NOTE [ Per-rank memory by
 # strategy ] in _parallel.py) and says so.
 _FAKE_PG = "torch.testing._internal.distributed.fake_pg"
+# FSDP2's module that frees and reallocates its unsharded parameters, and the modules that call
+# those functions by the names they imported (NOTE [ FSDP2 frees by resizing storages ])
+_FSDP_PARAM = ("torch.distributed.fsdp._fully_shard._fsdp_param",
+               "torch.distributed._composable.fsdp._fsdp_param")
+_FSDP_CALLERS = ("_fsdp_param", "_fsdp_param_group")
+
+# NOTE [ FSDP2 frees by resizing storages ]
+# FSDP2 does not free a unit's unsharded parameters and all-gather output after it runs: it
+# keeps the tensors and resizes their storages to 0 bytes (_fsdp_param.free_storage), and back
+# to full size before the next all-gather (alloc_storage). A storage resize is no op of the
+# dispatcher, so the tracker and the simulated device, which see storages only as ops make and
+# return them, counted each unit's gathered weights from its first all-gather to the end of the
+# step: one FSDP2 rank held every unit's full weights at once, more than a ZeRO-2 rank (a
+# Llama-3-8B shape on 8xA100-80GB fitted 0 per rank, ZeRO-2 1). While a plan's fake group is up,
+# both functions (private to FSDP2, torch 2.4-2.13) also pass the tensor through aten.alias
+# after the resize: the modes see the storage at its new size, and count the bytes freed or
+# allocated there, as the CUDA caching allocator sees them.
 
 
 class FakeGroupUnavailable(RuntimeError):
@@ -63,6 +80,46 @@ def fake_group(world_size: int) -> Iterator[Any]:
     store = importlib.import_module(_FAKE_PG).FakeStore()
     torch.distributed.init_process_group("fake", store=store, rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        with resizes_seen():
+            yield init_device_mesh("cpu", (world_size,))
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _seen(resize: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    def resized(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().nbytes()
+        resize(tensor)
+        if tensor.untyped_storage().nbytes() != before:
+            torch.ops.aten.alias.default(tensor)  # the modes recount its storage
+    resized.seen = True  # type: ignore[attr-defined]
+    return resized
+
+
+@contextlib.contextmanager
+def resizes_seen() -> Iterator[None]:
+    """FSDP2's storage resizes seen by the dispatch modes (NOTE [ FSDP2 frees by resizing
+    storages ]); FSDP2's own functions put back afterwards."""
+    module = next((found for found in map(_module, _FSDP_PARAM) if found is not None), None)
+    if module is None or getattr(getattr(module, "free_storage", None), "seen", False):
+        yield
+        return
+    package = module.__name__.rpartition(".")[0]
+    callers = [found for found in (_module(f"{package}.{name}") for name in _FSDP_CALLERS)
+               if found is not None]
+    patched = [(caller, name, getattr(caller, name)) for caller in callers
+               for name in ("free_storage", "alloc_storage") if hasattr(caller, name)]
+    try:
+        for caller, name, original in patched:
+            setattr(caller, name, _seen(original))
+        yield
+    finally:
+        for caller, name, original in patched:
+            setattr(caller, name, original)
+
+
+def _module(path: str) -> Any:
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        return None

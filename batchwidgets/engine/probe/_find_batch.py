@@ -27,7 +27,7 @@ from ._nothing_fits import NoBatchSizeFits, already
 from ._options import FIND_BATCH
 from ._plan import plan
 from ._remember import remembered
-from ._setup import ProbeSetup, resolve
+from ._setup import ProbeSetup, eager_while_probed, resolve
 from ._trials import OnStep
 
 MakeBatch = (Callable[[int], Any] | torch.utils.data.Dataset | torch.utils.data.DataLoader
@@ -184,10 +184,12 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
     """
     options = FIND_BATCH.pick(locals())  # see probe/_options.py
     setup = resolve(model, make_batch, options)
-    try:
-        return remembered(setup, options,  # see NOTE [ Remembered answers ]
-                          lambda: _frontier(setup) if setup.seq_len is not None
-                          else _probe(setup))
+    try:  # a compiled model's eager step: NOTE [ A compiled model is probed in its eager step ]
+        with eager_while_probed(setup) as step:
+            report = remembered(setup, options,  # see NOTE [ Remembered answers ]
+                                lambda: _frontier(setup) if setup.seq_len is not None
+                                else _probe(setup))
+        return dataclasses.replace(report, measured_step=step) if step else report
     except Exception as error:
         if not is_said(error):
             raise

@@ -87,6 +87,35 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for lst in lists for b in lst] or list(model.children())
 
 
+# NOTE [ The wrapping a plan assumes ]
+# How a model is wrapped decides what FSDP2 gathers at once, so a plan says the wrapping it
+# assumed (report.wrapping). By default it is the one torchtitan (parallelize_llama) and Hugging
+# Face's FSDP2 plugin (accelerate's fsdp_auto_wrap_policy by the model's _no_split_modules) give
+# a transformer: fully_shard on each block (the modules of each ModuleList: model.layers,
+# transformer.h) and then on the root, which keeps the rest (embeddings, final norm, head). A
+# model already sharded by fully_shard is planned as the job wrapped it: its own units.
+def wrapping(model: torch.nn.Module, units: tuple[str, ...] = ()) -> str:
+    """The wrapping a plan of ``model`` assumes, in words (NOTE [ The wrapping a plan
+    assumes ]); ``units``: the names of the modules the user's own fully_shard wrapped."""
+    if units:
+        shown = ", ".join(name or "the root" for name in units[:3])
+        more = f" and {len(units) - 3} more" if len(units) > 3 else ""
+        return f"the job's own fully_shard units ({len(units)}: {shown}{more})"
+    names = {id(module): name for name, module in model.named_modules()}
+    lists = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module)]
+    if lists:
+        where = ", ".join(f"{name} ({len(module)} x {type(module[0]).__name__})"
+                          for name, module in lists[:2])
+        said = f"each block of {where}{' and more lists' if len(lists) > 2 else ''}"
+    else:
+        children = [names.get(id(child), "") for child in model.children()]
+        more = ", ..." if len(children) > 4 else ""
+        said = f"each top-level child ({', '.join(children[:4])}{more})"
+    return (f"fully_shard on {said} and on the root, as torchtitan and Hugging Face's FSDP2 "
+            f"plugin wrap; ZeRO-3 gathers each submodule's own weights")
+
+
 def shapes(model: torch.nn.Module) -> Shapes:
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -163,6 +192,53 @@ BUFFERS_KEY = -(10**15)  # the strategy's buffers in a rank's trace (no storage'
 # model's replay (a GPT-2 on 8xA100-80GB: ZeRO-1 41 against DDP's 42).
 HOLDS_AT_MOST = {"zero1": "ddp", "zero2": "zero1"}
 
+# NOTE [ The order of the strategies ]
+# Per rank, a stage that shards more holds less: ddp <= zero1 <= zero2 <= zero3 and
+# zero2 <= fsdp in the batch that fits. ZeRO-3 and FSDP2 buy their sharded weights with buffers
+# ZeRO-2 does not have (ZeRO-3: the submodule it gathers and a prefetch bucket; FSDP2: the
+# root's weights gathered from forward to backward, two blocks' at once, one unit's gradients
+# to reduce-scatter), so they hold less than a ZeRO-2 rank when those buffers are smaller than
+# the weights sharding takes off the rank ((N - 1)/N of them), at every op of the step. Then
+# ZeRO-3, whose trace is ZeRO-2's with less at every op, stands on ZeRO-2's plan where its own
+# replay says less (NOTE [ A stage holds at most the stage below ]). Where the buffers are the
+# larger (a model made mostly of one embedding, two ranks), the order cannot hold and the
+# report says why (report.parallel_order), with the bytes of each side.
+ORDER = (("ddp", "zero1"), ("zero1", "zero2"), ("zero2", "zero3"), ("zero2", "fsdp"))
+
+
+def _gathered_over_saved(name: str, world_size: int, model: Shapes) -> tuple[int, int]:
+    """The buffers ``name`` holds beyond ZeRO-2's, and the weights its sharding takes off a
+    rank (NOTE [ The order of the strategies ])."""
+    extra = _buffers(name, model) - _buffers("zero2", model)
+    return extra, model.weights_bytes - math.ceil(model.weights_bytes / world_size)
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+_GATHERS = {"zero3": "ZeRO-3 gathers each submodule's weights with a prefetch bucket",
+            "fsdp": "FSDP2 gathers the root's weights from forward to backward and two blocks' "
+                    "at once, and reduce-scatters a whole unit's gradients"}
+
+
+def parallel_order(found: dict[str, int], world_size: int, model: Shapes) -> str:
+    """Why the per-rank order does not hold, where it does not ("" where it holds: NOTE [ The
+    order of the strategies ])."""
+    said = []
+    for low, high in ORDER:
+        if found[high] >= found[low]:
+            continue
+        extra, saved = _gathered_over_saved(high, world_size, model)
+        reason = (f"{_GATHERS[high]} ({_gb(extra)} more than ZeRO-2's buffers), more than the "
+                  f"{_gb(saved)} of weights sharding takes off a rank of {world_size}"
+                  if high in _GATHERS and extra > saved else
+                  f"the allocator's replay of the two traces differs ({_gb(extra)} of buffers "
+                  f"against {_gb(saved)} of weights saved)" if high in _GATHERS else
+                  "the allocator's replay of the two traces differs")
+        said.append(f"{high} fits {found[high]} per rank, below {low}'s {found[low]}: {reason}")
+    return "; ".join(said)
+
 
 def rank_trace(trace: OpTrace, of: dict[str, float], buffers_bytes: int) -> OpTrace:
     """``trace`` on one rank: each storage at its kind's share ``of``, the strategy's buffers
@@ -201,10 +277,13 @@ Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]
 
 def plan_ranks(report: BatchSizeReport, model: torch.nn.Module, strategy: str, world_size: int,
                pair: Pair, plan: Callable[[Pair], BatchSizeReport],
-               traced: dict[str, BatchSizeReport]) -> BatchSizeReport:
+               traced: dict[str, BatchSizeReport], units: tuple[str, ...] = ()
+               ) -> BatchSizeReport:
     """The per-rank report under ``strategy`` ("compare": the one with the largest per-rank
-    batch), with every strategy's row. ``plan(pair)`` is the one-rank plan from a pair of
-    traces; ``traced`` has the strategies traced as they run (their reports per rank already)."""
+    batch), with every strategy's row, the wrapping assumed and why the order of the strategies
+    does not hold, where it does not. ``plan(pair)`` is the one-rank plan from a pair of
+    traces; ``traced`` has the strategies traced as they run (their reports per rank already);
+    ``units``: the user's own fully_shard units, where the model came sharded."""
     split = report.memory_split
     if split is None:
         raise RuntimeError("find_batch traced no memory split to plan ranks from; this is a bug "
@@ -219,15 +298,27 @@ def plan_ranks(report: BatchSizeReport, model: torch.nn.Module, strategy: str, w
         else:
             of, buffers = shares(name, world_size, model_shapes), _buffers(name, model_shapes)
             one = plan(tuple((rank_trace(trace, of, buffers), size) for trace, size in pair))
-        below = reports.get(HOLDS_AT_MOST.get(name, ""))
+        below = reports.get(_holds_at_most(name, world_size, model_shapes))
         if below is not None and below.max_batch_size > one.max_batch_size:
             one = below  # see NOTE [ A stage holds at most the stage below ]
         reports[name] = dataclasses.replace(one, memory_split=rank)
         rows.append(_row(name, world_size, one.max_batch_size, rank, model_shapes))
     chosen = strategy if strategy != "compare" else max(
         STRATEGIES, key=lambda name: (reports[name].max_batch_size, -STRATEGIES.index(name)))
+    order = parallel_order({name: found.max_batch_size for name, found in reports.items()},
+                           world_size, model_shapes)
     return dataclasses.replace(reports[chosen], parallel=chosen, world_size=world_size,
-                               parallel_plans=tuple(rows))
+                               parallel_plans=tuple(rows), parallel_order=order,
+                               wrapping=wrapping(model, units))
+
+
+def _holds_at_most(name: str, world_size: int, model: Shapes) -> str:
+    """The strategy whose rank holds at least what a rank of ``name`` holds at every op of the
+    same trace, if any (NOTE [ The order of the strategies ]): FSDP2's own trace is not one."""
+    if name == "zero3":
+        extra, saved = _gathered_over_saved(name, world_size, model)
+        return "zero2" if extra <= saved else ""
+    return HOLDS_AT_MOST.get(name, "")
 
 
 def _row(name: str, world_size: int, found: int, rank: MemorySplit,

@@ -199,7 +199,8 @@ def _ranks_planned(setup: ProbeSetup, report: BatchSizeReport,
                                                         f"published rules: {why_not}.")
     name, usable = setup.target
     return plan_ranks(report, setup.model, setup.parallel, setup.world_size, search._event_pair(),
-                      lambda pair: planned(report, search, name, usable, pair), traced)
+                      lambda pair: planned(report, search, name, usable, pair), traced,
+                      setup.units)
 
 
 def _fsdp_traced(setup: ProbeSetup) -> tuple[BatchSizeReport | None, str]:

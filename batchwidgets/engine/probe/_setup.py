@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from ._checks import (
     check_sharded_plan,
     notes_on,
 )
+from ._sharded import sharded_units
 from ._trials import OnStep
 
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
@@ -70,6 +72,10 @@ class ProbeSetup:
     keep_output: bool  # the loop modelled (NOTE [ The loop the step models ] in _trials.py)
     assumed: tuple[str, ...]  # what the call left out and the probe assumed, for the report
     mesh: Any = None  # a fake mesh: the trials run one FSDP2 rank (NOTE [ One FSDP2 rank, traced ])
+    # the modules the user's own fully_shard wrapped, by name ("" the root), where the model came
+    # sharded: a plan for N GPUs wraps its meta replica the same (NOTE [ The wrapping a plan
+    # assumes ] in _parallel.py)
+    units: tuple[str, ...] = ()
 
     @property
     def extras(self) -> tuple[Any, Any]:
@@ -172,12 +178,14 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
     budget_bytes = memory.parse_bytes(options["budget"], "budget")
     resolved = _device(owner, options["device"])
     count, gpu = memory.parse_gpus(target) if target is not None else (1, None)
+    units: tuple[str, ...] = ()
     parallel, world_size = check_parallel(options["parallel"], target, count, is_module)
     planned = _target(gpu, budget_bytes) if target is not None else None
     if planned is None:
         check_sharded(owner, resolved)
     elif is_module and is_sharded(list(model.parameters())):  # a plan inside an FSDP2 job
         check_sharded_plan(trace)
+        units = sharded_units(model)
         model, optimizer = meta_replica(model, optimizer)
         owner = model
         if parallel is None:  # as the job runs: FSDP2 over its ranks, or the target's count
@@ -211,7 +219,43 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
         trace=trace, fake_first=fake_first, start=start, ceiling=ceiling,
         headroom=float(options["headroom"]),
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None,
-        notes=tuple(notes), assumed=assumed, **{name: options[name] for name in _AS_GIVEN})
+        notes=tuple(notes), assumed=assumed, units=units,
+        **{name: options[name] for name in _AS_GIVEN})
+
+
+# NOTE [ A compiled model is probed in its eager step ]
+# find_batch meters a step through dispatch modes (the tensor tracker, the simulated device, the
+# fake mode). Under any of them torch.compile does not compile: Dynamo skips the frame ("non-infra
+# torch dispatch mode present") and marks the forward's code to be skipped from then on, so a
+# compiled model probed as it is trained eagerly afterwards, for good (torch 2.13). Where Dynamo
+# has compiled code already, that code runs under the modes instead, and its kernels allocate
+# their buffers outside the dispatcher (inductor's empty_strided_cpu), which no mode sees. So
+# while a compiled model (torch.compile(module), module.compile()) is probed, torch.compile's
+# stance is "force_eager" (torch >= 2.6): the step run and measured is the eager one, Dynamo
+# caches nothing, and the model compiles as before afterwards. The report says so
+# (report.measured_step): the eager step's memory bounds the compiled one's from above where
+# inductor fuses and frees activations, and a real step on the GPU, where the allocator sees
+# every buffer, is what measures the compiled step itself.
+def compiled(model: Any) -> bool:
+    """torch.compile's OptimizedModule, or a module whose .compile() was called."""
+    return isinstance(model, torch.nn.Module) and (
+        hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None)
+
+
+EAGER_STEP = ("the eager step: torch.compile's own buffers are not seen on the CPU (its "
+              "kernels allocate outside the dispatcher); probe again on the GPU")
+
+
+@contextlib.contextmanager
+def eager_while_probed(setup: ProbeSetup) -> Iterator[str]:
+    """The probe of a compiled model runs its eager step (NOTE [ A compiled model is probed in
+    its eager step ]); yields what the report says was measured ("" for a model not compiled)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    if not compiled(setup.owner) or stance is None:
+        yield "" if not compiled(setup.owner) else "the step as torch.compile ran it"
+        return
+    with stance("force_eager"):
+        yield EAGER_STEP
 
 
 _AS_GIVEN = ("loss_fn", "scaler", "scheduler", "amp", "multiple_of", "max_batch_size",

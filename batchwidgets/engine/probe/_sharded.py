@@ -49,13 +49,23 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def shard_copy(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-    """``model``'s meta copy under ``fully_shard`` per block and at the root (still on meta)."""
+def sharded_units(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names of the modules fully_shard wrapped in ``model`` ("" the root), in module
+    order: fully_shard makes each one's class FSDP<Class>(FSDPModule, Class)."""
+    return tuple(name for name, module in model.named_modules()
+                 if any(base.__name__ == "FSDPModule" for base in type(module).__mro__))
+
+
+def shard_copy(model: torch.nn.Module, mesh: Any, units: tuple[str, ...] = ()) -> torch.nn.Module:
+    """``model``'s meta copy under ``fully_shard`` per block and at the root (still on meta);
+    ``units``: the modules to wrap instead, by name (the user's own wrapping), deepest first."""
     fully_shard = fully_shard_function()
     sharded = _meta_copy(model)
-    units = blocks(sharded)
+    named = dict(sharded.named_modules())
+    wrapped = ([named[name] for name in sorted(units, key=lambda n: -n.count(".") - bool(n))
+                if name in named and name] if units else blocks(sharded))
     try:
-        for unit in units:
+        for unit in wrapped:
             if any(True for _ in unit.parameters()):
                 fully_shard(unit, mesh=mesh)
         fully_shard(sharded, mesh=mesh)
@@ -73,8 +83,8 @@ class ShardedWorld:
     model and optimizer over fake tensors, each trial from an empty optimizer state."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 mode: FakeTensorMode, mesh: Any) -> None:
-        sharded = shard_copy(model, mesh)
+                 mode: FakeTensorMode, mesh: Any, units: tuple[str, ...] = ()) -> None:
+        sharded = shard_copy(model, mesh, units)
         self.mode = mode
         names = {id(p): name for name, p in model.named_parameters()}
         with mode:

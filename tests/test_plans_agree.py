@@ -1,0 +1,100 @@
+"""Plans for N GPUs agree with each other: for one model and target, a rank that shards more
+fits at least the batch of one that shards less (ddp <= zero1 <= zero2 <= zero3, zero2 <=
+fsdp), or the report says why not (report.parallel_order); one FSDP2 rank, traced, frees each
+block's gathered weights after the block (FSDP2 frees by resizing storages); and every plan says
+the wrapping it assumed (report.wrapping)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import batchwidgets as bw
+
+ORDER = (("ddp", "zero1"), ("zero1", "zero2"), ("zero2", "zero3"), ("zero2", "fsdp"))
+
+
+def llama(hidden: int, layers: int, intermediate: int, vocab: int) -> nn.Module:
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
+                                      num_hidden_layers=layers, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=vocab,
+                                      max_position_embeddings=64)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def tokens(vocab: int, length: int):
+    def make_batch(batch_size: int) -> dict:
+        ids = torch.randint(0, vocab, (batch_size, length))
+        return {"input_ids": ids, "labels": ids}
+    return make_batch
+
+
+def per_rank(report: bw.BatchSizeReport) -> dict[str, int]:
+    return {row.parallel: row.max_batch_size for row in report.parallel_plans}
+
+
+def test_a_llama_shaped_plan_keeps_the_order_of_every_strategy_and_says_its_wrapping():
+    report = bw.find_batch(llama(512, 2, 1408, 1024), tokens(1024, 16), target="8x512MiB",
+                           parallel="compare", cache=False)
+    found = per_rank(report)
+    assert set(found) == {"ddp", "zero1", "zero2", "zero3", "fsdp"}
+    assert found["ddp"] > 0
+    for low, high in ORDER:
+        assert found[low] <= found[high], (low, high, found)
+    assert found["fsdp"] > found["zero2"]  # its weights sharded, each block gathered alone
+    assert report.parallel_order == ""
+    assert "model.layers (2 x LlamaDecoderLayer)" in report.wrapping
+    assert "the root" in report.wrapping
+    assert f"wrapping: {report.wrapping}" in report.summary()
+
+
+def test_one_fsdp2_rank_never_holds_every_blocks_gathered_weights():
+    # FSDP2 frees a block's unsharded weights by resizing their storage to 0 bytes, which no
+    # dispatch mode sees: a rank counted every block's weights from its first all-gather on
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(16)])  # 268 MB of fp32
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    report = bw.find_batch(model, torch.zeros(2048), target="8x2GiB", parallel="fsdp",
+                           max_batch_size=2**16, cache=False)
+    assert "One FSDP2 rank of 8 traced" in report.method
+    # a rank: weights, gradients and AdamW's two states at 1/8, and a few blocks gathered
+    assert report.predict_peak_bytes(1) < weights
+    found = per_rank(report)
+    assert found["fsdp"] >= found["zero2"]
+
+
+def test_where_the_buffers_outweigh_the_sharding_the_report_says_why():
+    # most of this model is its embedding and head: on 2 ranks, ZeRO-3's gathers and FSDP2's
+    # root (gathered from forward to backward) hold more than sharding takes off a rank
+    report = bw.find_batch(llama(256, 1, 704, 32_000), tokens(32_000, 16), target="2x1GiB",
+                           parallel="compare", cache=False)
+    found = per_rank(report)
+    broken = [(low, high) for low, high in ORDER if found[high] < found[low]]
+    assert broken
+    for low, high in broken:
+        assert (f"{high} fits {found[high]} per rank, below {low}'s {found[low]}"
+                in report.parallel_order)
+    assert "more than the" in report.parallel_order
+    assert f"order: {report.parallel_order}" in report.summary()
+    assert len(report.summary()) <= 1500
+
+
+@pytest.mark.slow
+def test_a_llama_3_8b_shape_on_8xa100_keeps_the_order():
+    # the issue's plan: full fine-tuning in fp32 AdamW, 2,048 tokens; zero2 fitted 1, zero3 2,
+    # fsdp 0 (a rank counted all 32 GB of gathered weights)
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14_336,
+                                      num_hidden_layers=32, num_attention_heads=32,
+                                      num_key_value_heads=8, vocab_size=128_256)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    report = bw.find_batch(model, tokens(128_256, 2048), target="8xA100-80GB",
+                           parallel="compare", cache=False)
+    found = per_rank(report)
+    for low, high in ORDER:
+        assert found[low] <= found[high], (low, high, found)
+    assert found["fsdp"] >= 1
+    assert report.parallel_order == ""
