@@ -60,7 +60,7 @@ WORKER = textwrap.dedent("""
         if probe:
             try:
                 report = bw.find_batch(model, make_batch, loss_fn=nn.functional.cross_entropy,
-                                       optimizer=optimizer, budget="1GiB", max_batch_size=16,
+                                       optimizer=optimizer, budget="1GiB", max_batch_size=16, start=8,
                                        trace="real", cache=False)
                 outcome["answer"] = report.max_batch_size
             except Exception as error:
