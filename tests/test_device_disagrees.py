@@ -69,11 +69,12 @@ def test_the_private_members_the_state_guard_resets_exist_on_the_pinned_torch():
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     reducer = torch._C._distributed_c10d.Reducer
-    assert hasattr(reducer, "_reset_state") and hasattr(reducer, "_check_reducer_finalized")
-    assert hasattr(FSDPModule, "reset_iter_state") and hasattr(FSDPModule, "reshard")
-    assert callable(FSDPParamGroup.unshard) and callable(FSDPParamGroup.post_backward)
+    for owner, name in ((reducer, "_reset_state"), (reducer, "_check_reducer_finalized"),
+                        (FSDPModule, "reset_iter_state"), (FSDPModule, "reshard"),
+                        (FSDPParamGroup, "unshard"), (FSDPParamGroup, "post_backward")):
+        assert callable(getattr(owner, name, None)), name
     assert "_fsdp_param_groups" in FSDPState().__dict__
     assert "unsharded_accumulated_grad" in FSDPParam.__annotations__
     assert "_unsharded_param" in FSDPParam.__annotations__
     ddp = torch.nn.parallel.DistributedDataParallel
-    assert ddp.no_sync is not None and "require_forward_param_sync" in ddp.__init__.__code__.co_names
+    assert "require_forward_param_sync" in ddp.__init__.__code__.co_names

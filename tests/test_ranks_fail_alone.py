@@ -60,8 +60,8 @@ WORKER = textwrap.dedent("""
         if probe:
             try:
                 report = bw.find_batch(model, make_batch, loss_fn=nn.functional.cross_entropy,
-                                       optimizer=optimizer, budget="1GiB", max_batch_size=16, start=8,
-                                       trace="real", cache=False)
+                                       optimizer=optimizer, budget="1GiB", max_batch_size=16,
+                                       start=8, trace="real", cache=False)
                 outcome["answer"] = report.max_batch_size
             except Exception as error:
                 outcome["raised"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
