@@ -175,7 +175,7 @@ def test_no_module_is_over_the_line_ceiling_unless_it_says_why():
 # -- the engine's rooms (issue 22) ---------------------------------------------------------------
 
 SHARED = {"_util", "_types", "_batches", "_called", "_state", "_background", "_own_steps",
-          "_grads", "_unsharded", "_options", "_fingerprint", "_cache"}
+          "_grads", "_unsharded", "_options", "_fingerprint", "_cache", "_machinery"}
 # What each room may import besides itself and the shared modules; another room only through
 # its package (``from ..memory import replay``), never one of its private modules.
 MAY_IMPORT = {"memory": set(), "probe": {"memory"}, "accumulate": {"noise"}, "noise": set(),

@@ -117,6 +117,12 @@ def test_the_dry_run_writes_every_section_on_the_cpu(tmp_path):
     for r in bounds:
         assert plans[(r["model"], r["cap"], r["loop"])] == r["boundary"], r
     assert (tmp_path / "gpu_truth_dry_run.md").read_text().startswith("# GPU truth")
+    # a one-rank DDP and FSDP2 job whose device runs out mid-backward trains afterwards exactly
+    # as one that never met find_batch, and the answer is the device's edge
+    forced = [r for r in data["records"] if r["model"] == gpu_truth.FORCED]
+    assert sorted(r["form"] for r in forced) == ["DDP", "FSDP2"]
+    assert all(r["trains_as_if_never_probed"] for r in forced), forced
+    assert all(r["max_batch_size"] == r["device_edge"] for r in forced), forced
 
 
 def test_a_capped_gpu_target_takes_that_gpus_rules_and_the_cap():

@@ -21,6 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ._background import rng_is_private
+from ._machinery import Machinery
 
 # NOTE [ Restoring under Ctrl-C ]
 # A restore is many small writes (weights, grads, optimizer state and param_groups, RNGs, flags).
@@ -461,6 +462,8 @@ class TrainingState:
         if model is None and optimizer is not None:  # a bare step: it trains these parameters
             model = trained
         self.model = ModelState(model, weights) if model is not None else None
+        # DDP's reducer, FSDP2's units: reset before the tensors come back (engine/_machinery.py)
+        self.machinery = Machinery(model)
         # what the step changes outside the model: parameters the optimizer trains beside it
         # (a learned temperature), a loss module's weights and the gradients they accumulate
         own = ({id(p) for p in model.parameters()} if isinstance(model, torch.nn.Module)
@@ -495,7 +498,7 @@ class TrainingState:
     @_uninterruptible
     def restore(self) -> None:
         """Every part, whatever an earlier one raised (see NOTE [ Restoring under Ctrl-C ])."""
-        steps: list[Callable[[], Any]] = []
+        steps: list[Callable[[], Any]] = [self.machinery.reset]
         if self.model is not None:
             steps.append(self.model.restore)
         steps += [other.restore for other in self.others]
@@ -503,5 +506,6 @@ class TrainingState:
         steps += [functools.partial(_load_state_dict, obj, saved) for obj, saved in self.extras]
         steps += [functools.partial(setattr, scaler, "_per_optimizer_states",
                                     copy.deepcopy(stages)) for scaler, stages in self.scaler_stages]
-        steps += [self.rng.restore, functools.partial(_set_backend_flags, self.flags)]
+        steps += [self.machinery.restore, self.rng.restore,
+                  functools.partial(_set_backend_flags, self.flags)]
         restore_all(*steps)

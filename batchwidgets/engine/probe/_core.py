@@ -25,7 +25,7 @@ from ._fake import FakeWorld, fake_mode, fake_step
 from ._loop import Search
 from ._nothing_fits import NoBatchSizeFits
 from ._optimizer_shapes import StateRule
-from ._ranks import agree_limit, in_job
+from ._ranks import agree_limit, checkpoints_in, in_job
 from ._setup import ProbeSetup
 from ._sharded import ShardedWorld
 from ._trials import (
@@ -95,7 +95,8 @@ def _trainer(setup: ProbeSetup, meter: Any, home_state: TrainingState) -> Traine
     touches = _touches(setup)
     return Trainer(_step(setup, meter), meter, state, setup.steps_per_trial,
                    lambda: state_tensors(setup.owner, setup.optimizer) + touched_tensors(touches),
-                   Marks(owned, setup.optimizer), called="" if setup.model is not None else "step")
+                   Marks(owned, setup.optimizer), functools.partial(checkpoints_in, setup.owner),
+                   called="" if setup.model is not None else "step")
 
 
 def _touches(setup: ProbeSetup) -> tuple:

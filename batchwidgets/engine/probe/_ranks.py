@@ -13,6 +13,7 @@ import torch
 
 from ...results import Attempt
 from .._util import first_line
+from ..memory import is_oom
 
 # NOTE [ One verdict per size, errors included ]
 # After each size every rank joins one all_reduce (MIN) of its verdict: fits, minus its peaks
@@ -166,15 +167,18 @@ def _broken_collective(error: BaseException) -> bool:
 def made_on_every_rank(make: Callable[[], Any], in_a_job: bool) -> Any:
     """``make()`` (a trial's batch); ``in_a_job`` (a real step in a job), then a verdict of
     every rank's: an error making one rank's batch raises on every rank before any of them
-    enters the step's collectives."""
+    enters the step's collectives; a device that ran out making it, out of memory on every
+    rank (NOTE [ A rank that runs out alone ])."""
     if not in_a_job:
         return make()
     try:
         made = make()
     except Exception as error:
+        if ran_out_alone(error):
+            raise
         share_error(error)
         raise
-    _raise_if_failed(_verdict([0.0] * 5, torch.distributed.get_world_size())[-1])
+    checkpoint()
     return made
 
 
@@ -245,3 +249,128 @@ def agree_limit(limit_bytes: int | None) -> int | None:
             "size by collectives), but the other ranks did not join within the process "
             "group's timeout; call find_batch on every rank, with the same arguments.") from error
     return None if value.item() == float("inf") else int(value.item())
+
+
+# NOTE [ A rank that runs out alone ]
+# A real device runs out where the probe's meter saw room, and inside a job it may run out on one
+# rank only. That rank leaves its step at the op that failed, while the others go on to the step's
+# next collective (DDP's all-reduce of a bucket, FSDP2's next all-gather or reduce-scatter): the
+# rank that left then joined find_batch's verdict instead, and gloo aborted the job ("Received
+# data size doesn't match expected size"), or NCCL hung until its timeout. So, as Composer's
+# auto micro-batching does, the ranks agree on "did anyone run out" before each collective a
+# failure could strand, and at the end of each step (``checkpoint``: one all-reduce of the
+# verdict's shape, so it also meets a rank that shares an error). The rank that ran out joins
+# the checkpoint the others wait at (``ran_out_alone``) and leaves; every other rank learns it
+# there, raises ``OutOfMemoryElsewhere`` (an out-of-memory error) before that collective, and
+# leaves too. Every rank's trial is then out of memory at that size, every rank's state guard
+# resets its wrappers (engine/_machinery.py), and the verdict after the trial meets them all.
+# The checkpoints: making the batch (above); under DDP the trial's forward and backward run
+# under ``no_sync()``, so the reducer starts no collective, and after backward a checkpoint, then
+# the gradients are all-reduced as DDP would (in place, each once: the same memory, DDP's buckets
+# counted as before, NOTE [ What a wrapper holds outside every op ] in _trials.py; the user's
+# comm hook is not run); under FSDP2 before each unit's all-gather and reduce-scatter (its
+# ``FSDPParamGroup.unshard`` and ``post_backward``, private, wrapped on the instance for the
+# trial only); after every step. A step of the user's own (``step=``, a cell) gets the end of
+# step's: one that runs DDP's reducer itself cannot be met inside it. A device that runs out
+# inside a collective's own buffer, on one rank, is not met either (it left before the
+# collective the others entered). With one rank there is no one to wait: nothing is added.
+_DECLARED = "_batchwidgets_told_every_rank"
+
+
+class OutOfMemoryElsewhere(torch.OutOfMemoryError):
+    """Another rank's device ran out of memory inside the step (NOTE [ A rank that runs out
+    alone ]): this rank leaves the step there too."""
+
+
+def _with_others() -> bool:
+    return in_job() and torch.distributed.get_world_size() > 1
+
+
+def checkpoint(ran_out: bool = False) -> None:
+    """Every rank's "did anyone run out": raises ``OutOfMemoryElsewhere`` when another rank's
+    device did, RankFailed when another rank met an error (NOTE [ A rank that runs out
+    alone ])."""
+    world = torch.distributed.get_world_size()
+    result = _verdict([-1.0 if ran_out else 0.0, 0.0, 0.0, 0.0, 0.0], world)
+    _raise_if_failed(result[-1])
+    if result[0] < 0 and not ran_out:
+        raise OutOfMemoryElsewhere("out of memory on another rank (its device ran out inside "
+                                   "the step; every rank left it there)")
+
+
+def ran_out_alone(error: BaseException) -> bool:
+    """Whether ``error`` is this rank's device running out inside a step of a job; if so, every
+    other rank is told at the checkpoint it waits at (once per error)."""
+    if (not _with_others() or isinstance(error, OutOfMemoryElsewhere)
+            or getattr(error, _DECLARED, False) or not is_oom(error)):
+        return False
+    setattr(error, _DECLARED, True)
+    checkpoint(ran_out=True)
+    return True
+
+
+def end_of_step() -> None:
+    """A step ended on this rank: the checkpoint after it (NOTE [ A rank that runs out alone ])."""
+    if _with_others():
+        checkpoint()
+
+
+def _ddp(model: Any) -> Any:
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return model if isinstance(model, ddp) and _with_others() else None
+
+
+@contextlib.contextmanager
+def no_reducer(model: Any) -> Iterator[None]:
+    """The trial's forward and backward under DDP's ``no_sync()`` in a job of several ranks
+    (NOTE [ A rank that runs out alone ]); else as they are."""
+    ddp = _ddp(model)
+    with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
+        yield
+
+
+def after_backward(model: Any) -> None:
+    """Backward ended: the checkpoint, then DDP's gradient all-reduce, in place (NOTE [ A rank
+    that runs out alone ])."""
+    ddp = _ddp(model)
+    if ddp is None:
+        return
+    checkpoint()
+    group = getattr(ddp, "process_group", None)
+    grads = [p.grad for p in ddp.parameters() if p.grad is not None]
+    works = [torch.distributed.all_reduce(g, group=group, async_op=True) for g in grads]
+    for work in works:
+        work.wait()
+    size = torch.distributed.get_world_size(group)
+    for grad in grads:
+        grad.div_(size)
+
+
+def _checkpointed(method: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        checkpoint()
+        return method(*args, **kwargs)
+    return run
+
+
+_FSDP_COLLECTIVES = ("unshard", "post_backward")
+
+
+@contextlib.contextmanager
+def checkpoints_in(model: Any) -> Iterator[None]:
+    """For a trial: FSDP2's units in ``model`` agree before each all-gather and reduce-scatter
+    in a job of several ranks (NOTE [ A rank that runs out alone ])."""
+    groups = []
+    if isinstance(model, torch.nn.Module) and _with_others():
+        for module in model.modules():
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            groups += list(getattr(state, "_fsdp_param_groups", None) or ())
+    for group in groups:
+        for name in _FSDP_COLLECTIVES:
+            setattr(group, name, _checkpointed(getattr(group, name)))
+    try:
+        yield
+    finally:
+        for group in groups:
+            for name in _FSDP_COLLECTIVES:
+                group.__dict__.pop(name, None)

@@ -19,7 +19,7 @@ from .._state import TrainingState, optimizers_within
 from .._util import first_line, to_device
 from ..memory import Reading
 from ._checks import AMP_DTYPES
-from ._ranks import made_on_every_rank
+from ._ranks import after_backward, end_of_step, made_on_every_rank, no_reducer, ran_out_alone
 
 OnStep = Callable[[Attempt], None]
 
@@ -143,11 +143,18 @@ class Trainer:
                 self.meter.start_step()
                 self.meter.synchronize()
                 started = time.perf_counter()
-                with (calling(lambda: f"{self.called}({batch_size})") if self.called
-                      else nullcontext()):
-                    self.step(batch_size)
+                try:
+                    with (calling(lambda: f"{self.called}({batch_size})") if self.called
+                          else nullcontext()):
+                        self.step(batch_size)
+                except BaseException as error:  # NOTE [ A rank that runs out alone ]
+                    if in_job:
+                        ran_out_alone(error)
+                    raise
                 self.meter.synchronize()
                 seconds = time.perf_counter() - started
+                if in_job:
+                    end_of_step()
                 self.marks.after_step(self.meter)
                 if self.meter.live_bytes() == before and not in_job:
                     break  # see NOTE [ A second step only when the first left state behind ]
@@ -257,18 +264,24 @@ class ModelStep:
             batch = made_on_every_rank(lambda: to_device(self.make(batch_size), self.device),
                                        meter.defer_budget)  # real steps in a job
         self.batch = batch if self.keep_output else None
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-            output, loss, self.loss_from = forward(model, batch, self.loss_fn, call=self.call)
-        self.held = None  # `outputs` and `loss` rebound once the forward has returned
-        if self.keep_output:
-            self.held = (output, loss)
-            meter.hold((batch, output, loss))
-        del batch, output
-        what = f"loss.backward() on {describe(loss)} from {self.loss_from}"
-        hint = scalar_hint(loss)
-        with calling(lambda: what, lambda error: hint):
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        del loss
+        # in a job, DDP's reducer waits: NOTE [ A rank that runs out alone ] in _ranks.py
+        with no_reducer(model if meter.defer_budget else None):
+            with torch.autocast(self.device.type, dtype=self.dtype,
+                                enabled=self.dtype is not None):
+                output, loss, self.loss_from = forward(model, batch, self.loss_fn,
+                                                       call=self.call)
+            self.held = None  # `outputs` and `loss` rebound once the forward has returned
+            if self.keep_output:
+                self.held = (output, loss)
+                meter.hold((batch, output, loss))
+            del batch, output
+            what = f"loss.backward() on {describe(loss)} from {self.loss_from}"
+            hint = scalar_hint(loss)
+            with calling(lambda: what, lambda error: hint):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            del loss
+        if meter.defer_budget:
+            after_backward(model)
         meter.end_forward_backward()  # see NOTE [ Two phases ] in memory/_meters.py
         with calling(lambda: f"optimizer.step() ({type(optimizer).__name__})"):
             if scaler is not None:
