@@ -117,10 +117,10 @@ def test_the_advice_names_only_what_the_model_and_the_call_are_not_already(case)
 
 def test_a_target_capped_in_gib_is_said_in_gib_in_sentences_that_parse():
     with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(16)])  # 268M parameters
+        model = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(4)])  # 268M parameters
     with pytest.raises(bw.NoBatchSizeFits) as info:
-        bw.find_batch(model, lambda n: (torch.randn(n, 2**16, 4096),  # 1 GiB a layer
-                                        torch.randn(n, 2**16, 4096)),
+        bw.find_batch(model, lambda n: (torch.randn(n, 2**15, 8192),  # 1 GiB a layer
+                                        torch.randn(n, 2**15, 8192)),
                       loss_fn=nn.functional.mse_loss, target="H100-80GB@8GiB")
     message = str(info.value)
     assert "8.0 GiB usable" in message
