@@ -185,9 +185,9 @@ def _nothing_fits_here(report: BatchSizeReport, call: Already | None) -> str:
     alone = ("; batch_size=1 cannot train this model (BatchNorm needs more than one value "
              "per channel)" if len(ran_out) < len(real) else "")
     binary = binary_units(report.budget_bytes)
-    limit = report.budget_bytes or report.limit_bytes
+    limit = report.budget_bytes  # the device's own limit is not known here as the user's
     budget = (f"a budget of {sized(report.budget_bytes, binary)}" if report.budget_bytes
-              else "the whole device" + (f" ({sized(limit, binary)})" if limit else ""))
+              else "the whole device")
     peak = (f" (peak {sized(smallest.peak_memory_bytes, binary)} or more)"
             if smallest.peak_memory_bytes else "")
     call = call or Already(half=False, amp=report.amp, checkpointing=False, trained_share=1.0,
