@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +69,11 @@ def already(setup: Any) -> Already:
 def checkpoints(model: torch.nn.Module) -> bool:
     """The model recomputes activations already: Hugging Face's flag, a block's forward through
     torch.utils.checkpoint, or a CheckpointWrapper."""
-    if getattr(model, "is_gradient_checkpointing", False):
-        return True
+    with warnings.catch_warnings():  # transformers 5 renamed it, and warns on the old name
+        warnings.simplefilter("ignore")
+        if (getattr(model, "is_activation_checkpointing", False)
+                or getattr(model, "is_gradient_checkpointing", False)):
+            return True
     for module in model.modules():
         forward = module.__dict__.get("forward")
         if (isinstance(forward, functools.partial)
