@@ -115,19 +115,18 @@ def test_the_advice_names_only_what_the_model_and_the_call_are_not_already(case)
     assert ", or " not in try_line
 
 
-def test_a_target_capped_in_gib_is_said_in_gib_in_sentences_that_parse():
+def test_a_target_capped_in_mib_is_said_in_mib_in_sentences_that_parse():
     with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(16)])  # 268M parameters
-    with pytest.raises(bw.NoBatchSizeFits) as info:
-        bw.find_batch(model, lambda n: (torch.randn(n, 2**16, 4096),  # 1 GiB a layer
-                                        torch.randn(n, 2**16, 4096)),
-                      loss_fn=nn.functional.mse_loss, target="H100-80GB@8GiB")
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])  # 16 MiB of weights
+    with pytest.raises(bw.NoBatchSizeFits) as info:  # 32 MiB a layer for one sample
+        bw.find_batch(model, lambda n: (torch.randn(n, 8192, 1024), torch.randn(n, 8192, 1024)),
+                      loss_fn=nn.functional.mse_loss, target="T4@256MiB")
     message = str(info.value)
-    assert "8.0 GiB usable" in message
-    assert not re.search(r"\d GB\b", message), message  # the cap was given in GiB
-    assert "states alone" not in message  # 4 GiB fit in 8
-    assert re.search(r"the model's states \(weights 1\.0 GiB, [^)]*\) take [\d.]+ GiB of the "
-                     r"8\.0 GiB usable, and one sample's step needs more than the [\d.]+ GiB "
+    assert "256.0 MiB usable" in message
+    assert not re.search(r"\d (GB|MB|KB)\b", message), message  # the cap was given in MiB
+    assert "states alone" not in message  # 64 MiB fit in 256
+    assert re.search(r"the model's states \(weights 16\.0 MiB, [^)]*\) take [\d.]+ MiB of the "
+                     r"256\.0 MiB usable, and one sample's step needs more than the [\d.]+ MiB "
                      r"left beside them", message), message
     assert "leave, of" not in message
     assert MICRO not in message  # batch size 1 did not fit: no smaller one

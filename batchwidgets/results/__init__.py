@@ -4,6 +4,8 @@ One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``; ``mem
 ``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back), ``accumulate``,
 ``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``critical``, ``loader``,
 ``live_loader``, ``schedule`` and ``split`` (what fit_trainer set); every name is re-exported here.
+``_text`` writes every report's text form and every result's short repr (``_probe_text``: the
+probe report's fitted line and folded what-if rows).
 
 Usage:
     >>> from batchwidgets.results import Attempt, BatchSizeReport

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +69,11 @@ def already(setup: Any) -> Already:
 def checkpoints(model: torch.nn.Module) -> bool:
     """The model recomputes activations already: Hugging Face's flag, a block's forward through
     torch.utils.checkpoint, or a CheckpointWrapper."""
-    if getattr(model, "is_gradient_checkpointing", False):
-        return True
+    with warnings.catch_warnings():  # transformers 5 renamed it, and warns on the old name
+        warnings.simplefilter("ignore")
+        if (getattr(model, "is_activation_checkpointing", False)
+                or getattr(model, "is_gradient_checkpointing", False)):
+            return True
     for module in model.modules():
         forward = module.__dict__.get("forward")
         if (isinstance(forward, functools.partial)
@@ -185,9 +189,9 @@ def _nothing_fits_here(report: BatchSizeReport, call: Already | None) -> str:
     alone = ("; batch_size=1 cannot train this model (BatchNorm needs more than one value "
              "per channel)" if len(ran_out) < len(real) else "")
     binary = binary_units(report.budget_bytes)
-    limit = report.budget_bytes or report.limit_bytes
+    limit = report.budget_bytes  # the device's own limit is not known here as the user's
     budget = (f"a budget of {sized(report.budget_bytes, binary)}" if report.budget_bytes
-              else "the whole device" + (f" ({sized(limit, binary)})" if limit else ""))
+              else "the whole device")
     peak = (f" (peak {sized(smallest.peak_memory_bytes, binary)} or more)"
             if smallest.peak_memory_bytes else "")
     call = call or Already(half=False, amp=report.amp, checkpointing=False, trained_share=1.0,
