@@ -137,3 +137,11 @@ def _module(path: str) -> Any:
         return importlib.import_module(path)
     except ImportError:
         return None
+
+
+def resizes_seen_in_job() -> contextlib.AbstractContextManager:
+    """``resizes_seen()`` inside a job (an FSDP2 model's real steps, metered on the CPU or under
+    the job's tensor budget); nothing to do, and nothing imported, elsewhere."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return resizes_seen()
+    return contextlib.nullcontext()
