@@ -151,10 +151,14 @@ def parallel_table(results: list[dict]) -> list[str]:
 
 def main_parallel(out: Path) -> None:
     results, loads = [], [os.getloadavg()[0]]
-    for row in PARALLEL_ROWS:
+    for row in PARALLEL_ROWS:  # written after each row: the 8B rows take minutes under load
         results.append(run_parallel(row))
         loads.append(os.getloadavg()[0])
         print(parallel_table(results)[-1], flush=True)
+        _write_parallel(out, results, loads)
+
+
+def _write_parallel(out: Path, results: list[dict], loads: list[float]) -> None:
     lines = [
         "# Plans for N GPUs on fake tensors: every strategy's per-rank batch", "",
         f"- date: {time.strftime('%Y-%m-%d')}",
@@ -175,7 +179,6 @@ def main_parallel(out: Path) -> None:
     (out / "plan_without_running_parallel_cpu.md").write_text("\n".join(lines))
     (out / "plan_without_running_parallel_cpu.json").write_text(
         json.dumps({"header": lines[:10], "results": results}, indent=1))
-    print("\n".join(lines))
 
 
 def run(row: tuple) -> dict:

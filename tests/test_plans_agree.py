@@ -60,8 +60,10 @@ def test_one_fsdp2_rank_never_holds_every_blocks_gathered_weights():
     report = bw.find_batch(model, torch.zeros(2048), target="8x2GiB", parallel="fsdp",
                            max_batch_size=2**16, cache=False)
     assert "One FSDP2 rank of 8 traced" in report.method
-    # a rank: weights, gradients and AdamW's two states at 1/8, and a few blocks gathered
-    assert report.predict_peak_bytes(1) < weights
+    # a rank: weights, gradients and AdamW's two states at 1/8 (half the weights' bytes), a few
+    # blocks gathered, the allocator's rounding (296 MB); every block's gathered weights on top
+    # of its shards came to 530 MB
+    assert report.predict_peak_bytes(1) < weights / 2 + weights
     found = per_rank(report)
     assert found["fsdp"] >= found["zero2"]
 

@@ -22,6 +22,7 @@ from ...results import BatchSizeReport
 from .._called import is_said
 from .._types import Amp, ProbeStep, ShouldStop, Trace
 from ._core import at_length
+from ._fake_group import resizes_seen_in_job
 from ._measure import measure
 from ._nothing_fits import NoBatchSizeFits, already
 from ._options import FIND_BATCH
@@ -185,7 +186,7 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
     options = FIND_BATCH.pick(locals())  # see probe/_options.py
     setup = resolve(model, make_batch, options)
     try:  # a compiled model's eager step: NOTE [ A compiled model is probed in its eager step ]
-        with eager_while_probed(setup) as step:
+        with eager_while_probed(setup) as step, resizes_seen_in_job():  # FSDP2's frees
             report = remembered(setup, options,  # see NOTE [ Remembered answers ]
                                 lambda: _frontier(setup) if setup.seq_len is not None
                                 else _probe(setup))
