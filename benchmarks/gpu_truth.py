@@ -979,7 +979,8 @@ def oom_mid_backward(form: str, device: Device, cap: str) -> dict:
         if probe:
             try:
                 report = bw.find_batch(model, batch, loss_fn=F.cross_entropy,
-                                       optimizer=optimizer, budget=cap, max_batch_size=64)
+                                       optimizer=optimizer, budget=cap, max_batch_size=32,
+                                       start=16)
                 found = report.max_batch_size
                 sizes = ", ".join(f"{a.batch_size}{'' if a.fits else 'x'}"
                                   for a in report.attempts)

@@ -19,7 +19,14 @@ from .._state import TrainingState, optimizers_within
 from .._util import first_line, to_device
 from ..memory import Reading
 from ._checks import AMP_DTYPES
-from ._ranks import after_backward, end_of_step, made_on_every_rank, no_reducer, ran_out_alone
+from ._ranks import (
+    RankFailed,
+    after_backward,
+    end_of_step,
+    made_on_every_rank,
+    no_reducer,
+    ran_out_alone,
+)
 
 OnStep = Callable[[Attempt], None]
 
@@ -176,7 +183,7 @@ class Trainer:
         except BaseException as error:  # OOM is data; the user's errors said in our words
             if not (memory.is_oom(error, self.meter.device)
                     or (batch_size == 1 and memory.cannot_train_alone(error))):
-                if not was_called(error):
+                if not was_called(error) or isinstance(error, RankFailed):  # another rank's
                     raise
                 new = said(error, "find_batch", batch_size, self.fake)
                 if new is error:
