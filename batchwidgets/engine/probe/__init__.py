@@ -20,6 +20,7 @@
 - ``_stop.py``        should_stop polled between ops: a Stop in the middle of a step
 - ``_optimizer_shapes.py``  optimizer state by shape: a tiny copy's real step, when fakes cannot
 - ``_search.py``      the pure search policy: which batch size next
+- ``_after_miss.py``  which size next after an OOM the model did not predict (pure)
 - ``_parallel.py``    plans for N GPUs: each rank's share and buffers under DDP, ZeRO, FSDP2
 - ``_ranks.py``       one outcome for every rank under torch.distributed, errors included
 - ``_remember.py``    remembered answers: the key of what decides memory, kept and given back;

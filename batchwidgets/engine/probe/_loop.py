@@ -44,8 +44,9 @@ def _collector_paused() -> Iterator[None]:
 # are often one sample apart (P and P + 1), and a block of allocator rounding makes the slope of
 # such a pair noise. Where the real steps traced no small size, the smallest fake trace serves
 # (dropped from the model at the miss, kept for this). Whatever the real step holds that the
-# trace missed, the line holds it at the real size, near the boundary, where it is used: the
-# window of NOTE [ After a miss ] places that size about 6% below a size that ran out of memory.
+# trace missed, the line holds it at the real size, where it is used: after an out-of-memory
+# miss the first size of NOTE [ What a miss may cost ] in _after_miss.py is such a real step,
+# well inside the bracket.
 
 # NOTE [ A free first guess ]
 # On this device the search's small sizes need no compute either. The search first runs on fake
