@@ -1,7 +1,8 @@
 """Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
 
 One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``; ``memory``: its
-``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back), ``accumulate``,
+``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back; ``_snapshot``: its traced step as PyTorch's memory
+snapshot), ``accumulate``,
 ``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``critical``, ``loader``,
 ``live_loader``, ``schedule`` and ``split`` (what fit_trainer set); every name is re-exported here.
 
@@ -43,6 +44,7 @@ from .probe import (
     WhatIf,
     attempts_table,
 )
+from ._snapshot import StepSnapshot
 from .schedule import BatchSchedule, ScheduleChange, accumulation_advice, plan_batch
 from .split import BatchSplitReport
 
@@ -73,6 +75,7 @@ __all__ = [
     "PeakSegment",
     "Remembered",
     "ScheduleChange",
+    "StepSnapshot",
     "WhatIf",
     "accumulation_advice",
     "attempts_table",
