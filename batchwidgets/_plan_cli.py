@@ -215,17 +215,16 @@ def plan(args: argparse.Namespace, progress: Callable[[str], None]) -> tuple[Any
     if args.gpu is None:
         raise FlagError("--gpu should name the GPU to plan for, e.g. --gpu A100-80GB or --gpu "
                         "8xH100-80GB.")
-    progress("building the model on the meta device")
     built = build(config=args.config, factory=args.factory, input_shape=args.input_shape,
                   num_classes=args.num_classes, dtype=args.dtype, optimizer=args.optimizer,
                   checkpointing=args.checkpointing, frozen_base=args.frozen_base,
                   lora=args.lora)
-    progress(f"{built.described}; planning for {args.gpu}")
     given = keywords(args, built)
     try:
         check_arguments(built.model, built.make_batch, said=FLAGS, **given)
     except (TypeError, ValueError) as error:
         raise FlagError(_in_flags(str(error))) from None
+    progress(f"built {built.described}; planning for {args.gpu}")
 
     def on_step(attempt: Any) -> None:
         progress(f"traced batch size {attempt.batch_size} on fake tensors")
