@@ -95,13 +95,14 @@ def load_config(words: Sequence[str]) -> Any:
                             f"transformers config class, but got {first!r}: no such file.")
         try:
             data = json.loads(path.read_text())
-            config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+            kind_name = data.pop("model_type")
+            kind = type(transformers.AutoConfig.for_model(kind_name))
         except (ValueError, KeyError) as error:
             raise FlagError(f"--config should be a Hugging Face config.json with a model_type, "
                             f"but {str(path)!r} is not one ({error}).") from None
         named = path.name
     else:
-        kind = getattr(transformers, first, None)
+        kind, data = getattr(transformers, first, None), {}
         if not (isinstance(kind, type) and issubclass(kind, transformers.PretrainedConfig)):
             close = difflib.get_close_matches(first, [n for n in dir(transformers)
                                                       if n.endswith("Config")], n=1)
@@ -109,15 +110,17 @@ def load_config(words: Sequence[str]) -> Any:
             raise FlagError(f"--config should be a config.json path or a transformers config "
                             f"class such as LlamaConfig, but got {first!r}; {hint}"
                             f"a path must exist.")
-        config, named = kind(), first
-    for key, value in overrides.items():
-        if not hasattr(config, key):
-            close = difflib.get_close_matches(key, list(config.to_dict()), n=1)
+        named = first
+    known = kind().to_dict()
+    for key in overrides:
+        if key not in known and not hasattr(kind(), key):
+            close = difflib.get_close_matches(key, list(known), n=1)
             raise FlagError(f"--config {named} has no field {key!r}"
                             f"{f'; did you mean {close[0]}' if close else ''}; its fields are "
-                            f"those of {type(config).__name__}().to_dict().")
-        setattr(config, key, value)
-    return config
+                            f"those of {kind.__name__}().to_dict().")
+    # one constructor call: fields derived from others (head_dim from hidden_size and the
+    # heads) follow the overrides, as they would not if set after it
+    return kind(**{**data, **overrides})
 
 
 _TOKEN_HEADS = ("ForCausalLM", "ForMaskedLM", "LMHeadModel", "ForConditionalGeneration")
