@@ -140,3 +140,17 @@ def test_the_snapshot_stays_out_of_the_repr_and_a_remembered_answer(tmp_path, mo
     assert again == first
     with pytest.raises(ValueError, match="refresh=True"):
         again.save_snapshot(tmp_path / "none.pickle")
+
+
+def test_the_probe_panel_links_the_snapshot_for_download(plan):
+    import base64
+    import html
+
+    from batchwidgets.widgets.probe import ProbePanel
+
+    details = ProbePanel(plan).details.value
+    assert "Save snapshot" in details
+    assert "https://pytorch.org/memory_viz" in details
+    href = html.unescape(re.search(r'download="[^"]+" href="([^"]+)"', details).group(1))
+    data = pickle.loads(base64.b64decode(href.split(",", 1)[1]))
+    assert sum(s["total_size"] for s in data["segments"]) == plan.step_snapshot.reserved_bytes

@@ -1,8 +1,8 @@
 """Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
 
 One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``; ``memory``: its
-``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back; ``_snapshot``: its traced step as PyTorch's memory
-snapshot), ``accumulate``,
+``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back; ``_snapshot``: its
+traced step as PyTorch's memory snapshot), ``accumulate``,
 ``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``critical``, ``loader``,
 ``live_loader``, ``schedule`` and ``split`` (what fit_trainer set); every name is re-exported here.
 
@@ -25,6 +25,7 @@ from ._noise_theory import (
     population_rule,
     steps_over_min,
 )
+from ._snapshot import StepSnapshot
 from .accumulate import AccumulationReport
 from .critical import Branch, CriticalBatchReport
 from .live_loader import LiveLoaderReport, LoaderSegment, LoaderSwitch
@@ -44,7 +45,6 @@ from .probe import (
     WhatIf,
     attempts_table,
 )
-from ._snapshot import StepSnapshot
 from .schedule import BatchSchedule, ScheduleChange, accumulation_advice, plan_batch
 from .split import BatchSplitReport
 

@@ -29,6 +29,8 @@ Usage:
 
 from __future__ import annotations
 
+import base64
+import html
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ from typing import Any
 
 VIEWER = "https://pytorch.org/memory_viz"
 SMALL_SEGMENT_BYTES = 2 * 2**20  # the caching allocator's small pool: segments of 2 MiB
+LINK_MAX_BYTES = 8 * 2**20  # a larger snapshot is no link in a panel: save_snapshot(path)
 
 
 @dataclass(frozen=True)
@@ -119,3 +122,19 @@ def write_snapshot(step: StepSnapshot, path: str | Path) -> str:
     return (f"batch size {step.batch_size} on {step.device}, {held}; "
             f"{step.reserved_bytes} bytes reserved and {step.allocated_bytes} allocated at the "
             f"peak; open it at {VIEWER}")
+
+
+def snapshot_link(step: StepSnapshot | None) -> str:
+    """A panel's "Save snapshot" link: the pickle inline as a download (up to LINK_MAX_BYTES;
+    a larger one names ``report.save_snapshot(path)`` instead), "" without a step."""
+    if step is None:
+        return ""
+    data = pickle.dumps(as_snapshot(step))
+    where = f'<a href="{VIEWER}" target="_blank">{VIEWER}</a>'
+    if len(data) > LINK_MAX_BYTES:
+        return (f"<p>The step's memory snapshot is {len(data) // 2**20} MiB: write it with "
+                f"<code>report.save_snapshot(path)</code> and open it at {where}.</p>")
+    href = "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+    return (f'<p><a download="batchwidgets-step.pickle" href="{html.escape(href)}">Save '
+            f"snapshot</a> (batch size {step.batch_size}, the step up to its peak) and open it "
+            f"at {where}.</p>")
