@@ -194,7 +194,7 @@ def keywords(args: argparse.Namespace, built: Any) -> dict[str, Any]:
             list(value) if flag.nargs else value)
     if built.takes_seq_len:
         given.setdefault("seq_len", [DEFAULT_SEQ_LEN])
-    elif "seq_len" in given:
+    elif built.takes_seq_len is False and "seq_len" in given:
         raise FlagError("--seq-len goes with a model whose batches have a length: a --config "
                         "model, or a --factory whose make_batch takes (batch_size, seq_len).")
     return given

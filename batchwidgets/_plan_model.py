@@ -45,7 +45,9 @@ class Built:
     optimizer: torch.optim.Optimizer
     loss_fn: Callable | None
     described: str
-    takes_seq_len: bool  # make_batch(batch_size, seq_len): the frontier over --seq-len
+    # make_batch(batch_size, seq_len), the frontier over --seq-len: always (a config's), where
+    # --seq-len is given (None: a factory's own make_batch), never (False: synthetic batches)
+    takes_seq_len: bool | None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -288,6 +290,7 @@ def build(*, config: Sequence[str] | None = None, factory: str | None = None,
         takes_seq_len = True
     else:
         model, make_batch, loss_fn, described = from_factory(factory)
+        takes_seq_len = None
         if make_batch is None:
             if input_shape is None:
                 raise FlagError(f"--factory {factory} returned a model alone: give "
@@ -296,7 +299,7 @@ def build(*, config: Sequence[str] | None = None, factory: str | None = None,
             make_batch = _synthetic(input_shape, num_classes)
             if num_classes is not None and loss_fn is None:
                 loss_fn = torch.nn.functional.cross_entropy
-        takes_seq_len = False
+            takes_seq_len = False
     model = model.to(DTYPES[dtype]).train()
     if frozen_base:
         _frozen_base(model)
