@@ -354,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
         from .engine.probe import NoBatchSizeFits
         if not isinstance(error, NoBatchSizeFits):
             raise
+        # the plan that found nothing is still the table (what a rank holds, each strategy)
+        print(as_json(error.report, args) if args.json else "\n".join(text(error.report, args)))
         print(f"{PROG}: {str(error).splitlines()[0]}", file=sys.stderr)
         return 1
     print(out)
