@@ -298,7 +298,7 @@ def text(report: Any, args: argparse.Namespace) -> list[str]:
     larger = one_step_larger(report)
     if larger:
         lines.append(larger)
-    if args.global_batch:
+    if args.global_batch and report.max_batch_size:
         lines.append(global_batch_line(report, args.global_batch))
     return lines
 
@@ -324,7 +324,7 @@ def as_json(report: Any, args: argparse.Namespace) -> str:
             and name != "step_snapshot"}
     data.update(recommended_batch_size=report.recommended_batch_size,
                 global_batch_size=report.global_batch_size, summary=report.summary())
-    if args.global_batch:
+    if args.global_batch and report.max_batch_size:
         from .engine.accumulate import split_batch
         per_device, steps = split_batch(args.global_batch, report.recommended_batch_size,
                                         report.world_size)
