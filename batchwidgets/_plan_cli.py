@@ -109,7 +109,8 @@ def _find_batch_flag(keyword: str, name: str | None = None, **changes: Any) -> F
     option = FIND_BATCH[keyword]
     if option.flag == "negated":
         return Flag("no_" + keyword, option.help, switch=True, keyword=keyword, **changes)
-    fields = {"help": _in_flags(option.help), "choices": option.choices, "metavar": option.metavar,
+    fields = {"help": _in_flags(option.help), "default": option.default,
+              "choices": option.choices, "metavar": option.metavar,
               "type": None if option.choices else _typed(option.parse), "keyword": keyword}
     return Flag(name or keyword, **{**fields, **changes})
 
@@ -151,9 +152,9 @@ def flags() -> tuple[Flag, ...]:
                              "gradient accumulation steps that make it (split_batch)",
              type=_positive, metavar="N"),
         _find_batch_flag("max_batch_size"),
-        _find_batch_flag("multiple_of", default=1),
-        _find_batch_flag("headroom", default=0.9),
-        _find_batch_flag("keep_output", default=True),
+        _find_batch_flag("multiple_of"),
+        _find_batch_flag("headroom"),
+        _find_batch_flag("keep_output"),
         _find_batch_flag("cache"),
         Flag("snapshot", "write the planned step at the answer for PyTorch's memory viewer "
                          "(pytorch.org/memory_viz; python -m torch.cuda._memory_viz)",
