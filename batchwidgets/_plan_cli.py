@@ -346,8 +346,7 @@ def run(args: argparse.Namespace) -> int:
         out = as_json(report, args) if args.json else "\n".join(text(report, args))
         if args.snapshot:
             saved = report.save_snapshot(args.snapshot)
-            progress(f"snapshot written to {args.snapshot} ({saved}); open it at "
-                     f"https://pytorch.org/memory_viz")
+            progress(f"snapshot written to {args.snapshot}: {saved}")
     except FlagError as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2
