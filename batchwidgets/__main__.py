@@ -1,4 +1,5 @@
-"""Command line: ``python -m batchwidgets demo`` probes a built-in CNN and writes a plot."""
+"""Command line: ``python -m batchwidgets demo`` probes a built-in CNN and writes a plot;
+``python -m batchwidgets plan`` plans a model for a GPU that is not here (``_plan_cli.py``)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from . import _plan_cli
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _plan_cli.OneLineParser(
         prog="python -m batchwidgets",
-        description="Measure how large a batch trains on this device.")
+        description="Measure how large a batch trains on this device, or plan it for a GPU "
+                    "that is not here.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo", help="probe a small CNN (3x32x32 inputs, 10 classes, Adam) on synthetic data",
@@ -24,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-batch-size", type=int, help="largest batch size to try")
     demo.add_argument("--plot", default="batchwidgets-demo.png",
                       help="where to write the PNG plot (default: %(default)s)")
+    # its flags are read from the engine's declarations (torch loads): main() hands it on
+    commands.add_parser("plan", help="plan a model from a Hugging Face config or a factory for "
+                                     "a GPU that is not here (plan --help: its flags)")
     return parser
 
 
@@ -43,6 +50,9 @@ def _print_report(report) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        return _plan_cli.main(argv[1:], prog="python -m batchwidgets plan")
     args = _parser().parse_args(argv)
     from .demo import run_demo  # torch loads only once a command runs
     from .plots import plot_probe

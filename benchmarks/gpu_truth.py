@@ -40,6 +40,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import pickle
 import platform
 import re
 import socket
@@ -72,10 +73,10 @@ RESULTS = Path(__file__).parent / "results"
 SECTIONS = ("boundaries", "plans", "allocator", "stop", "loader", "ranks", "tests")
 # sections run only when --only names them: find_batch alone against boundaries recorded before
 # (--truths), and the allocations of single CUDA kernels the plans' rules are read from
-EXTRA = ("probes", "kernels")
+EXTRA = ("probes", "kernels", "snapshots")
 SHARE = {"boundaries": 0.48, "allocator": 0.07, "stop": 0.05, "loader": 0.06, "ranks": 0.08,
-         "tests": 0.22, "probes": 0.30, "kernels": 0.08}  # of --minutes; plans run beside
-# the GPU sections, on the host's CPU
+         "tests": 0.22, "probes": 0.30, "kernels": 0.08,
+         "snapshots": 0.05}  # of --minutes; plans run beside the GPU sections, on the host's CPU
 STEPS = 2  # per size, as find_batch: Adam's state exists from the first
 CAPS = ("8GiB", "16GiB")
 DRY_CAPS = ("8MiB",)  # one cap: every path, in the time a test may take
@@ -724,6 +725,49 @@ def section_allocator(log: Log, device: Device, seconds: float, truths: list[dic
             log.add("allocator", spec.name, cap=cap, error=f"{type(error).__name__}: {error}"[:500])
 
 
+def section_snapshots(log: Log, device: Device, seconds: float) -> None:
+    """The wide CNN's planned step (report.save_snapshot) beside its real one (PyTorch's
+    _record_memory_history and _snapshot) at the plan's answer under the first cap, both
+    written to --out, and their segments' totals at the peak compared (a dry run: the plan's
+    alone, CPU processes under the budget)."""
+    del seconds  # one model, one size
+    spec, cap = BY_NAME["wide CNN"], (DRY_CAPS if device.dry else CAPS)[0]
+    model, optimizer = warmed(spec, device.dry)
+    target = {"target": "CPU", "budget": cap} if device.dry else {
+        "target": f"{target_name(device.name)}@{cap}"}
+    report = bw.find_batch(model, lambda n: spec.batch(n, device.dry, "cpu"),
+                           loss_fn=spec.loss_fn, optimizer=optimizer, cache=False, **target)
+    n, step = report.max_batch_size, report.step_snapshot
+    report.save_snapshot(log.out / f"gpu_truth_{device.slug}_planned_step.pickle")
+    record = {"cap": cap, "batch_size": n, "planned_reserved_at_peak": step.reserved_bytes,
+              "planned_allocated_at_peak": step.allocated_bytes,
+              "planned_caching_allocator": step.allocator}
+    if not device.dry:
+        with device.capped(cap):
+            model, optimizer = fresh(spec, device)
+            device.release()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+            try:
+                with device.step(model, optimizer):
+                    run_loop(model, optimizer, spec, n, device, True)
+                torch.cuda.synchronize()
+                snapshot = torch.cuda.memory._snapshot()
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            stats = torch.cuda.memory_stats()
+            del model, optimizer
+        with open(log.out / f"gpu_truth_{device.slug}_real_step.pickle", "wb") as file:
+            pickle.dump(snapshot, file)
+        real = sum(s["total_size"] for s in snapshot["segments"])
+        record.update(real_reserved_at_end=real,
+                      real_reserved_peak=stats["reserved_bytes.all.peak"],
+                      real_allocated_peak=stats["allocated_bytes.all.peak"],
+                      planned_over_real_reserved=round(
+                          step.reserved_bytes / max(1, stats["reserved_bytes.all.peak"]), 4))
+    log.add("snapshots", spec.name, **record)
+
+
 def deep_mlp(dry: bool) -> nn.Module:
     width, depth = (128, 4) if dry else (4096, 24)
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU())
@@ -1189,6 +1233,7 @@ def main(argv: list[str] | None = None) -> int:
         run("loader", lambda s: section_loader(log, device, s))
         run("ranks", lambda s: section_ranks(log, device, caps[0], s))
         run("kernels", lambda s: section_kernels(log, device, s))
+        run("snapshots", lambda s: section_snapshots(log, device, s))
         run("tests", lambda s: section_tests(log, device, s))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -5,6 +5,7 @@ replayed: every plan the CPU makes today for a GPU capped as a recorded run was 
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,18 @@ def test_a_capped_gpu_target_takes_that_gpus_rules_and_the_cap():
     assert capped.limit_bytes == 2 * 2**30
     with pytest.raises(ValueError, match="target should cap a named GPU"):
         bw.find_batch(model, x, optimizer=optimizer, target="T4@40GiB")
+
+
+def test_the_dry_run_writes_the_planned_snapshot_beside_its_record(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_truth.py"), "--dry-run",
+                           "--only", "snapshots", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu_truth_dry_run.json").read_text())
+    (record,) = [r for r in data["records"] if r["section"] == "snapshots"]
+    assert record["model"] == "wide CNN"
+    assert record["batch_size"] > 0
+    with open(tmp_path / "gpu_truth_dry_run_planned_step.pickle", "rb") as file:
+        snapshot = pickle.load(file)
+    assert sum(s["total_size"] for s in snapshot["segments"]) == record[
+        "planned_reserved_at_peak"]

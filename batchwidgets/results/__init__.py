@@ -1,7 +1,8 @@
 """Reports: frozen dataclasses that display themselves. Standard library only (no torch/Jupyter).
 
 One module per engine module: ``probe`` (``Attempt``, ``BatchSizeReport``; ``memory``: its
-``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back), ``accumulate``,
+``MemorySplit`` and ``MemoryTimeline``; ``_json``: a report as JSON and back; ``_snapshot``: its
+traced step as PyTorch's memory snapshot), ``accumulate``,
 ``noise`` and ``noise_tracker`` (with the theory in ``_noise_theory``), ``critical``, ``loader``,
 ``live_loader``, ``schedule`` and ``split`` (what fit_trainer set); every name is re-exported here.
 ``_text`` writes every report's text form and every result's short repr (``_probe_text``: the
@@ -26,6 +27,7 @@ from ._noise_theory import (
     population_rule,
     steps_over_min,
 )
+from ._snapshot import StepSnapshot
 from .accumulate import AccumulationReport
 from .critical import Branch, CriticalBatchReport
 from .live_loader import LiveLoaderReport, LoaderSegment, LoaderSwitch
@@ -75,6 +77,7 @@ __all__ = [
     "PeakSegment",
     "Remembered",
     "ScheduleChange",
+    "StepSnapshot",
     "WhatIf",
     "accumulation_advice",
     "attempts_table",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .. import _html
 from ._probe_text import line_text, what_if_line, what_if_rows
+from ._snapshot import StepSnapshot, write_snapshot
 from ._text import Short, TextForm
 from .memory import MemorySplit, MemoryTimeline
 
@@ -223,6 +224,20 @@ class BatchSizeReport(TextForm):
     loop: str = ""
     # what the call left out and the probe assumed ("optimizer AdamW (pass optimizer=)", ...)
     assumed: tuple[str, ...] = ()
+    # the traced step at the answer, op by op, for save_snapshot (None: remembered, or no step)
+    step_snapshot: StepSnapshot | None = field(default=None, repr=False, compare=False)
+
+    def save_snapshot(self, path: str) -> str:
+        """Write the traced step in the pickle format of ``torch.cuda.memory._snapshot()``, for
+        pytorch.org/memory_viz or ``python -m torch.cuda._memory_viz``: the segments at its
+        peak, and every allocation and free up to it with the module and op that made it. A
+        probe on the CPU writes tensor events alone (no caching allocator there) and says so
+        in the line it returns (see NOTE [ A step as a memory snapshot ])."""
+        if self.step_snapshot is None:
+            raise ValueError("report should hold its traced step to save a snapshot, but it has "
+                             "none (a remembered answer keeps none); call find_batch again "
+                             "with refresh=True.")
+        return write_snapshot(self.step_snapshot, path)
 
     @property
     def global_batch_size(self) -> int:

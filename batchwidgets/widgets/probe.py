@@ -26,6 +26,7 @@ from ..engine._util import usable_device
 from ..engine.probe import FIND_BATCH, find_batch
 from ..plots import plot_probe
 from ..results import Attempt, BatchSizeReport, attempts_table
+from ..results._snapshot import snapshot_link
 from ..results.probe import details_html
 from . import _controls as widgets
 from ._panel import ReportDisplay, figure_png
@@ -193,7 +194,7 @@ class ProbePanel(ReportDisplay, widgets.Panel):
             self.plot.value = figure_png(plot_probe(report))
             self.summary.value = _summary_table(report)
             self.attempts.value = attempts_table(report.attempts)
-            self.details.value = details_html(report)
+            self.details.value = details_html(report) + snapshot_link(report.step_snapshot)
             self.code.value = f"DataLoader(dataset, batch_size={report.recommended_batch_size})"
             self.headroom.min = min(self.headroom.min, report.headroom)
             self.headroom.value = report.headroom

@@ -12,6 +12,7 @@
 - ``_kernels.py``    what a CUDA target's kernels keep where the CPU's keep more: dropout,
                      attention, the foreach optimizer step
 - ``_meters.py``     the probe's meters: CUDA's allocator, or the tracker on the CPU and MPS
+- ``_snapshot.py``   a traced step as PyTorch's memory snapshot records it (report.save_snapshot)
 
 It imports the shared modules beside it and nothing of the capabilities.
 """
@@ -21,6 +22,7 @@ from ._budget import available_memory_bytes, parse_bytes
 from ._meters import Reading
 from ._oom import cannot_train_alone, drop_own_frames, forget, free_memory, is_oom
 from ._simulated import probe_meter, simulated_cuda
+from ._snapshot import step_snapshot
 from ._targets import CPU_TARGET, GPU_TARGETS, is_cpu_target, parse_gpus, parse_target
 from ._trace import OpTrace, PeakModel, said_where
 from ._tracker import BudgetExceededError, TensorMemoryTracker, track_tensor_memory
@@ -31,6 +33,5 @@ __all__ = [
     "forget", "free_memory", "is_cpu_target", "is_oom", "largest_batch_size", "needed_bytes",
     "parse_bytes",
     "parse_gpus", "parse_target", "probe_meter", "replay", "said_where", "scale_events",
-    "simulated_cuda",
-    "track_tensor_memory",
+    "simulated_cuda", "step_snapshot", "track_tensor_memory",
 ]

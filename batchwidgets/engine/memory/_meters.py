@@ -212,6 +212,7 @@ class TracingTracker(TensorMemoryTracker):
         if self.trace is not None and self.live_bytes != before:
             storage = tensor.untyped_storage()
             self.trace.events.append(("alloc", id(storage), storage.nbytes()))
+            self.trace.event_ops.append(len(self.trace.names))
             module = self._where.module() if self._batch_peak is None else "making the batch"
             self._born(id(storage), storage.nbytes(), len(self.trace.names), module)
 
@@ -224,6 +225,7 @@ class TracingTracker(TensorMemoryTracker):
             release(ref)
             if self.trace is not None and known is not None and known[0] is ref:
                 self.trace.events.append(("free", key, 0))
+                self.trace.event_ops.append(len(self.trace.names))
                 serial = self._serials.pop(key, None)
                 if serial is not None:
                     self.lifetimes[serial][1] = len(self.trace.names)

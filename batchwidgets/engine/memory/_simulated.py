@@ -60,6 +60,7 @@ class _SimulatedDevice(TorchDispatchMode):
         super().__init__()
         self.allocator, self.workspaces = allocator, workspaces
         self.log: list[Event] | None = None
+        self.log_ops: list[int] | None = None  # each logged event's op (OpTrace.event_ops)
         self.live: dict[int, int] = {}  # key -> requested bytes
         self.cublas: dict[int | str, tuple[int, Any]] = {}  # see _blas_workspaces
         self.tracker: TracingTracker | None = None
@@ -105,6 +106,7 @@ class _SimulatedDevice(TorchDispatchMode):
         if self.log is not None:
             self.log.append((kind if workspace_fraction is None else "workspace", key,
                              nbytes if logged is None else logged))
+            self._log_op()
         return key, block
 
     def _free(self, entry: tuple[int, Any]) -> None:
@@ -115,7 +117,12 @@ class _SimulatedDevice(TorchDispatchMode):
         del self.live[key]
         if self.log is not None:
             self.log.append(("free", key, 0))
+            self._log_op()
         self.allocator.free(block)
+
+    def _log_op(self) -> None:
+        if self.log_ops is not None:
+            self.log_ops.append(len(self.tracker.trace.names) if self.tracker is not None else 0)
 
     @makes_weakref_callbacks  # see NOTE [ Restoring under Ctrl-C ] in engine/_state.py
     def _release(self, key: int) -> Callable[[weakref.ref], None]:
@@ -250,6 +257,7 @@ class SimulatedCudaMeter:
         self._device = _SimulatedDevice(self.allocator, workspaces)
         self._reading = Reading()
         self.events: list[Event] = []
+        self.event_ops: list[int] = []
         self.preallocated: list[tuple[int, int]] = []
 
     @contextmanager
@@ -282,6 +290,7 @@ class SimulatedCudaMeter:
             self._device.count(tensor)  # weights, gradients, optimizer state: alive before
         self.preallocated = list(self._device.live.items())
         self._device.log = self.events = []
+        self._device.log_ops = self.event_ops = []
         self.allocator.reset_peaks()
         if self.baseline_bytes is None:
             self.baseline_bytes = self.allocator.allocated_bytes
@@ -289,7 +298,7 @@ class SimulatedCudaMeter:
             with self._device:
                 yield reading
         finally:
-            self._device.log = None
+            self._device.log = self._device.log_ops = None
             self._fold_peaks()
 
 
@@ -339,7 +348,7 @@ class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
             finally:
                 self._device.tracker = None
                 reading.live_bytes = self.allocator.allocated_bytes
-                tracker.trace.events = self.events
+                tracker.trace.events, tracker.trace.event_ops = self.events, self.event_ops
                 tracker.trace.preallocated = list(self.preallocated)
                 tracker.storage_of = self._device.storage_of  # see TracingTracker.record_kinds
                 tracker.finish(reading)

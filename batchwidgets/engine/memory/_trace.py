@@ -39,6 +39,9 @@ class OpTrace:
     where: list[str] = field(default_factory=list)
     kinds: dict[str, str] = field(default_factory=dict)  # module path -> its class's name
     events: list[tuple[str, int, int]] = field(default_factory=list)
+    # the op each event happened in: its index in ``names`` (``len(names)`` after the last op),
+    # for the frames of a memory snapshot (results/_snapshot.py)
+    event_ops: list[int] = field(default_factory=list)
     complete: bool = True
     # (key, nbytes) of the storages alive when the trial began, for the allocator model's replay
     preallocated: list[tuple[int, int]] = field(default_factory=list)

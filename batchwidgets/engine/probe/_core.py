@@ -15,6 +15,7 @@ import torch
 
 from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport
+from ...results._snapshot import StepSnapshot
 from .. import memory
 from .._state import InterruptGuard, TrainingState, restore_home
 from .._types import ProbeStep
@@ -171,10 +172,21 @@ def report_of(setup: ProbeSetup, search: Search) -> BatchSizeReport:
         peak_segments=segments, method=" ".join([search.method(), *setup.notes]),
         worst_case=_batches_from(setup), memory_split=search.split,
         memory_timeline=search.timeline, trace=setup.trace, loop=_loop_of(setup),
+        step_snapshot=_snapshot(setup, search),
         assumed=setup.assumed + _loss_assumed(setup, search))
     if lo == 0 and stop != "stopped":
         raise NoBatchSizeFits(report)
     return report
+
+
+def _snapshot(setup: ProbeSetup, search: Search) -> StepSnapshot | None:
+    """The step the memory split is of, as a memory snapshot records it; a plan makes its
+    own at its answer (_plan.py)."""
+    if setup.target is not None or search.split is None or search.split_trace is None:
+        return None
+    return memory.step_snapshot(search.split_trace, search.split.batch_size,
+                                str(setup.device), cap_bytes=search.limit_bytes,
+                                allocator=search.replays)
 
 
 def _batches_from(setup: ProbeSetup) -> str:

@@ -90,6 +90,7 @@ class Search:
         # MAX_FAKE_SIZES whose op sequences differ (the plan then says it cannot predict)
         self.split: MemorySplit | None = None  # at the largest size that ran with a trace
         self.timeline: MemoryTimeline | None = None  # the same step over its ops
+        self.split_trace: OpTrace | None = None  # the same step's trace
         self._seeding = False  # trials now are fake (NOTE [ A free first guess ])
         self._fake_sizes: set[int] = set()  # sizes whose trace in self.traces is fake
         self._shadowed: dict[int, OpTrace] = {}  # real traces at those sizes, kept for later
@@ -221,6 +222,7 @@ class Search:
                                               or attempt.batch_size >= self.split.batch_size):
                 self.split = memory_split(attempt.batch_size, trace, *reading.split)
                 self.timeline = memory_timeline(attempt.batch_size, trace)
+                self.split_trace = trace  # the report's step_snapshot (report_of)
             if reading.peak_reserved_bytes:
                 self.overhead_bytes = max(0, reading.peak_reserved_bytes - max(trace.live))
             if self.meter.device.type == "cuda":  # workspaces the tensor trace cannot see

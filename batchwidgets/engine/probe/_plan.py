@@ -9,6 +9,7 @@ import dataclasses
 import functools
 
 from ...results import BatchSizeReport
+from ...results._snapshot import StepSnapshot
 from .. import memory
 from .._util import first_line
 from ..memory import OpTrace, PeakModel
@@ -103,7 +104,8 @@ def planned(report: BatchSizeReport, search: Search, name: str, usable_bytes: in
     tensors_only = [[e for e in t.events if e[0] != "workspace"] for t in (small, large)]
     high = predict(tensors_only[0], b_small, tensors_only[1], b_large, usable_bytes)
     return dataclasses.replace(
-        report, max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
+        report, step_snapshot=_snapshot(pair, max(low, 1), name, usable_bytes, True),
+        max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
         budget_bytes=None, stop_reason=_stop(name, low, search.ceiling), target=name,
         target_band=(_evidence_low(low, report.multiple_of), max(low, high)),
         target_peaks=_running_max(needs),
@@ -131,11 +133,22 @@ def _planned_in_tensors(report: BatchSizeReport, pair: Pair, name: str,
     found = model.largest_batch_size(budget_bytes, multiple_of=report.multiple_of,
                                      ceiling=ceiling)
     return dataclasses.replace(
-        report, max_batch_size=found, first_oom_batch_size=None, limit_bytes=budget_bytes,
+        report, step_snapshot=_snapshot(pair, max(found, 1), name, budget_bytes, False),
+        max_batch_size=found, first_oom_batch_size=None, limit_bytes=budget_bytes,
         budget_bytes=budget_bytes, stop_reason=_stop(name, found, ceiling), target=name,
         target_band=(found, found), target_peaks=tuple(
             (size, model.peak_bytes(size)) for size in _peak_sizes(found, report.multiple_of)),
         method=report.method.replace("then verified", "then predicted under the budget"))
+
+
+def _snapshot(pair: Pair, size: int, name: str, usable_bytes: int,
+              allocator: bool) -> StepSnapshot:
+    """The step at the answer, scaled from the pair, as a memory snapshot records it
+    (NOTE [ A step as a memory snapshot ] in results/_snapshot.py)."""
+    (small, b_small), (large, b_large) = pair
+    events = memory.scale_events(small.events, b_small, large.events, b_large, size)
+    return memory.step_snapshot(large, size, name, cap_bytes=usable_bytes, allocator=allocator,
+                                events=events)
 
 
 def _peak_sizes(found: int, multiple_of: int) -> list[int]:

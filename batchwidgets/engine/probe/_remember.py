@@ -194,7 +194,8 @@ def _keep(key: str, limit: int | None, report: BatchSizeReport) -> None:
     entry = {"engine": ENGINE_VERSION, "limit_bytes": limit, "host": socket.gethostname(),
              "measured_at": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(
                  timespec="seconds"),
-             "report": as_json(dataclasses.replace(report, remembered=None))}
+             "report": as_json(dataclasses.replace(report, remembered=None,
+                                                   step_snapshot=None))}
     try:
         _cache.write(KIND, key, entry)
     except OSError as error:
