@@ -131,13 +131,6 @@ def check_options(request: Any, said: Spelling = PYTHON) -> None:
             option.check(value, said)
 
 
-def given(request: Any) -> dict[str, Any]:
-    """The keywords that make this request again: each option not at its default, by name
-    (what a front end passes on, ``find_batch(model, **given(request))``)."""
-    return {option.name: getattr(request, option.name) for option in options_of(request)
-            if getattr(request, option.name) is not option.default}
-
-
 # -- a flag's text as a value (a magic's argparse type; the option's check follows) -------------
 
 def integer(text: str) -> int:
