@@ -22,7 +22,8 @@ from typing import Any, Literal
 # checks, a magic's @argument lines and "(default: ...)" in its help, a panel's control's value
 # and tooltip, the cache key. The function's signature spells its defaults as the request's
 # (``headroom: float = OPTIONS.headroom``) for help(), IDEs and type checkers, and builds the
-# request from its keywords by name, so a misspelt option is a NameError where it is written.
+# request from its keywords by name (never ``locals()``); the stages read ``request.headroom``,
+# so a misspelt option fails where it is written, not as a KeyError deep in a stage.
 # tests/test_options.py holds the two equal, fails on a default written again in the code that
 # serves the function (its room, the magics, its panel), and on a keyword without its field or
 # a flag without its keyword. Adding an option is one field, one keyword, and what it does.

@@ -14,7 +14,7 @@ from .. import memory
 from .._batches import as_batch_maker
 from .._grads import is_sharded
 from .._state import RngState
-from .._types import ProbeStep
+from .._types import ProbeStep, ShouldStop
 from .._unsharded import meta_replica
 from .._util import default_device, usable_device
 from ._cell import CellStep
@@ -27,6 +27,7 @@ from ._checks import (
     notes_on,
 )
 from ._options import FindBatchRequest
+from ._trials import OnStep
 
 SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
 
@@ -62,19 +63,52 @@ class ProbeSetup:
     assumed: tuple[str, ...]  # what the call left out and the probe assumed, for the report
     mesh: Any = None  # a fake mesh: the trials run one FSDP2 rank (NOTE [ One FSDP2 rank, traced ])
 
-    # the options kept as given, read through the request
-    loss_fn = property(lambda self: self.request.loss_fn)
-    scaler = property(lambda self: self.request.scaler)  # the user's GradScaler (restored); fp16
-    scheduler = property(lambda self: self.request.scheduler)  # without one: its own per step
-    amp = property(lambda self: self.request.amp)
-    multiple_of = property(lambda self: self.request.multiple_of)
-    max_batch_size = property(lambda self: self.request.max_batch_size)
-    steps_per_trial = property(lambda self: self.request.steps_per_trial)
-    what_if = property(lambda self: self.request.what_if)
-    on_step = property(lambda self: self.request.on_step)
-    should_stop = property(lambda self: self.request.should_stop)
-    keep_output = property(lambda self: self.request.keep_output)  # NOTE [ The loop the step
-    # models ] in _trials.py
+    # The options kept as given, read through the request. The scaler is the user's GradScaler
+    # (restored; fp16 without one gets its own per step); keep_output the loop modelled (NOTE
+    # [ The loop the step models ] in _trials.py).
+    @property
+    def loss_fn(self) -> Callable | None:
+        return self.request.loss_fn
+
+    @property
+    def scaler(self) -> Any:
+        return self.request.scaler
+
+    @property
+    def scheduler(self) -> Any:
+        return self.request.scheduler
+
+    @property
+    def amp(self) -> str | None:
+        return self.request.amp
+
+    @property
+    def multiple_of(self) -> int:
+        return self.request.multiple_of
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self.request.max_batch_size
+
+    @property
+    def steps_per_trial(self) -> int:
+        return self.request.steps_per_trial
+
+    @property
+    def what_if(self) -> bool:
+        return self.request.what_if
+
+    @property
+    def on_step(self) -> OnStep | None:
+        return self.request.on_step
+
+    @property
+    def should_stop(self) -> ShouldStop | None:
+        return self.request.should_stop
+
+    @property
+    def keep_output(self) -> bool:
+        return self.request.keep_output
 
     @property
     def headroom(self) -> float:
