@@ -17,10 +17,9 @@ import torch
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, parse_argstring
 
-from .engine._batches import SyntheticBatches
-from .engine._options import FLAGS, Option, Options, positive_integer
+from .engine import FLAGS, Option, SyntheticBatches, options_of, positive_integer
 from .engine.noise import NoiseTracker
-from .engine.probe import FIND_BATCH, CellStep, check_arguments, find_batch, names_in
+from .engine.probe import CellStep, FindBatchRequest, check_arguments, find_batch, names_in
 from .results import BatchSizeReport
 
 
@@ -143,11 +142,11 @@ def _argument(option: Option) -> Callable[[Callable], Callable]:
                     choices=option.choices, help=text)
 
 
-def flags(options: Options) -> Callable[[Callable], Callable]:
-    """A magic's flags for the options that have one, in their declaration's order (under the
-    magic's positionals, above its own flags)."""
+def flags(request: type) -> Callable[[Callable], Callable]:
+    """A magic's flags for the options of a request dataclass that have one, in their
+    declaration's order (under the magic's positionals, above its own flags)."""
     def add(magic: Callable) -> Callable:
-        for option in reversed([option for option in options if option.flag]):
+        for option in reversed([option for option in options_of(request) if option.flag]):
             magic = _argument(option)(magic)
         return magic
     return add
@@ -166,11 +165,11 @@ def in_flags(message: str, flag_names: dict[str, str]) -> str:
     return message
 
 
-def given(shell: Any, options: Options, args: argparse.Namespace) -> dict[str, Any]:
-    """The options a line gave (the others keep the function's defaults): values as parsed,
-    notebook names resolved."""
+def given(shell: Any, request: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The options of a request dataclass a line gave, as the function's keywords (the others
+    keep the function's defaults): values as parsed, notebook names resolved."""
     found = {}
-    for option in options:
+    for option in options_of(request):
         value = getattr(args, option.name, None) if option.flag else None
         if value is None or (value is False and option.flag == "switch"):  # not given
             continue
@@ -317,7 +316,7 @@ def probe_call(shell: Any, args: argparse.Namespace) -> functools.partial:
                          f"size {args.var}), not with the line magic %find_batch.")
     model = resolve(shell, args.model, "MODEL")
     make_batch = _make_batch(shell, args, model)
-    options = given(shell, FIND_BATCH, args)
+    options = given(shell, FindBatchRequest, args)
     if args.num_classes is not None:
         options.setdefault("loss_fn", torch.nn.functional.cross_entropy)
     try:
@@ -364,7 +363,7 @@ def cell_call(shell: Any, args: argparse.Namespace, cell: str) -> functools.part
         raise UsageError("%%find_batch should probe a cell that trains a model, but the cell "
                          "names no torch.nn.Module; name the model in the cell (not only inside "
                          "a function it calls).")
-    options = given(shell, FIND_BATCH, args)
+    options = given(shell, FindBatchRequest, args)
     for name, kind in _ONE_EACH.items():
         found = [o for o in step.touches if (isinstance(o, kind) if isinstance(kind, type)
                                              else hasattr(o, kind))]

@@ -4,7 +4,7 @@ built on the meta device (``_plan_model.py``); the answer is ``find_batch(..., t
 the same engine and the same report, printed answer first, then the table a user rents by.
 
 Each flag is declared once, in ``FLAGS`` (its default, check and help line); the ones that are
-find_batch's own options take their help and check from ``FIND_BATCH``. A mistake is one line on
+find_batch's own options take their help and check from ``FindBatchRequest``'s fields. A mistake is one line on
 stderr naming the flag and the fix, exit code 2; progress goes to stderr, the answer to stdout.
 
 Usage:
@@ -103,10 +103,12 @@ class Flag:
 
 
 def _find_batch_flag(keyword: str, name: str | None = None, **changes: Any) -> Flag:
-    """A flag that is find_batch's own option: its help, parse and choices from FIND_BATCH."""
-    from .engine.probe import FIND_BATCH  # the engine's declaration (torch loads here)
+    """A flag that is find_batch's own option: its help, parse and choices from its field of
+    FindBatchRequest."""
+    from .engine import declared
+    from .engine.probe import FindBatchRequest  # the engine's declaration (torch loads here)
 
-    option = FIND_BATCH[keyword]
+    option = declared(FindBatchRequest, keyword)
     if option.flag == "negated":
         return Flag("no_" + keyword, option.help, switch=True, keyword=keyword, **changes)
     fields = {"help": _in_flags(option.help), "default": option.default,

@@ -40,10 +40,10 @@ from ._notebook import (
     resolve,
     training_model,
 )
-from .engine._called import called_where
-from .engine.accumulate import ACCUMULATE, accumulate
-from .engine.noise import CRITICAL_BATCH, NoiseTracker, critical_batch
-from .engine.probe import FIND_BATCH
+from .engine import called_where, declared
+from .engine.accumulate import AccumulateRequest, accumulate
+from .engine.noise import CriticalBatchRequest, NoiseTracker, critical_batch
+from .engine.probe import FindBatchRequest
 from .results import AccumulationReport, BatchSizeReport, CriticalBatchReport
 from .widgets import ProbePanel
 from .widgets.noise import NoisePanel
@@ -168,7 +168,7 @@ class BatchMagics(Magics):
     @argument("make_batch", metavar="MAKE_BATCH", nargs="?",
               help="a make_batch(batch_size) function, a Dataset, a DataLoader or one example "
                    "tensor (leave out with --input-shape, or with a step function)")
-    @flags(FIND_BATCH)  # every option of find_batch that has a flag (probe/_options.py)
+    @flags(FindBatchRequest)  # every option of find_batch that has a flag (probe/_options.py)
     @argument("--input-shape", type=example_shape, metavar="SHAPE",
               help="instead of MAKE_BATCH: random inputs with one example of this shape, "
                    "e.g. 3,32,32")
@@ -248,7 +248,7 @@ class BatchMagics(Magics):
         return report
 
     @magic_arguments()
-    @flags(ACCUMULATE)  # N and the flags that are accumulate's keywords (accumulate/_options.py)
+    @flags(AccumulateRequest)  # N and the flags that are accumulate's keywords (its _options.py)
     @argument("--optimizer", metavar="NAME",
               help="the optimizer the cell steps (default: the only one in the notebook)")
     @argument("--scaler", metavar="NAME",
@@ -301,7 +301,7 @@ class BatchMagics(Magics):
             args.noise = ""  # the schedule needs a tracker: a new one
         optimizer = find_one(self.shell, args.optimizer, "--optimizer", True)
         model = training_model(self.shell, args.model, optimizer)
-        options = given(self.shell, ACCUMULATE, args)  # N, --remainder, ... as given
+        options = given(self.shell, AccumulateRequest, args)  # N, --remainder, ... as given
         options.update(
             _micro_batch(self.shell, args, model, self.probed),
             scaler=find_one(self.shell, args.scaler, "--scaler", False),
@@ -328,7 +328,7 @@ class BatchMagics(Magics):
     @argument("--optimizer", metavar="NAME",
               help="the model's optimizer (default: the only one in the notebook that trains "
                    "MODEL); its learning rate is the base batch's")
-    @flags(CRITICAL_BATCH)  # the flags that are critical_batch's keywords (noise/_options.py)
+    @flags(CriticalBatchRequest)  # the flags that are critical_batch's keywords (noise/_options.py)
     @argument("--probe", metavar="NAME",
               help="a find_batch report: batches above what fits accumulate micro-batches")
     @argument("--noise", metavar="NAME",
@@ -362,7 +362,7 @@ class BatchMagics(Magics):
         if optimizer is None:
             raise UsageError(f"--optimizer is needed: no optimizer in the notebook trains "
                              f"{args.model}; {available(self.shell, '--optimizer')}.")
-        options = given(self.shell, CRITICAL_BATCH, args)
+        options = given(self.shell, CriticalBatchRequest, args)
         if args.probe is not None:
             options["fits_batch_size"] = resolve(self.shell, args.probe, "--probe")
         tracker = resolve(self.shell, args.noise, "--noise")
@@ -371,7 +371,7 @@ class BatchMagics(Magics):
         except (TypeError, ValueError) as error:
             message = str(error)
             named = {name: "--probe" if name == "fits_batch_size" else
-                     CRITICAL_BATCH[name].flag_name for name in options}
+                     declared(CriticalBatchRequest, name).flag_name for name in options}
             if "\n" in message or not any(message.startswith(f"{name} should")
                                           for name in named):
                 raise  # not about a flag: the engine's own error

@@ -183,14 +183,14 @@ MAY_IMPORT = {"memory": set(), "probe": {"memory"}, "accumulate": {"noise"}, "no
 
 
 def room_of(module: str) -> str:
-    """engine.<room>.x -> <room>; the shared modules (and engine.noise_tracker, noise's
-    documented path) -> shared / noise; the engine package itself -> engine."""
+    """engine.<room>.x -> <room>; the shared modules -> shared; the engine package itself ->
+    engine."""
     parts = module.split(".")[2:]  # after batchwidgets.engine
     if not parts:
         return "engine"
     if parts[0] in MAY_IMPORT:
         return parts[0]
-    return "noise" if parts[0] == "noise_tracker" else "shared"
+    return "shared"
 
 
 def engine_imports(path: Path, package_dir: Path = PACKAGE) -> set[str]:
@@ -244,7 +244,7 @@ def test_the_engine_is_a_room_a_capability_beside_the_shared_modules():
     rooms = {path.name for path in ENGINE.iterdir() if (path / "__init__.py").exists()}
     assert rooms == {"memory", "probe", "accumulate", "noise", "loader"}
     top = {path.stem for path in ENGINE.glob("*.py")}
-    assert top == {"__init__", "noise_tracker", *SHARED}
+    assert top == {"__init__", *SHARED}
     for room in rooms:  # each room says what it is for and what it exports
         init = (ENGINE / room / "__init__.py").read_text()
         assert "__all__" in init
@@ -308,3 +308,79 @@ def test_the_results_never_import_the_engine_not_even_lazily():
                 name for name in names if re.fullmatch(r"[\w.]*engine[\w.]*", name))
     assert {name: hits for name, hits in found.items() if hits} == {}
     assert len(found) >= 6  # every module of results/ was read
+
+
+# -- the front ends use the engine's public face (issue 45) -------------------------------------
+
+FRONT_ENDS = ("magics.py", "_notebook.py", "widgets", "integrations")
+
+
+def _modules(package_dir: Path, places: tuple[str, ...]) -> list[Path]:
+    return sorted(path for place in places for path in (
+        (package_dir / place).rglob("*.py") if (package_dir / place).is_dir()
+        else [package_dir / place]) if path.exists())
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_privately(paths: list[Path]) -> set[str]:
+    """The private names these modules define: functions, classes, ``self._x`` attributes."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {name for name in names if _private(name)}
+
+
+def front_end_privates(package_dir: Path = PACKAGE) -> list[str]:
+    """Each import of an engine-private module or name by a front end (magics, _notebook,
+    widgets, integrations), and each private member of an engine object it touches
+    (``tracker._defer``: a private name the engine defines and no front end does), in a
+    sentence."""
+    fronts = _modules(package_dir, FRONT_ENDS)
+    engine_only = (_defined_privately(sorted((package_dir / "engine").rglob("*.py")))
+                   - _defined_privately(fronts))
+    found = []
+    for path in fronts:
+        where = path.relative_to(package_dir).as_posix()
+        for name in sorted(imported_modules(path, package_dir)):  # its first private part last
+            *parents, last = name.split(".")
+            if (name.startswith("batchwidgets.engine.") and _private(last)
+                    and not any(_private(part) for part in parents)):
+                found.append(f"{where} imports {name}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in engine_only
+                    and getattr(node.value, "id", None) not in ("self", "cls")):
+                found.append(f"{where}:{node.lineno} uses {ast.unparse(node)}")
+    return found
+
+
+def test_no_front_end_imports_an_engine_private_module_or_member():
+    assert front_end_privates() == []
+    assert len(_modules(PACKAGE, FRONT_ENDS)) >= 10  # the front ends were read
+
+
+def test_the_front_end_rule_sees_private_imports_and_members(tmp_path):
+    """What the front ends did before issue 45: a room's private module, a shared private
+    module, a private member of an engine object."""
+    package = tmp_path / "batchwidgets"
+    (package / "engine" / "noise").mkdir(parents=True)
+    (package / "engine" / "noise" / "_tracker.py").write_text(
+        "class NoiseTracker:\n    def _defer(self, values):\n        self._deferred = values\n")
+    (package / "widgets").mkdir()
+    (package / "widgets" / "probe.py").write_text(
+        "from ..engine import _background, memory\n"
+        "from ..engine.probe._setup import resolve\n"
+        "def f(tracker):\n    from ..engine._util import usable_device\n"
+        "    tracker._defer(1)\n    return self._defer\n")
+    (package / "magics.py").write_text("from .engine import called_where\n")
+    assert front_end_privates(package) == [
+        "widgets/probe.py imports batchwidgets.engine._background",
+        "widgets/probe.py imports batchwidgets.engine._util",
+        "widgets/probe.py imports batchwidgets.engine.probe._setup",
+        "widgets/probe.py:5 uses tracker._defer"]

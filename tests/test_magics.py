@@ -17,7 +17,8 @@ from IPython.testing.globalipapp import start_ipython
 from torch import nn
 
 import batchwidgets as bw
-from batchwidgets.engine.probe import FIND_BATCH
+from batchwidgets.engine import declared
+from batchwidgets.engine.probe import FindBatchRequest
 from batchwidgets.results import BatchSizeReport
 
 BUDGET = "256KiB"  # a few hundred samples of the tiny model: each probe takes a second or two
@@ -149,7 +150,7 @@ def test_every_find_batch_option_is_a_flag(ip):
     manual = ip.find_line_magic("find_batch").__doc__
     callables = ("model", "make_batch", "on_step", "should_stop")
     options = [p for p in inspect.signature(bw.find_batch).parameters if p not in callables]
-    assert [o for o in options if FIND_BATCH[o].flag_name not in manual] == []
+    assert [o for o in options if declared(FindBatchRequest, o).flag_name not in manual] == []
     assert "--no-cache" in manual  # cache=False
     assert "--refresh" in manual
     assert "batchwidgets.find_batch" in manual

@@ -1,10 +1,12 @@
-"""Options declared once (issue 37, NOTE [ Options declared once ] in engine/_options.py): each
-public function's keywords and its declaration agree, the magic's flags are the declaration's,
+"""Options declared once (NOTE [ Options declared once ] in engine/_options.py): each public
+function's keywords are the fields of its request dataclass, in order, with the request's
+defaults; the magic's flags, the panel's controls and the cache key are read from the fields;
 and no default is written a second time in the code that serves the function."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -14,22 +16,25 @@ from IPython.core.magic_arguments import construct_parser
 
 import batchwidgets as bw
 from batchwidgets import magics
-from batchwidgets.engine._options import FLAGS, PYTHON, Options
-from batchwidgets.engine.accumulate import ACCUMULATE
-from batchwidgets.engine.noise import CRITICAL_BATCH
-from batchwidgets.engine.probe import FIND_BATCH, check_arguments
+from batchwidgets.engine import FLAGS, PYTHON, Option, declared, options_of
+from batchwidgets.engine.accumulate import ACCUMULATE, AccumulateRequest
+from batchwidgets.engine.noise import CRITICAL_BATCH, CriticalBatchRequest
+from batchwidgets.engine.probe import OPTIONS, FindBatchRequest, check_arguments
 
 PACKAGE = Path(bw.__file__).parent
 
-# function, its declaration, the magic, its positionals, the magic's flags that are not keywords
+# function, its request dataclass, the magic, its positionals, the magic's flags that are not
+# keywords
 DECLARED = [
-    (bw.find_batch, FIND_BATCH, magics.BatchMagics.find_batch, ("model", "make_batch"),
+    (bw.find_batch, FindBatchRequest, magics.BatchMagics.find_batch, ("model", "make_batch"),
      {"--input-shape", "--num-classes", "--quiet", "--var"}),
-    (bw.accumulate, ACCUMULATE, magics.BatchMagics.accumulate, ("optimizer",),
+    (bw.accumulate, AccumulateRequest, magics.BatchMagics.accumulate, ("optimizer",),
      {"--optimizer", "--scaler", "--scheduler", "--model", "--probe", "--noise"}),
-    (bw.critical_batch, CRITICAL_BATCH, magics.BatchMagics.critical_batch,
+    (bw.critical_batch, CriticalBatchRequest, magics.BatchMagics.critical_batch,
      ("model", "data", "optimizer"), {"--optimizer", "--probe", "--noise"}),
 ]
+DEFAULTS = {FindBatchRequest: OPTIONS, AccumulateRequest: ACCUMULATE,
+            CriticalBatchRequest: CRITICAL_BATCH}
 IDS = [function.__name__ for function, *_ in DECLARED]
 # The code that serves each function: where a default written again would drift from it.
 FACES = {
@@ -52,25 +57,71 @@ def flag_actions(magic) -> dict[str, object]:
     return actions
 
 
-@pytest.mark.parametrize(("function", "options", "magic", "positionals", "own"), DECLARED,
+@pytest.mark.parametrize(("function", "request_type", "magic", "positionals", "own"), DECLARED,
                          ids=IDS)
-def test_every_keyword_is_declared_in_order_with_the_signatures_default(
-        function, options, magic, positionals, own):
+def test_every_keyword_is_a_field_in_order_with_the_requests_default(
+        function, request_type, magic, positionals, own):
     parameters = inspect.signature(function).parameters
     keywords = [name for name in parameters if name not in positionals]
-    assert [option.name for option in options] == keywords
-    for option in options:
-        assert parameters[option.name].default == option.default, option.name
-        assert type(parameters[option.name].default) is type(option.default), option.name
+    fields = dataclasses.fields(request_type)
+    assert [field.name for field in fields] == keywords
+    defaults = DEFAULTS[request_type]
+    assert defaults == request_type()
+    for field in fields:
+        default = parameters[field.name].default
+        assert default == field.default == getattr(defaults, field.name), field.name
+        assert type(default) is type(field.default), field.name
+        assert {"help", "check", "flag", "keyed"} <= set(field.metadata), field.name
 
 
-@pytest.mark.parametrize(("function", "options", "magic", "positionals", "own"), DECLARED,
+def test_the_request_is_frozen_and_a_misspelt_option_is_an_error_where_it_is_written():
+    request = FindBatchRequest(headroom=0.8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.headroom = 0.7
+    with pytest.raises(TypeError, match="headrom"):
+        FindBatchRequest(headrom=0.8)
+    assert (request.headroom, request.multiple_of) == (0.8, OPTIONS.multiple_of)
+
+
+def test_the_reports_defaults_are_the_requests():
+    """NOTE [ The report's defaults ] in engine/probe/_options.py: one literal each."""
+    report = bw.BatchSizeReport(0, None, (), "cpu", None)
+    assert (report.headroom, report.multiple_of) == (OPTIONS.headroom, OPTIONS.multiple_of)
+    parameters = inspect.signature(bw.find_batch).parameters
+    assert parameters["headroom"].default == report.headroom
+
+
+def test_the_engine_reads_options_from_the_request_not_from_a_dict():
+    """No ``locals()``, no ``options["step"]``: a stage reads ``request.step``, which a type
+    checker and a reader can follow."""
+    names = {field.name for field in dataclasses.fields(FindBatchRequest)}
+    found = []
+    for path in sorted((PACKAGE / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(PACKAGE).as_posix()}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "locals":
+                found.append(f"{where} locals()")
+            elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                  and node.slice.value in names
+                  and getattr(node.value, "id", "") in ("options", "given")):
+                found.append(f"{where} {ast.unparse(node)}")
+    assert found == []
+
+
+def test_the_cache_key_holds_every_keyed_field_and_no_other():
+    """The remembered answer's key reads ``keyed`` from the fields: what says how to report
+    or whether to remember is left out, everything else is in."""
+    unkeyed = [o.name for o in options_of(FindBatchRequest) if not o.keyed]
+    assert unkeyed == ["on_step", "should_stop", "cache", "refresh"]
+
+
+@pytest.mark.parametrize(("function", "request_type", "magic", "positionals", "own"), DECLARED,
                          ids=IDS)
 def test_every_flag_is_a_declared_keyword_and_back_with_its_help_and_default(
-        function, options, magic, positionals, own):
+        function, request_type, magic, positionals, own):
     actions = flag_actions(magic)
     flagged = {option.name if option.flag == "positional" else option.flag_name: option
-               for option in options if option.flag}
+               for option in options_of(request_type) if option.flag}
     arguments = {name for name in actions if name.startswith("--")} | {
         name for name in actions if name in flagged}
     assert arguments - set(flagged) == own  # the magic's own flags, nothing else
@@ -86,19 +137,19 @@ def test_every_flag_is_a_declared_keyword_and_back_with_its_help_and_default(
 
 def test_every_find_batch_keyword_but_the_callbacks_is_a_flag_of_find_batch():
     actions = flag_actions(magics.BatchMagics.find_batch)
-    missing = [option.name for option in FIND_BATCH
+    missing = [option.name for option in options_of(FindBatchRequest)
                if option.flag_name not in actions and option.name not in ("on_step",
                                                                            "should_stop")]
     assert missing == []
-    assert FIND_BATCH["what_if"].flag == "switch"
+    assert declared(FindBatchRequest, "what_if").flag == "switch"
     assert actions["--what-if"].const is True
 
 
 def test_the_panel_reads_the_headroom_and_the_targets_from_the_declaration():
     panel = bw.ProbePanel(probe=lambda on_step, headroom=0.9, target=None: None)
-    assert panel.headroom.value == FIND_BATCH["headroom"].default
-    assert panel.headroom.tooltip == FIND_BATCH["headroom"].help_line
-    assert panel.target.values[1:] == list(FIND_BATCH["target"].offered)
+    assert panel.headroom.value == OPTIONS.headroom
+    assert panel.headroom.tooltip == declared(FindBatchRequest, "headroom").help_line
+    assert panel.target.values[1:] == list(declared(FindBatchRequest, "target").offered)
     assert "H200" in panel.target.values
     panel.close()
 
@@ -113,14 +164,15 @@ def test_a_check_names_the_option_as_the_caller_wrote_it():
     assert FLAGS("seq_len", [128, 256]) == "--seq-len 128,256"
     assert FLAGS("target", None) == "no --target"
     assert PYTHON("seq_len", [128, 256]) == "seq_len=[128, 256]"
-    with pytest.raises(RuntimeError, match="no option 'headrom'"):
+    with pytest.raises(TypeError, match="headrom"):
         check_arguments(bw.find_batch, headrom=0.5)
 
 
 # -- no default written twice ---------------------------------------------------------------------
 
 
-def defaults_written_again(source: str, options: Options, function: str) -> list[str]:
+def defaults_written_again(source: str, options: tuple[Option, ...],
+                           function: str) -> list[str]:
     """Where ``source`` writes one of the declared defaults again: a parameter of the same name
     with a literal default (but in the function's own signature, which the tests above hold
     equal to the declaration), a magic's ``@argument`` with ``default=`` or "(default: ...)" in
@@ -168,15 +220,17 @@ def resolve(model, *, headroom: float = 0.9, start=None): ...
 def magic(self, args): return args.remainder or "apply"
 slider = FloatSlider(value=0.9, min=0.5, description="headroom")
 """
-    options = Options("test", *FIND_BATCH, *ACCUMULATE)
+    options = (*options_of(FindBatchRequest), *options_of(AccumulateRequest))
     assert sorted(defaults_written_again(source, options, "find_batch")) == [
         "--multiple-of: default=1", "--steps-per-trial: (default: 2) in its help",
         "headroom: value=0.9", "remainder or 'apply'", "resolve(headroom=0.9)"]
 
 
-@pytest.mark.parametrize(("function", "options"), [
-    ("find_batch", FIND_BATCH), ("accumulate", ACCUMULATE), ("critical_batch", CRITICAL_BATCH)])
-def test_no_default_is_written_twice(function, options):
+@pytest.mark.parametrize(("function", "request_type"), [
+    ("find_batch", FindBatchRequest), ("accumulate", AccumulateRequest),
+    ("critical_batch", CriticalBatchRequest)])
+def test_no_default_is_written_twice(function, request_type):
+    options = options_of(request_type)
     paths = [path for face in FACES[function] for path in (
         sorted((PACKAGE / face).glob("*.py")) if (PACKAGE / face).is_dir() else [PACKAGE / face])]
     paths = [path for path in paths if path.name != "_options.py"]  # the declaration itself

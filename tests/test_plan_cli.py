@@ -175,14 +175,14 @@ def test_the_shell_gets_exit_code_2_and_one_line_for_an_unknown_flag():
 
 
 def test_the_flags_that_are_find_batch_options_take_its_defaults_and_help():
-    from batchwidgets.engine.probe import FIND_BATCH
+    from batchwidgets.engine.probe import OPTIONS
 
-    passed = [flag for flag in _plan_cli.flags() if flag.keyword in FIND_BATCH]
+    passed = [flag for flag in _plan_cli.flags() if flag.keyword in vars(OPTIONS)]
     assert {flag.keyword for flag in passed} >= {"target", "amp", "parallel", "seq_len",
                                                   "max_batch_size", "multiple_of", "headroom",
                                                   "keep_output", "cache"}
     for flag in passed:
         if not flag.switch:
-            assert flag.default == FIND_BATCH[flag.keyword].default, flag
+            assert flag.default == getattr(OPTIONS, flag.keyword), flag
     names = [flag.flag for flag in _plan_cli.flags()]
     assert len(names) == len(set(names))

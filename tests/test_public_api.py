@@ -243,7 +243,6 @@ OLD_PATHS = [
     ("batchwidgets.engine.probe", ["find_batch", "NoBatchSizeFits"]),
     ("batchwidgets.engine.accumulate", ["accumulate"]),
     ("batchwidgets.engine.noise", ["measure_noise"]),
-    ("batchwidgets.engine.noise_tracker", ["NoiseTracker"]),
     ("batchwidgets.engine.loader", ["tune_loader", "measure_loader", "make_loader",
                                     "data_stall", "loader_report"]),
     ("batchwidgets.engine.memory", ["track_tensor_memory", "BudgetExceededError", "parse_bytes",

@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchwidgets as bw
-from batchwidgets.engine import _cache
-from batchwidgets.engine.probe import FIND_BATCH, _remember
+from batchwidgets.engine import _cache, options_of
+from batchwidgets.engine.probe import FindBatchRequest, _remember
 from batchwidgets.engine.probe._setup import resolve
 
 MIB = 2**20
@@ -284,13 +284,13 @@ def _key(model: nn.Module, **given) -> str:
         given["optimizer"] = optimizer
         given["scheduler"] = torch.optim.lr_scheduler.StepLR(optimizer, 1)
     make_batch = None if "step" in given else make_by_length
-    options = FIND_BATCH.complete({"loss_fn": F.cross_entropy, "budget": BUDGET, **given})
-    key, _limit = _remember._key(resolve(model, make_batch, options), options)
+    request = FindBatchRequest(**{"loss_fn": F.cross_entropy, "budget": BUDGET, **given})
+    key, _limit = _remember._key(resolve(model, make_batch, request))
     return key
 
 
 def test_every_option_that_decides_the_answer_is_in_the_key():
-    keyed = [o.name for o in FIND_BATCH if o.name not in _remember.NOT_KEYED]
+    keyed = [o.name for o in options_of(FindBatchRequest) if o.keyed]
     assert sorted(CHANGED_OPTION) == sorted(keyed)  # a new option: add it above
     model = Counted()
     base = _key(model)

@@ -13,7 +13,8 @@ Shared pieces beside them, which import none of the rooms:
 
 - ``_util.py``       walking nested batches, the default device, world size, int checks
 - ``_types.py``      the vocabulary: step, progress and data names, Literal choices
-- ``_options.py``    Option, Options, Spelling: each public function's options declared once
+- ``_options.py``    option(), Option, Spelling: each public function's options declared once,
+                    the fields of its request dataclass
 - ``_batches.py``    batches of any size from a callable, Dataset, DataLoader or tensor
 - ``_called.py``     what was called of the user's code when it raised: one line first
 - ``_state.py``      bit-exact snapshot and restore of model, optimizer, RNGs, flags
@@ -24,11 +25,35 @@ Shared pieces beside them, which import none of the rooms:
 - ``_fingerprint.py`` what decides a step's memory (model, optimizer, batch, code) as JSON values
 - ``_cache.py``      the cache directory: JSON files written atomically, read back or refused
 
-And ``noise_tracker.py``: NoiseTracker's documented import path.
-
 What a room may import (tests/test_boundaries.py holds it): every room the shared pieces;
 ``probe`` also ``memory``; ``accumulate`` also ``noise``. Nothing else, and another room only
 through its package (``from ..memory import replay``), never its private modules. So
 ``find_batch`` loads no module of noise, accumulate or loader. A new module adds its line to
 its room's ``__init__.py``; its tests go in tests/test_<public module it serves>.py.
+
+The names below are the engine's public face beside its rooms: what the front ends (magics,
+widgets, integrations) use of the shared modules. A front end imports these or a room's
+package, never a private module (tests/test_boundaries.py holds it).
 """
+
+from ._background import ModelHeldError, check_free, copied, held, private_rng, state_bytes
+from ._batches import SyntheticBatches, as_batch_maker
+from ._called import called_where
+from ._grads import grad_norms, group_by_device_and_dtype, loss_scale, sum_of_squares
+from ._options import (
+    FLAGS,
+    PYTHON,
+    Option,
+    Spelling,
+    check_options,
+    declared,
+    options_of,
+    positive_integer,
+)
+from ._util import to_device, usable_device
+
+__all__ = ["FLAGS", "PYTHON", "ModelHeldError", "Option", "Spelling", "SyntheticBatches",
+           "as_batch_maker", "called_where", "check_free", "check_options", "copied", "declared",
+           "grad_norms", "group_by_device_and_dtype", "held", "loss_scale", "options_of",
+           "positive_integer", "private_rng", "state_bytes", "sum_of_squares", "to_device",
+           "usable_device"]

@@ -1,26 +1,32 @@
-"""Options declared once: an ``Option`` carries a keyword's name, default, check and help line,
-and a function's ``Options`` are read by its checks, its magic's flags, the flag names in its
-errors and its panel's controls (NOTE [ Options declared once ])."""
+"""Options declared once: a public function's keyword options are the fields of one frozen
+dataclass (find_batch's ``FindBatchRequest``), each field's metadata carrying its help line,
+check, flag and cache-key membership; ``option()`` declares one, ``options_of()`` reads them
+back for the checks, a magic's flags, the flag names in its errors and a panel's controls
+(NOTE [ Options declared once ])."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 # NOTE [ Options declared once ]
-# Each keyword option of a public function is one ``Option`` in that function's ``Options``,
-# in its signature's order: the name (the flag is ``--name`` with '_' written '-'), the
-# default, the check (one rule on the value alone; rules between options stay in the function's
-# checks), the help line, and how a magic reads it (``flag``: a value parsed from its text, a
-# name in the notebook, a switch; no flag for a callable, or where the magic's flag means more
-# than the keyword: %%accumulate finds the scaler in the notebook). The front ends derive:
-# a magic's @argument lines, "(default: ...)" in its help, a panel's control's value and
-# tooltip. The function's signature spells the same defaults for help(), IDEs and type
-# checkers; tests/test_options.py holds the two equal, fails on a default written again in the
-# code that serves the function (its room, the magics, its panel), and on a keyword without
-# its Option or a flag without its keyword. Adding an option is one Option, one keyword, and
-# what it does.
+# Each keyword option of a public function is one field of that function's request dataclass,
+# in its signature's order, declared by ``option()``: the default (the field's), the help line,
+# the check (one rule on the value alone; rules between options stay in the function's
+# checks), how a magic reads it (``flag``: a value parsed from its text, a name in the
+# notebook, a switch; no flag for a callable, or where the magic's flag means more than the
+# keyword: %%accumulate finds the scaler in the notebook), and whether it enters a remembered
+# answer's key (``keyed``). Everything else reads the fields (``options_of``): the function's
+# checks, a magic's @argument lines and "(default: ...)" in its help, a panel's control's value
+# and tooltip, the cache key. The function's signature spells its defaults as the request's
+# (``headroom: float = OPTIONS.headroom``) for help(), IDEs and type checkers, and builds the
+# request from its keywords by name (never ``locals()``); the stages read ``request.headroom``,
+# so a misspelt option fails where it is written, not as a KeyError deep in a stage.
+# tests/test_options.py holds the two equal, fails on a default written again in the code that
+# serves the function (its room, the magics, its panel), and on a keyword without its field or
+# a flag without its keyword. Adding an option is one field, one keyword, and what it does.
 #
 # A check names options as the caller wrote them, through a ``Spelling``: ``max_batch_size=4``
 # in Python, ``--max-batch-size 4`` on a magic's line. So a magic's mistake is the function's
@@ -58,9 +64,20 @@ FLAGS = Spelling(flags=True)
 Check = Callable[[Any, Spelling], None]  # check(value, said): a TypeError or ValueError
 
 
+def option(default: Any, help: str, *, check: Check | None = None, flag: Flag = "value",
+           metavar: str | None = None, parse: Callable[[str], Any] = str,
+           choices: tuple[str, ...] | None = None, offered: tuple[str, ...] = (),
+           keyed: bool = True) -> Any:
+    """One field of a request dataclass: its default, and what every front end needs to know
+    about it in the field's metadata (read back as an ``Option`` by ``options_of``)."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "check": check, "flag": flag, "metavar": metavar, "parse": parse,
+        "choices": choices, "offered": offered, "keyed": keyed})
+
+
 @dataclass(frozen=True)
 class Option:
-    """One keyword option: what every front end needs to know about it."""
+    """One keyword option as its field declares it: what every front end needs to know."""
 
     name: str
     default: Any
@@ -74,6 +91,11 @@ class Option:
     parse: Callable[[str], Any] = str  # a flag's text -> the value (ValueError if it is not one)
     choices: tuple[str, ...] | None = None  # what a magic's flag accepts (argparse's choices)
     offered: tuple[str, ...] = ()  # what a panel's dropdown offers, where it has one
+    keyed: bool = True  # it decides what is measured: a remembered answer's key holds it
+
+    @classmethod
+    def of(cls, field: dataclasses.Field) -> Option:
+        return cls(name=field.name, default=field.default, **field.metadata)
 
     @property
     def flag_name(self) -> str:
@@ -87,44 +109,27 @@ class Option:
         return f"{self.help} (default: {_typed(self.default)})"
 
 
-class Options:
-    """A function's options in its signature's order: ``options["headroom"]``, ``for option in
-    options``, ``options.defaults()``, ``options.check(values, said)``."""
+def options_of(request: Any) -> tuple[Option, ...]:
+    """A request dataclass's (or instance's) options, in its signature's order."""
+    return tuple(Option.of(field) for field in dataclasses.fields(request))
 
-    def __init__(self, function: str, *options: Option) -> None:
-        self.function = function
-        self._options = {option.name: option for option in options}
 
-    def __iter__(self) -> Iterator[Option]:
-        return iter(self._options.values())
+def declared(request: Any, name: str) -> Option:
+    """One option of a request dataclass, by its field's name (a panel's control)."""
+    found = [option for option in options_of(request) if option.name == name]
+    if not found:
+        raise AttributeError(f"{getattr(request, '__name__', type(request).__name__)} has no "
+                             f"option {name!r}")
+    return found[0]
 
-    def __getitem__(self, name: str) -> Option:
-        return self._options[name]
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._options
-
-    def defaults(self) -> dict[str, Any]:
-        return {option.name: option.default for option in self}
-
-    def complete(self, given: Mapping[str, Any]) -> dict[str, Any]:
-        """Every option's value: the ones given, the defaults for the rest."""
-        unknown = sorted(set(given) - set(self._options))
-        if unknown:
-            raise RuntimeError(f"{self.function} has no option {unknown[0]!r}: this is a bug in "
-                               f"batchwidgets; please report it.")
-        return {**self.defaults(), **given}
-
-    def pick(self, namespace: Mapping[str, Any]) -> dict[str, Any]:
-        """The options' values out of a namespace holding them (the function's ``locals()``)."""
-        return {name: namespace[name] for name in self._options}
-
-    def check(self, values: Mapping[str, Any], said: Spelling = PYTHON) -> None:
-        """Each option's own rule (None stands for "not given" where it is the default)."""
-        for name, value in values.items():
-            option = self._options[name]
-            if option.check is not None and not (value is None and option.default is None):
-                option.check(value, said)
+def check_options(request: Any, said: Spelling = PYTHON) -> None:
+    """Each option's own rule on a request's values (None stands for "not given" where it is
+    the default)."""
+    for option in options_of(request):
+        value = getattr(request, option.name)
+        if option.check is not None and not (value is None and option.default is None):
+            option.check(value, said)
 
 
 # -- a flag's text as a value (a magic's argparse type; the option's check follows) -------------

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..engine._grads import grad_norms, group_by_device_and_dtype, loss_scale, sum_of_squares
+from ..engine import grad_norms, group_by_device_and_dtype, loss_scale, sum_of_squares
 from ..engine.noise import DeferredUpdate, NoiseTracker
 
 # NOTE [ Feeding the tracker from a trainer's accumulation ]
@@ -132,13 +132,13 @@ class TrainerFeed:
                     scalars += [one, big]
                     small = "squares"
         elif self._measuring is False:
-            self.tracker._skip_update()
+            self.tracker.skip_update()
         if scalars:
             device = scalars[-1].device
             with torch.no_grad():
                 values = torch.stack([t.to(device) for t in scalars])
             self.tracker.sampler.charge(started)
-            self.tracker._defer(values, DeferredUpdate(
+            self.tracker.defer(values, DeferredUpdate(
                 n_values=len(scalars), n_losses=len(losses), small=small,
                 micro_batch_size=self.micro_batch_size, n_micro=n))
 
@@ -150,7 +150,7 @@ class TrainerFeed:
         self._update_start, self._data_s = now, 0.0
         self.n_micro = 0
         self._measuring = self.tracker.sampler.end_update()
-        if self.panel is not None and self.tracker._deferred:
+        if self.panel is not None:  # nothing to read: flush returns at once
             self.tracker.flush()  # the panel redraws from the listeners (throttled)
 
 

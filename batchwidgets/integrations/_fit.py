@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._warnings import BatchwidgetsWarning
+from ..engine import check_options, options_of
 from ..engine.accumulate import split
-from ..engine.probe import FIND_BATCH
+from ..engine.probe import FindBatchRequest
 from ..results import BatchSizeReport, BatchSplitReport
 
 # find_batch options a trainer decides: its model's step, its data, this device
@@ -21,14 +22,15 @@ DECIDED = ("step", "seq_len", "target", "parallel", "scheduler")
 def fit_options(options: Mapping[str, Any], caller: str) -> dict[str, Any]:
     """``options`` as find_batch's keywords, checked: a name find_batch lacks, or one the
     trainer decides, is a TypeError naming the ones it takes."""
+    names = [option.name for option in options_of(FindBatchRequest)]
     for name in options:
-        if name not in FIND_BATCH or name in DECIDED:
-            takes = [o.name for o in FIND_BATCH if o.name not in DECIDED]
+        if name not in names or name in DECIDED:
+            takes = [taken for taken in names if taken not in DECIDED]
             why = ("the trainer decides it" if name in DECIDED
                    else "find_batch has no such option")
             raise TypeError(f"{caller} got the option {name!r}, but {why}; it takes "
                             f"global_batch_size and find_batch's options {takes}.")
-    FIND_BATCH.check(dict(options))
+    check_options(FindBatchRequest(**options))
     return dict(options)
 
 

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from ..engine._batches import as_batch_maker
-from ..engine._util import to_device
+from ..engine import as_batch_maker, to_device
 from ..engine.noise import NoiseTracker
 from ..engine.probe import find_batch
 from ..results import BatchSplitReport

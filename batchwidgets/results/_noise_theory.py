@@ -63,11 +63,6 @@ def population_estimates(trace_cov: float, grad_norm_sq: float, n: int,
     return trace, grad_norm_sq - noise_floor(trace_cov, n, m)
 
 
-def sampling_fraction_left(n: int, m: int | None) -> float:
-    """1 - N/M, the finite-population correction of a variance (1 for an infinite one)."""
-    return 1.0 if m is None else max(0.0, 1 - n / m)
-
-
 def batch_variance(variance: float, n: int, batch_size: int, replacement: bool) -> float:
     """Variance of the mean of ``batch_size`` draws from ``n`` values of population variance
     ``variance``: ``variance / B`` with replacement, times the finite-population correction

@@ -21,9 +21,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import _html
-from ..engine import _background, memory
-from ..engine._util import usable_device
-from ..engine.probe import FIND_BATCH, find_batch
+from ..engine import (
+    ModelHeldError,
+    check_free,
+    copied,
+    declared,
+    held,
+    memory,
+    private_rng,
+    state_bytes,
+    usable_device,
+)
+from ..engine.probe import OPTIONS, FindBatchRequest, find_batch
 from ..plots import plot_probe
 from ..results import Attempt, BatchSizeReport, attempts_table
 from ..results._snapshot import snapshot_link
@@ -54,20 +63,20 @@ def _off_the_main_thread(probe: Probe) -> Iterator[Probe]:
         yield probe
         return
     model = probe.args[0]
-    _background.check_free(model)  # held by another panel: its fake twins may stand in it now
+    check_free(model)  # held by another panel: its fake twins may stand in it now
     options = dict(probe.keywords)
     optimizer = options.get("optimizer")
     first = next(model.parameters(), None)
     device = usable_device(options.get("device") or (
         first.device if first is not None else "cpu"))
     room = None if device.type == "cuda" else memory.available_memory_bytes()
-    if room is not None and 2 * _background.state_bytes(model, optimizer) <= room:
+    if room is not None and 2 * state_bytes(model, optimizer) <= room:
         names = ("optimizer", "scheduler", "scaler")
-        model, *extras = _background.copied(model, *(options.get(name) for name in names))
+        model, *extras = copied(model, *(options.get(name) for name in names))
         options.update({n: e for n, e in zip(names, extras) if e is not None})
         yield functools.partial(find_batch, model, *probe.args[1:], **options)
         return
-    with _background.held(model, optimizer, "a ProbePanel"):
+    with held(model, optimizer, "a ProbePanel"):
         yield probe
 
 
@@ -150,7 +159,8 @@ class ProbePanel(ReportDisplay, widgets.Panel):
         self._stop = threading.Event()
         self.stop_button = widgets.Button(description="Stop", disabled=True,
                                           tooltip="end the probe now, with the sizes it finished")
-        target, headroom = FIND_BATCH["target"], FIND_BATCH["headroom"]
+        target = declared(FindBatchRequest, "target")
+        headroom = declared(FindBatchRequest, "headroom")
         self.target = widgets.Dropdown(
             options=(HERE, *target.offered), value=HERE, description=target.name,
             disabled=probe is None or not _accepts(probe, target.name), tooltip=target.help)
@@ -162,7 +172,7 @@ class ProbePanel(ReportDisplay, widgets.Panel):
         self.summary = widgets.HTML()
         self.attempts = widgets.HTML()
         self.headroom = widgets.FloatSlider(
-            value=headroom.default, min=0.5, max=1.0, step=0.01, description=headroom.name,
+            value=OPTIONS.headroom, min=0.5, max=1.0, step=0.01, description=headroom.name,
             disabled=True, continuous_update=False, readout_format=".2f",
             tooltip=headroom.help_line)
         self.code = widgets.Text(value="", description="code")
@@ -287,9 +297,9 @@ class ProbePanel(ReportDisplay, widgets.Panel):
 
     def _probe_in_background(self) -> None:
         try:  # the global RNG and the user's model stay the main thread's
-            with _background.private_rng(), _off_the_main_thread(self.probe) as probe:
+            with private_rng(), _off_the_main_thread(self.probe) as probe:
                 self._probe(probe)
-        except _background.ModelHeldError as error:  # another panel probes this model now
+        except ModelHeldError as error:  # another panel probes this model now
             self._fail(error)
             self.error = error
         except BaseException as error:  # shown in the panel; wait() raises it

@@ -24,13 +24,17 @@ from .._types import REMAINDERS, Remainder
 from .._util import check_int
 from ..noise import AutoSteps, NoiseTracker
 from ._accumulator import Accumulator
+from ._options import ACCUMULATE
 
 
-def accumulate(optimizer: torch.optim.Optimizer, steps: int | str = 4,
-               model: torch.nn.Module | None = None, scaler: Any = None, scheduler: Any = None,
-               *, remainder: Remainder = "apply", track_grad_norms: bool = False,
-               batch_size: int | None = None, micro_batch_size: int | None = None,
-               noise: NoiseTracker | None = None) -> Accumulator:
+def accumulate(optimizer: torch.optim.Optimizer, steps: int | str = ACCUMULATE.steps,
+               model: torch.nn.Module | None = ACCUMULATE.model,
+               scaler: Any = ACCUMULATE.scaler, scheduler: Any = ACCUMULATE.scheduler, *,
+               remainder: Remainder = ACCUMULATE.remainder,
+               track_grad_norms: bool = ACCUMULATE.track_grad_norms,
+               batch_size: int | None = ACCUMULATE.batch_size,
+               micro_batch_size: int | None = ACCUMULATE.micro_batch_size,
+               noise: NoiseTracker | None = ACCUMULATE.noise) -> Accumulator:
     """Gradient accumulation around an unchanged training loop.
 
     Inside the block, ``optimizer.step()`` and ``zero_grad()`` take effect every ``steps``

@@ -9,7 +9,8 @@ during training, and the batch-size schedule they suggest.
 - ``_schedule.py``  the batch-size schedule from the noise scale; sampling the tracker
 - ``_critical.py``  critical_batch: the critical batch measured from branched runs
 - ``_branches.py``  its branches: runs to a target, the learning-rate search, the fit
-- ``_options.py``   critical_batch's options declared once (%critical_batch's flags)
+- ``_options.py``   CriticalBatchRequest: critical_batch's options declared once as one
+  frozen dataclass (its signature's defaults, %critical_batch's flags)
 
 It imports the shared modules only. ``AccumulatorFeed`` and ``AutoSteps`` are what accumulate
 uses of it, ``DeferredUpdate`` what the trainer callbacks use.
@@ -19,9 +20,9 @@ from ._critical import critical_batch
 from ._estimate import DeferredUpdate
 from ._feed import AccumulatorFeed
 from ._measure import measure_noise
-from ._options import CRITICAL_BATCH
+from ._options import CRITICAL_BATCH, CriticalBatchRequest
 from ._schedule import AutoSteps
 from ._tracker import NoiseTracker
 
-__all__ = ["CRITICAL_BATCH", "AccumulatorFeed", "AutoSteps", "DeferredUpdate", "NoiseTracker",
-           "critical_batch", "measure_noise"]
+__all__ = ["CRITICAL_BATCH", "AccumulatorFeed", "AutoSteps", "CriticalBatchRequest",
+           "DeferredUpdate", "NoiseTracker", "critical_batch", "measure_noise"]

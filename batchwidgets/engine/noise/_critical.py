@@ -24,6 +24,7 @@ from .._state import TrainingState, restored
 from .._util import check_int, check_number
 from ._branches import _default_target, _fit, _loss_criterion, _rung, _Runner
 from ._measure import measure_noise
+from ._options import CRITICAL_BATCH
 
 LossFn = Callable[..., torch.Tensor]
 ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
@@ -168,15 +169,22 @@ def _scaling(optimizer: torch.optim.Optimizer, rule: str | Callable | None) -> t
 
 
 def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
-                   optimizer: torch.optim.Optimizer, loss_fn: LossFn | None = None,
-                   target_loss: float | None = None, base_batch_size: int | None = None,
-                   batch_sizes: Sequence[int] | None = None, base_steps: int = 64,
-                   lr_scaling: str | Callable[[float], float] | None = None,
-                   scheduler: Any = None, seeds: int = 2, max_steps: int | None = None,
-                   eval_examples: int = 256, noise: bool = True,
-                   fits_batch_size: int | BatchSizeReport | None = None,
-                   criterion: str = "steps", loss_tolerance: float = 0.01,
-                   device: torch.device | str | None = None) -> CriticalBatchReport:
+                   optimizer: torch.optim.Optimizer,
+                   loss_fn: LossFn | None = CRITICAL_BATCH.loss_fn,
+                   target_loss: float | None = CRITICAL_BATCH.target_loss,
+                   base_batch_size: int | None = CRITICAL_BATCH.base_batch_size,
+                   batch_sizes: Sequence[int] | None = CRITICAL_BATCH.batch_sizes,
+                   base_steps: int = CRITICAL_BATCH.base_steps,
+                   lr_scaling: str | Callable[[float], float] | None = CRITICAL_BATCH.lr_scaling,
+                   scheduler: Any = CRITICAL_BATCH.scheduler, seeds: int = CRITICAL_BATCH.seeds,
+                   max_steps: int | None = CRITICAL_BATCH.max_steps,
+                   eval_examples: int = CRITICAL_BATCH.eval_examples,
+                   noise: bool = CRITICAL_BATCH.noise,
+                   fits_batch_size: int | BatchSizeReport | None = CRITICAL_BATCH.fits_batch_size,
+                   criterion: str = CRITICAL_BATCH.criterion,
+                   loss_tolerance: float = CRITICAL_BATCH.loss_tolerance,
+                   device: torch.device | str | None = CRITICAL_BATCH.device,
+                   ) -> CriticalBatchReport:
     """Measure the critical batch from the current weights (NOTE [ The critical batch,
     measured ]): short branched runs at a ladder of batch sizes, each to the same target loss.
 

@@ -102,7 +102,7 @@ class AccumulatorFeed:
         if not self.measuring:  # sampling left this update out: its losses only
             self._big_sq, self._norms, self._first = None, [], []
             self.drop()
-            self.tracker._skip_update()
+            self.tracker.skip_update()
             return
         big = (self._big_sq if self._big_sq is not None
                else grad_sq_norm(params, scaler, optimizer, self._groups))
@@ -125,7 +125,7 @@ class AccumulatorFeed:
         with torch.no_grad():
             values = torch.stack([t if t.device == device else t.to(device) for t in scalars])
         self.charge(started)
-        self.tracker._defer(values, DeferredUpdate(
+        self.tracker.defer(values, DeferredUpdate(
             n_values=len(scalars), n_losses=len(losses), small=kind,
             micro_batch_size=micro_batch_size, n_micro=n_micro))
 
@@ -147,7 +147,7 @@ class AccumulatorFeed:
         """The update's gradients are discarded (a dropped remainder): its losses only."""
         if self._losses:
             n_losses = len(self._losses)
-            self.tracker._defer(torch.stack(self._losses), DeferredUpdate(
+            self.tracker.defer(torch.stack(self._losses), DeferredUpdate(
                 n_values=n_losses, n_losses=n_losses, small=None, micro_batch_size=None,
                 n_micro=0))
             self._losses = []

@@ -215,8 +215,8 @@ class NoiseTracker:
             with self._lock:
                 self._stall_shares.append(min(max(data_s / step_s, 0.0), 1.0))
 
-    def _skip_update(self) -> None:
-        """An update that sampling left unmeasured (see UpdateSampler)."""
+    def skip_update(self) -> None:
+        """An update that sampling left unmeasured (see UpdateSampler), told by a feed."""
         with self._lock:
             self._n_skipped += 1
 
@@ -252,8 +252,9 @@ class NoiseTracker:
                 self._fold(values[start:start + record.n_values], record)
                 start += record.n_values
 
-    def _defer(self, values: torch.Tensor, record: DeferredUpdate) -> None:
-        """Keep one update's device values (see ``DeferredUpdate``) without a host sync."""
+    def defer(self, values: torch.Tensor, record: DeferredUpdate) -> None:
+        """Keep one update's device values (see ``DeferredUpdate``) without a host sync: what a
+        feed (accumulate's, a trainer callback's) hands the tracker each update."""
         with self._lock:
             self._deferred.append((values, record))
             waiting = len(self._deferred)

@@ -6,7 +6,8 @@
   GPU or each rank of N, the what-ifs planned
 - ``_core.py``        the traced core both stand on: the search run under the meter and the
   state guard (real or fake trials), and the report of what it found
-- ``_options.py``     find_batch's options declared once: default, check, help, flag
+- ``_options.py``     FindBatchRequest: find_batch's options as one frozen dataclass, each field's
+  default, check, help, flag and cache-key membership; OPTIONS, its defaults
 - ``_nothing_fits.py`` NoBatchSizeFits: not even the smallest batch trains, and what would help
 - ``_setup.py``       the arguments resolved once into a frozen ProbeSetup
 - ``_checks.py``      the argument checks (one line each), what the report says was probed
@@ -32,11 +33,12 @@ It imports ``memory`` and the shared modules; nothing of accumulate, noise or lo
 """
 
 from ._cell import CellStep, names_in
-from ._checks import check_arguments
+from ._checks import check_arguments, check_request
 from ._find_batch import MakeBatch, find_batch
 from ._nothing_fits import NoBatchSizeFits
-from ._options import FIND_BATCH
+from ._options import OPTIONS, FindBatchRequest
 from ._remember import ENGINE_VERSION, forget
 
-__all__ = ["ENGINE_VERSION", "FIND_BATCH", "CellStep", "MakeBatch", "NoBatchSizeFits",
-           "check_arguments", "find_batch", "forget", "names_in"]
+__all__ = ["ENGINE_VERSION", "OPTIONS", "CellStep", "FindBatchRequest", "MakeBatch",
+           "NoBatchSizeFits", "check_arguments", "check_request", "find_batch", "forget",
+           "names_in"]

@@ -11,8 +11,8 @@ import torch
 
 from ..._warnings import BatchwidgetsWarning
 from .. import memory
-from .._options import PYTHON, Spelling
-from ._options import FIND_BATCH
+from .._options import PYTHON, Spelling, check_options
+from ._options import FindBatchRequest
 from ._ranks import in_job
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -54,19 +54,25 @@ def notes_on(owner: torch.nn.Module | None, device: torch.device, amp: str | Non
 
 def check_arguments(model: Any, make_batch: Any = None, *, said: Spelling = PYTHON,
                     **given: Any) -> None:
+    """Every rule find_batch has for its arguments (``check_request``). ``given``: find_batch's
+    options given by name (the rest are the defaults)."""
+    check_request(model, make_batch, FindBatchRequest(**given), said)
+
+
+def check_request(model: Any, make_batch: Any, request: FindBatchRequest,
+                  said: Spelling = PYTHON) -> None:
     """Every rule find_batch has for its arguments, one ``if`` each: each option's own (in
     probe/_options.py), then the rules between them; a one-line TypeError or ValueError naming
     the argument and the fix, as the caller wrote it (``said``: find_batch's keywords or
-    %find_batch's flags). ``given``: find_batch's options given (the rest are the defaults)."""
-    options = FIND_BATCH.complete(given)
-    FIND_BATCH.check(options, said)
-    step, seq_len, target = options["step"], options["seq_len"], options["target"]
-    _check_trace(model, target, options["trace"], step, said)
-    if options["parallel"] is not None:
+    %find_batch's flags)."""
+    check_options(request, said)
+    step, seq_len, target = request.step, request.seq_len, request.target
+    _check_trace(model, target, request.trace, step, said)
+    if request.parallel is not None:
         count = memory.parse_gpus(target)[0] if target is not None else 1
-        check_parallel(options["parallel"], target, count,
+        check_parallel(request.parallel, target, count,
                        step is None and isinstance(model, torch.nn.Module), said)
-    if options["keep_output"] is not True and (
+    if request.keep_output is not True and (
             step is not None or not isinstance(model, torch.nn.Module)):
         raise ValueError(f"{said('keep_output')} should be left out with a step of your own: "
                          f"it models the model form's loop, and your step is measured as it "
@@ -75,7 +81,7 @@ def check_arguments(model: Any, make_batch: Any = None, *, said: Spelling = PYTH
         _check_step(model, make_batch, seq_len, said)
         model = step
     _check_model(model, make_batch)
-    _check_sizes(options["max_batch_size"], options["multiple_of"], options["start"], said)
+    _check_sizes(request.max_batch_size, request.multiple_of, request.start, said)
     if seq_len is not None:
         _check_lengths(make_batch, said)
 

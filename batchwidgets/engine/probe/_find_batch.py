@@ -25,7 +25,7 @@ from ._core import at_length
 from ._fake_group import resizes_seen_in_job
 from ._measure import measure
 from ._nothing_fits import NoBatchSizeFits, already
-from ._options import FIND_BATCH
+from ._options import OPTIONS, FindBatchRequest
 from ._plan import plan
 from ._remember import remembered
 from ._setup import ProbeSetup, eager_while_probed, resolve
@@ -36,17 +36,22 @@ MakeBatch = (Callable[[int], Any] | torch.utils.data.Dataset | torch.utils.data.
 
 
 def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None = None,
-               loss_fn: Callable | None = None, optimizer: torch.optim.Optimizer | None = None,
-               device: torch.device | str | None = None, budget: int | str | None = None,
-               amp: Amp | None = None, max_batch_size: int | None = None, multiple_of: int = 1,
-               headroom: float = 0.9, *, scaler: Any = None, scheduler: Any = None,
-               steps_per_trial: int = 2, start: int | None = None,
-               on_step: OnStep | None = None, should_stop: ShouldStop | None = None,
-               seq_len: Sequence[int] | None = None,
-               what_if: bool = False, target: str | int | None = None,
-               trace: Trace | None = None, step: ProbeStep | None = None,
-               parallel: str | None = None, keep_output: bool = True,
-               cache: bool = True, refresh: bool = False) -> BatchSizeReport:
+               loss_fn: Callable | None = OPTIONS.loss_fn,
+               optimizer: torch.optim.Optimizer | None = OPTIONS.optimizer,
+               device: torch.device | str | None = OPTIONS.device,
+               budget: int | str | None = OPTIONS.budget, amp: Amp | None = OPTIONS.amp,
+               max_batch_size: int | None = OPTIONS.max_batch_size,
+               multiple_of: int = OPTIONS.multiple_of, headroom: float = OPTIONS.headroom, *,
+               scaler: Any = OPTIONS.scaler, scheduler: Any = OPTIONS.scheduler,
+               steps_per_trial: int = OPTIONS.steps_per_trial, start: int | None = OPTIONS.start,
+               on_step: OnStep | None = OPTIONS.on_step,
+               should_stop: ShouldStop | None = OPTIONS.should_stop,
+               seq_len: Sequence[int] | None = OPTIONS.seq_len,
+               what_if: bool = OPTIONS.what_if, target: str | int | None = OPTIONS.target,
+               trace: Trace | None = OPTIONS.trace, step: ProbeStep | None = OPTIONS.step,
+               parallel: str | None = OPTIONS.parallel,
+               keep_output: bool = OPTIONS.keep_output, cache: bool = OPTIONS.cache,
+               refresh: bool = OPTIONS.refresh) -> BatchSizeReport:
     """Find the largest batch size that trains without running out of memory.
 
     Runs real training steps (forward, loss, backward, optimizer step; ``steps_per_trial`` of
@@ -183,14 +188,20 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
     >>> report.max_batch_size, report.first_oom_batch_size
     (622, 623)
     """
-    options = FIND_BATCH.pick(locals())  # see probe/_options.py
-    setup = resolve(model, make_batch, options)
+    request = FindBatchRequest(  # see probe/_options.py
+        loss_fn=loss_fn, optimizer=optimizer, device=device, budget=budget, amp=amp,
+        max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom,
+        scaler=scaler, scheduler=scheduler, steps_per_trial=steps_per_trial, start=start,
+        on_step=on_step, should_stop=should_stop, seq_len=seq_len, what_if=what_if,
+        target=target, trace=trace, step=step, parallel=parallel, keep_output=keep_output,
+        cache=cache, refresh=refresh)
+    setup = resolve(model, make_batch, request)
     try:  # a compiled model's eager step: NOTE [ A compiled model is probed in its eager step ]
-        with eager_while_probed(setup) as step, resizes_seen_in_job():  # FSDP2's frees
-            report = remembered(setup, options,  # see NOTE [ Remembered answers ]
+        with eager_while_probed(setup) as measured, resizes_seen_in_job():  # FSDP2's frees
+            report = remembered(setup,  # see NOTE [ Remembered answers ]
                                 lambda: _frontier(setup) if setup.seq_len is not None
                                 else _probe(setup))
-        return dataclasses.replace(report, measured_step=step) if step else report
+        return dataclasses.replace(report, measured_step=measured) if measured else report
     except Exception as error:
         if not is_said(error):
             raise

@@ -1,17 +1,25 @@
-"""find_batch's options, each declared once (NOTE [ Options declared once ] in engine/_options.py):
-its checks, ``%find_batch``'s flags and the ProbePanel's controls read them from here."""
+"""find_batch's options as one frozen dataclass, ``FindBatchRequest``, each declared once (NOTE
+[ Options declared once ] in engine/_options.py): find_batch's signature takes its defaults from
+``OPTIONS``, and its checks, ``%find_batch``'s flags, the ProbePanel's controls and the
+remembered answer's key read its fields."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...results import BatchSizeReport
 from .. import memory
-from .._options import Option, Options, Spelling, integer, integers, number
-from .._types import AMP_NAMES, TRACES
+from .._options import Spelling, integer, integers, number, option
+from .._types import AMP_NAMES, TRACES, Amp, ProbeStep, ShouldStop, Trace
 from .._util import usable_device
 from ._parallel import PARALLEL
+
+if TYPE_CHECKING:
+    from ._trials import OnStep
 
 _RESTORED = ("state_dict", "load_state_dict")  # how the probe puts a scaler or scheduler back
 
@@ -127,62 +135,88 @@ def _target(text: str) -> None:
     memory.parse_target(memory.parse_gpus(text)[1])
 
 
-FIND_BATCH = Options(
-    "find_batch",
-    Option("loss_fn", None, "loss_fn(output, target) (default: the output's .loss, or its "
-                            "mean)", flag="name"),
-    Option("optimizer", None, "a torch.optim.Optimizer (default: a fresh AdamW)",
-           check=_optimizer, flag="name"),
-    Option("device", None, "cpu, cuda, cuda:1 or mps (default: the model's)",
-           parse=_read_as_given(usable_device)),
-    Option("budget", None, "memory cap such as 512MB or 16GiB; on CUDA it emulates a smaller "
-                           "GPU (default: the whole GPU; half of the available RAM on the CPU)",
-           metavar="SIZE", parse=_read_as_given(memory.parse_bytes)),
-    Option("amp", None, "probe under autocast", check=_amp, choices=("bf16", "fp16")),
-    Option("max_batch_size", None, "largest batch size to try", metavar="N", parse=integer),
-    Option("multiple_of", 1, "try only multiples of N", check=_multiple_of, metavar="N",
-           parse=integer),
-    Option("headroom", 0.9, "recommend at most F x max_batch_size", check=_headroom,
-           metavar="F", parse=number),
-    Option("scaler", None, "a GradScaler to use and restore afterwards",
-           check=_restorable("scaler"), flag="name"),
-    Option("scheduler", None, "an LR scheduler to restore afterwards",
-           check=_restorable("scheduler"), flag="name"),
-    Option("steps_per_trial", 2, "training steps at each batch size", check=_steps_per_trial,
-           metavar="N", parse=integer),
-    Option("start", None, "first batch size tried", metavar="N", parse=integer),
-    Option("on_step", None, "on_step(attempt): each Attempt as it finishes (progress)",
-           flag=""),
-    Option("should_stop", None, "should_stop() -> True ends the search with the sizes it "
-                                "finished (a Stop button)", flag=""),
-    Option("seq_len", None, "sequence lengths, e.g. 128,256,512: MAKE_BATCH is "
-                            "make_batch(batch_size, seq_len) and the report's frontier maps "
-                            "each length to its largest batch", check=_seq_len,
-           metavar="N,N,...", parse=integers),
-    Option("what_if", False, "also probe under bf16, fp16, SGD and foreach=False "
-                             "(report.what_if)", flag="switch"),
-    Option("target", None, f"predict for a GPU that is not here: "
-                           f"{', '.join(memory.GPU_TARGETS)}, or a size such as 24GiB; "
-                           f"8xA100-80GB for 8 of them with --parallel (predicted, not run)",
-           metavar="GPU", parse=_read_as_given(_target), offered=tuple(memory.GPU_TARGETS)),
-    Option("trace", None, "how a --target plan traces its small sizes: on fake tensors "
-                          "(nothing runs; the default, and the only way for a model on the meta "
-                          "device) or by real steps", check=_trace, choices=TRACES),
-    Option("step", None, "your own step(batch_size) that trains MODEL: MODEL is then "
-                         "protected and counted (leave MAKE_BATCH out)", check=_step,
-           flag="name"),
-    Option("parallel", None, "with --target NxGPU (e.g. 8xA100-80GB): plan each rank under "
-                             "DDP, ZeRO stage 1-3 or FSDP2, or compare them; the answer is per "
-                             "rank", check=_parallel, choices=PARALLEL),
-    Option("keep_output", True, "model the loop that keeps the output and loss alive through "
-                                "backward and the optimizer step, until the next forward "
-                                "returns; no: a loop that frees them before backward (the "
-                                "Hugging Face Trainer)", check=_keep_output, metavar="yes|no",
-           parse=_yes_no),
-    # see NOTE [ Remembered answers ] in probe/_remember.py
-    Option("cache", True, "give back the answer an identical call remembered, and remember "
-                          "this one (--no-cache: neither read nor write)",
-           check=_true_or_false("cache"), flag="negated"),
-    Option("refresh", False, "measure again even where an answer is remembered (and remember "
-                             "the new one)", check=_true_or_false("refresh"), flag="switch"),
-)
+# NOTE [ The report's defaults ]
+# BatchSizeReport has headroom and multiple_of fields with defaults: users build reports by hand
+# (``BatchSizeReport(0, None, (), "cpu", None)``, the docs' examples), so they keep them. The
+# report is in results/, below the engine, which it may never import (not even lazily:
+# tests/test_boundaries.py), and the request cannot sit below the engine with it: its checks
+# and flag parsers are engine code (sizes, devices, GPU targets, the parallel strategies). So
+# the one literal of each is the report's, the layer below, and the request's field reads it;
+# the signature reads the request's, and tests/test_options.py holds all three equal.
+@dataclass(frozen=True)
+class FindBatchRequest:
+    """find_batch's options, as it was called: one field each, in its signature's order, with
+    its help line, check, flag and whether a remembered answer's key holds it (``keyed``)."""
+
+    loss_fn: Callable | None = option(
+        None, "loss_fn(output, target) (default: the output's .loss, or its mean)", flag="name")
+    optimizer: torch.optim.Optimizer | None = option(
+        None, "a torch.optim.Optimizer (default: a fresh AdamW)", check=_optimizer, flag="name")
+    device: torch.device | str | None = option(
+        None, "cpu, cuda, cuda:1 or mps (default: the model's)",
+        parse=_read_as_given(usable_device))
+    budget: int | str | None = option(
+        None, "memory cap such as 512MB or 16GiB; on CUDA it emulates a smaller GPU (default: "
+              "the whole GPU; half of the available RAM on the CPU)",
+        metavar="SIZE", parse=_read_as_given(memory.parse_bytes))
+    amp: Amp | None = option(None, "probe under autocast", check=_amp, choices=("bf16", "fp16"))
+    max_batch_size: int | None = option(None, "largest batch size to try", metavar="N",
+                                        parse=integer)
+    # the report's own defaults, which it keeps when built by hand (NOTE [ The report's defaults ])
+    multiple_of: int = option(BatchSizeReport.multiple_of, "try only multiples of N",
+                              check=_multiple_of, metavar="N", parse=integer)
+    headroom: float = option(BatchSizeReport.headroom, "recommend at most F x max_batch_size",
+                             check=_headroom, metavar="F", parse=number)
+    scaler: Any = option(None, "a GradScaler to use and restore afterwards",
+                         check=_restorable("scaler"), flag="name")
+    scheduler: Any = option(None, "an LR scheduler to restore afterwards",
+                            check=_restorable("scheduler"), flag="name")
+    steps_per_trial: int = option(2, "training steps at each batch size",
+                                  check=_steps_per_trial, metavar="N", parse=integer)
+    start: int | None = option(None, "first batch size tried", metavar="N", parse=integer)
+    # how to report, not what is measured: not in a remembered answer's key
+    on_step: OnStep | None = option(
+        None, "on_step(attempt): each Attempt as it finishes (progress)", flag="",
+        keyed=False)
+    should_stop: ShouldStop | None = option(
+        None, "should_stop() -> True ends the search with the sizes it finished (a Stop "
+              "button)", flag="", keyed=False)
+    seq_len: Sequence[int] | None = option(
+        None, "sequence lengths, e.g. 128,256,512: MAKE_BATCH is make_batch(batch_size, "
+              "seq_len) and the report's frontier maps each length to its largest batch",
+        check=_seq_len, metavar="N,N,...", parse=integers)
+    what_if: bool = option(False, "also probe under bf16, fp16, SGD and foreach=False "
+                                  "(report.what_if)", flag="switch")
+    target: str | int | None = option(
+        None, f"predict for a GPU that is not here: {', '.join(memory.GPU_TARGETS)}, or a "
+              f"size such as 24GiB; 8xA100-80GB for 8 of them with --parallel (predicted, not "
+              f"run)", metavar="GPU", parse=_read_as_given(_target),
+        offered=tuple(memory.GPU_TARGETS))
+    trace: Trace | None = option(
+        None, "how a --target plan traces its small sizes: on fake tensors (nothing runs; the "
+              "default, and the only way for a model on the meta device) or by real steps",
+        check=_trace, choices=TRACES)
+    step: ProbeStep | None = option(
+        None, "your own step(batch_size) that trains MODEL: MODEL is then protected and "
+              "counted (leave MAKE_BATCH out)", check=_step, flag="name")
+    parallel: str | None = option(
+        None, "with --target NxGPU (e.g. 8xA100-80GB): plan each rank under DDP, ZeRO stage "
+              "1-3 or FSDP2, or compare them; the answer is per rank", check=_parallel,
+        choices=PARALLEL)
+    keep_output: bool = option(
+        True, "model the loop that keeps the output and loss alive through backward and the "
+              "optimizer step, until the next forward returns; no: a loop that frees them "
+              "before backward (the Hugging Face Trainer)", check=_keep_output,
+        metavar="yes|no", parse=_yes_no)
+    # whether to remember, not what is measured (see NOTE [ Remembered answers ] in
+    # probe/_remember.py)
+    cache: bool = option(
+        True, "give back the answer an identical call remembered, and remember this one "
+              "(--no-cache: neither read nor write)", check=_true_or_false("cache"),
+        flag="negated", keyed=False)
+    refresh: bool = option(
+        False, "measure again even where an answer is remembered (and remember the new one)",
+        check=_true_or_false("refresh"), flag="switch", keyed=False)
+
+
+OPTIONS = FindBatchRequest()  # find_batch's defaults, which its signature spells

@@ -222,7 +222,7 @@ def _fsdp_traced(setup: ProbeSetup) -> tuple[BatchSizeReport | None, str]:
         return None, "its optimizer's state cannot be made on fake tensors"
     try:
         with fake_group(setup.world_size) as mesh:
-            sharded = dataclasses.replace(setup, mesh=mesh, what_if=False, on_step=None)
+            sharded = setup.with_change(mesh=mesh)
             search = traced(sharded)
             report = planned(report_of(sharded, search), search, *setup.target)
     except FakeGroupUnavailable as error:

@@ -11,7 +11,7 @@ import platform
 import socket
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,8 +21,8 @@ from ...results import BatchSizeReport, Remembered
 from ...results._json import as_json, from_json
 from .. import _cache, memory
 from .._fingerprint import batch_fingerprint, digest, fingerprint
+from .._options import options_of
 from .._state import RngState
-from ._options import FIND_BATCH
 from ._ranks import _collective_device, in_job
 from ._setup import ProbeSetup
 
@@ -35,9 +35,8 @@ from ._setup import ProbeSetup
 # version: a release that leaves the engine alone keeps its users' answers.
 ENGINE_VERSION = "2025-issue-44-search"
 KIND = "find_batch"  # the cache's folder for these entries
-# Options that say how to report or whether to remember, not what is measured. Every other
-# option of FIND_BATCH is in the key, as given and as resolve() made it where it made one.
-NOT_KEYED = ("on_step", "should_stop", "cache", "refresh")
+# Every option of FindBatchRequest declared ``keyed`` (all but those that say how to report or
+# whether to remember) is in the key, as given and as resolve() made it where it made one.
 RESOLVED_AS = {"budget": "budget_bytes"}  # the setup's name for an option it resolved
 # The memory a probe without a budget may use (free on the device, or half of the free RAM)
 # moves a little from one call to the next: an answer is given back while it moved by less
@@ -61,20 +60,19 @@ LIMIT_TOLERANCE = 1 / 64
 # the same size: every rank gets the same remembered answer, or all measure.
 
 
-def remembered(setup: ProbeSetup, options: Mapping[str, Any],
+def remembered(setup: ProbeSetup,
                measure: Callable[[], BatchSizeReport]) -> BatchSizeReport:
-    """``measure()``'s report, or the one an identical call kept (NOTE [ Remembered answers ]).
-    ``options``: find_batch's options as it was called."""
-    if not options["cache"]:
+    """``measure()``'s report, or the one an identical call kept (NOTE [ Remembered answers ])."""
+    if not setup.request.cache:
         return measure()
     try:
-        key, limit = _key(setup, options)
+        key, limit = _key(setup)
     except Exception as error:  # an object the fingerprints did not foresee: never fail the probe
         warnings.warn(f"find_batch could not take the key of this call ({type(error).__name__}: "
                       f"{error}), so its answer is not remembered; this is a bug in "
                       f"batchwidgets: please report it.", BatchwidgetsWarning, stacklevel=3)
         key, limit = None, None
-    found = None if options["refresh"] or key is None else _recall(key, limit)
+    found = None if setup.request.refresh or key is None else _recall(key, limit)
     if setup.target is None and in_job():
         found = _agreed(found)
     if found is not None:
@@ -102,15 +100,15 @@ def forget() -> int:
     return _cache.forget(KIND)
 
 
-def _key(setup: ProbeSetup, options: Mapping[str, Any]) -> tuple[str | None, int | None]:
+def _key(setup: ProbeSetup) -> tuple[str | None, int | None]:
     """The call's key and the memory its probe may use; (None, None) where the key cannot be
     taken (make_batch raised: the probe then raises it, as it would without a cache)."""
     meter = memory.probe_meter(setup.device, setup.budget_bytes,
                                setup.target[0] if setup.target is not None else None)
     values: dict[str, Any] = {}
-    for option in FIND_BATCH:  # as given (trace=None searches otherwise than "real"), resolved
-        if option.name not in NOT_KEYED:
-            values[option.name] = options[option.name]
+    for option in options_of(setup.request):  # as given (trace=None searches otherwise than
+        if option.keyed:  # "real"), and as resolved
+            values[option.name] = getattr(setup.request, option.name)
             name = RESOLVED_AS.get(option.name, option.name)
             if hasattr(setup, name):
                 values[f"{option.name} as resolved"] = getattr(setup, name)

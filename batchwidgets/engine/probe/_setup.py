@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +21,13 @@ from .._util import default_device, usable_device
 from ._cell import CellStep
 from ._checks import (
     check_amp,
-    check_arguments,
     check_parallel,
+    check_request,
     check_sharded,
     check_sharded_plan,
     notes_on,
 )
+from ._options import FindBatchRequest
 from ._sharded import sharded_units
 from ._trials import OnStep
 
@@ -35,19 +36,18 @@ SEARCH_CEILING = 2**24  # stop doubling here when nothing runs out of memory
 
 @dataclass(frozen=True)
 class ProbeSetup:
-    """What one probe does, each argument resolved once (see ``resolve``)."""
+    """What one probe does: the request as find_batch was called, and each argument resolved
+    once (see ``resolve``). An option kept as given is read through the request
+    (``setup.amp`` is ``setup.request.amp``); a resolved one is a field of its own."""
 
+    request: FindBatchRequest  # the options as given (probe/_options.py)
     # what trains
     model: torch.nn.Module | None  # the model form's module; None for a bare step(batch_size)
     step: ProbeStep | None  # a bare step(batch_size); None in the model form
     owner: torch.nn.Module | None  # whose weights, buffers and modes come back (model or step=)
     make: Callable[[int], Any] | None  # make(batch_size) -> batch, in the model form
     batch_description: str  # what make() repeats, when it reads a Dataset ("" otherwise)
-    loss_fn: Callable | None
     optimizer: torch.optim.Optimizer | None  # the user's, or a fresh AdamW in the model form
-    scaler: Any  # the user's GradScaler (restored); fp16 without one gets its own per step
-    scheduler: Any
-    amp: str | None
     # where, and under which limit
     device: torch.device  # where the trials run (the CPU for a target= plan)
     home: torch.device  # where the model lives now, and goes back to
@@ -60,22 +60,65 @@ class ProbeSetup:
     # the search
     start: int
     ceiling: int
-    multiple_of: int
-    max_batch_size: int | None
-    headroom: float
-    steps_per_trial: int
     seq_len: tuple[int, ...] | None  # lengths for make(batch_size, seq_len): a frontier
-    what_if: bool
-    on_step: OnStep | None
-    should_stop: ShouldStop | None
     notes: tuple[str, ...]  # what the report says about what was probed
-    keep_output: bool  # the loop modelled (NOTE [ The loop the step models ] in _trials.py)
     assumed: tuple[str, ...]  # what the call left out and the probe assumed, for the report
     mesh: Any = None  # a fake mesh: the trials run one FSDP2 rank (NOTE [ One FSDP2 rank, traced ])
     # the modules the user's own fully_shard wrapped, by name ("" the root), where the model came
     # sharded: a plan for N GPUs wraps its meta replica the same (NOTE [ The wrapping a plan
     # assumes ] in _parallel.py)
     units: tuple[str, ...] = ()
+
+    # The options kept as given, read through the request. The scaler is the user's GradScaler
+    # (restored; fp16 without one gets its own per step); keep_output the loop modelled (NOTE
+    # [ The loop the step models ] in _trials.py).
+    @property
+    def loss_fn(self) -> Callable | None:
+        return self.request.loss_fn
+
+    @property
+    def scaler(self) -> Any:
+        return self.request.scaler
+
+    @property
+    def scheduler(self) -> Any:
+        return self.request.scheduler
+
+    @property
+    def amp(self) -> str | None:
+        return self.request.amp
+
+    @property
+    def multiple_of(self) -> int:
+        return self.request.multiple_of
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self.request.max_batch_size
+
+    @property
+    def steps_per_trial(self) -> int:
+        return self.request.steps_per_trial
+
+    @property
+    def what_if(self) -> bool:
+        return self.request.what_if
+
+    @property
+    def on_step(self) -> OnStep | None:
+        return self.request.on_step
+
+    @property
+    def should_stop(self) -> ShouldStop | None:
+        return self.request.should_stop
+
+    @property
+    def keep_output(self) -> bool:
+        return self.request.keep_output
+
+    @property
+    def headroom(self) -> float:
+        return float(self.request.headroom)
 
     @property
     def extras(self) -> tuple[Any, Any]:
@@ -88,8 +131,16 @@ class ProbeSetup:
         return self.model is not None and self.home != self.device and self.trace == "real"
 
     def with_change(self, **change: Any) -> ProbeSetup:
-        """The same probe with one change (``amp=`` or ``optimizer=``: a what-if, measured)."""
-        return dataclasses.replace(self, on_step=None, what_if=False, **change)
+        """The same probe with one change (``amp=`` or ``optimizer=``: a what-if, measured; or
+        ``mesh=``), without the progress and what-ifs of the call it changes. A name the setup
+        resolved (``optimizer``, ``model``) changes the setup; an option kept as given, the
+        request."""
+        own = {field.name for field in dataclasses.fields(self)}
+        request = dataclasses.replace(
+            self.request, on_step=None, what_if=False,
+            **{name: value for name, value in change.items() if name not in own})
+        return dataclasses.replace(self, request=request, **{
+            name: value for name, value in change.items() if name in own})
 
 
 def _target(gpu: Any, budget_bytes: int | None) -> tuple[str, int]:
@@ -143,18 +194,18 @@ def _fake_first(trace: str | None, planned: bool, is_module: bool,
 # answer was 1,072 with it and 1,246 with the user's SGD), the model's dtype without autocast,
 # the model's device. The answer is for those, so the report says them in its summary and its
 # table (the loss taken is said once a step has run: the step knows where it came from).
-def _assumed(model: torch.nn.Module | None, options: Mapping[str, Any], device: torch.device,
+def _assumed(model: torch.nn.Module | None, request: FindBatchRequest, device: torch.device,
              planned: bool) -> tuple[str, ...]:
     if model is None:
         return ()
     assumed = []
-    if options["optimizer"] is None:
+    if request.optimizer is None:
         assumed.append("optimizer AdamW (pass optimizer=)")
-    if options["amp"] is None:
+    if request.amp is None:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
                          if p.is_floating_point()})
         assumed.append(f"{'/'.join(dtypes) or 'float32'} without autocast (amp=)")
-    if options["device"] is None and not planned:
+    if request.device is None and not planned:
         assumed.append(f"device {device} (the model's)")
     return tuple(assumed)
 
@@ -164,22 +215,20 @@ def _assumed(model: torch.nn.Module | None, options: Mapping[str, Any], device: 
 # reductions over the batch, squeezes and kernel choices make its memory fall off the line that
 # larger sizes lie on, so a fit through it misleads the jump. Starting at 2 (as Lightning's tuner
 # does) costs nothing when 2 fits; when it does not, the search halves down to 1.
-def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSetup:
+def resolve(model: Any, make_batch: Any, request: FindBatchRequest) -> ProbeSetup:
     """find_batch's arguments as one setup: checked first (one-line errors, nothing run), then
-    each resolved in one place. Reads a Dataset's samples (``make``) but trains nothing.
-    ``options``: every option of FIND_BATCH (probe/_options.py), as find_batch was called."""
-    check_arguments(model, make_batch, **options)
-    step, target, trace, optimizer = (options[name] for name in
-                                      ("step", "target", "trace", "optimizer"))
-    amp, multiple_of = options["amp"], options["multiple_of"]
+    each resolved in one place. Reads a Dataset's samples (``make``) but trains nothing."""
+    check_request(model, make_batch, request)
+    step, target, trace, optimizer = request.step, request.target, request.trace, request.optimizer
+    amp, multiple_of = request.amp, request.multiple_of
     owner = model if step is not None or isinstance(model, torch.nn.Module) else None
     bare = model if step is None and owner is None else step  # a step(batch_size), or None
     is_module = bare is None
-    budget_bytes = memory.parse_bytes(options["budget"], "budget")
-    resolved = _device(owner, options["device"])
+    budget_bytes = memory.parse_bytes(request.budget, "budget")
+    resolved = _device(owner, request.device)
     count, gpu = memory.parse_gpus(target) if target is not None else (1, None)
     units: tuple[str, ...] = ()
-    parallel, world_size = check_parallel(options["parallel"], target, count, is_module)
+    parallel, world_size = check_parallel(request.parallel, target, count, is_module)
     planned = _target(gpu, budget_bytes) if target is not None else None
     if planned is None:
         check_sharded(owner, resolved)
@@ -200,27 +249,25 @@ def resolve(model: Any, make_batch: Any, options: Mapping[str, Any]) -> ProbeSet
     if trace is None:  # see NOTE [ Fake trials ] in _fake.py
         trace = "fake" if planned is not None and is_module else "real"
     notes = notes_on(owner=owner, device=resolved, amp=amp) + why_not
-    assumed = _assumed(model if is_module else None, options, resolved, planned is not None)
+    assumed = _assumed(model if is_module else None, request, resolved, planned is not None)
     if is_module and optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
-    ceiling = (options["max_batch_size"] or SEARCH_CEILING) // multiple_of * multiple_of
-    start = options["start"]
+    ceiling = (request.max_batch_size or SEARCH_CEILING) // multiple_of * multiple_of
+    start = request.start
     if start is None:
         start = min(max(multiple_of, 2), ceiling)  # see NOTE [ Why the probe starts at 2 ]
-    seq_len = options["seq_len"]
+    seq_len = request.seq_len
     make = None
     if is_module:  # a frontier's make_batch(batch_size, seq_len) is taken at each length
         make = make_batch if seq_len is not None else _batches(make_batch)
     return ProbeSetup(
-        model=model if is_module else None, step=bare, owner=owner, make=make,
+        request=request, model=model if is_module else None, step=bare, owner=owner, make=make,
         batch_description=getattr(make, "description", ""), optimizer=optimizer,
         device=resolved, home=_device(model, None) if is_module else resolved,
         budget_bytes=budget_bytes, target=planned, parallel=parallel, world_size=world_size,
         trace=trace, fake_first=fake_first, start=start, ceiling=ceiling,
-        headroom=float(options["headroom"]),
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None,
-        notes=tuple(notes), assumed=assumed, units=units,
-        **{name: options[name] for name in _AS_GIVEN})
+        notes=tuple(notes), assumed=assumed, units=units)
 
 
 # NOTE [ A compiled model is probed in its eager step ]
@@ -257,7 +304,3 @@ def eager_while_probed(setup: ProbeSetup) -> Iterator[str]:
     with stance("force_eager"):
         yield EAGER_STEP
 
-
-_AS_GIVEN = ("loss_fn", "scaler", "scheduler", "amp", "multiple_of", "max_batch_size",
-             "steps_per_trial", "what_if", "on_step", "should_stop",
-             "keep_output")  # options kept as given

@@ -3,7 +3,7 @@ model where the trace says what the change removes, measured (a probe with the c
 does not.
 
 Usage:
-    >>> from batchwidgets.engine._trace import OpTrace, PeakModel
+    >>> from batchwidgets.engine.memory import OpTrace, PeakModel
     >>> t2 = OpTrace(["step"], [300], ["optimizer step"], parts={"optimizer": [200]})
     >>> t4 = OpTrace(["step"], [500], ["optimizer step"], parts={"optimizer": [200]})
     >>> [(r.name, r.max_batch_size) for r in predicted(PeakModel.fit(t2, 2, t4, 4), 1000,

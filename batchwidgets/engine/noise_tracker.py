@@ -1,5 +1,0 @@
-"""``NoiseTracker``'s documented import path; the tracker lives in ``noise/_tracker.py``."""
-
-from .noise import NoiseTracker
-
-__all__ = ["NoiseTracker"]
