@@ -4,8 +4,9 @@ built on the meta device (``_plan_model.py``); the answer is ``find_batch(..., t
 the same engine and the same report, printed answer first, then the table a user rents by.
 
 Each flag is declared once, in ``FLAGS`` (its default, check and help line); the ones that are
-find_batch's own options take their help and check from ``FindBatchRequest``'s fields. A mistake is one line on
-stderr naming the flag and the fix, exit code 2; progress goes to stderr, the answer to stdout.
+find_batch's own options take their help and check from ``FindBatchRequest``'s fields. A
+mistake is one line on stderr naming the flag and the fix, exit code 2; progress goes to
+stderr, the answer to stdout.
 
 Usage:
     python -m batchwidgets plan --config LlamaConfig hidden_size=4096 num_hidden_layers=32 \\
