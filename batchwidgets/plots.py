@@ -83,9 +83,7 @@ def plot_probe(report: BatchSizeReport, *, ax: Axes | None = None) -> Figure:
     if len(timed) > 1 or ax is not None:
         speed_ax.plot([a.batch_size for a in timed], [a.samples_per_s for a in timed], "o-",
                       color="tab:orange")
-        speed_ax.set_xlabel("batch size")
-        speed_ax.set_ylabel("samples/s")
-        speed_ax.set_title("throughput")
+        speed_ax.set(xlabel="batch size", ylabel="samples/s", title="throughput")
     else:  # one point is no curve: its value, said
         _said_instead(speed_ax, "throughput", f"{timed[0].samples_per_s:.4g} samples/s at batch "
                       f"size {timed[0].batch_size}\n(the one size timed)" if timed else
@@ -136,9 +134,8 @@ def _draw_probe_extras(figure: Figure, report: BatchSizeReport) -> None:
             return
         frontier_ax.plot(lengths, list(report.frontier.values()), "o-", color="tab:purple")
         frontier_ax.set_xscale("log", base=2)
-        frontier_ax.set_xlabel("sequence length")
-        frontier_ax.set_ylabel("largest batch size")
-        frontier_ax.set_title("the (batch, length) frontier")
+        frontier_ax.set(xlabel="sequence length", ylabel="largest batch size",
+                        title="the (batch, length) frontier")
 
 
 TIMELINE_LABELS = {"parameter": "parameters", "optimizer": "optimizer state",
@@ -230,9 +227,7 @@ def _draw_losses(ax: Axes, report: NoiseTrackerReport) -> None:
                         [m + s for m, s in zip(means, stds)], color="tab:blue", alpha=0.2,
                         linewidth=0, label="± 1 std")
         ax.legend(fontsize="small", loc="upper right")
-    ax.set_xlabel("batch")
-    ax.set_ylabel("loss")
-    ax.set_title("per-batch loss")
+    ax.set(xlabel="batch", ylabel="loss", title="per-batch loss")
 
 
 def _draw_noise_scale(ax: Axes, report: NoiseTrackerReport) -> None:
@@ -312,9 +307,8 @@ def _draw_variance(ax: Axes, report: NoiseTrackerReport, noise_report: NoiseRepo
     else:
         ax.text(0.5, 0.5, "no variance measured yet", transform=ax.transAxes, ha="center",
                 va="center", fontsize="small", color="tab:gray")
-    ax.set_xlabel(f"batch size B ({report.unit})")
-    ax.set_ylabel("gradient variance (trace)")
-    ax.set_title("variance falls as 1/B")
+    ax.set(xlabel=f"batch size B ({report.unit})", ylabel="gradient variance (trace)",
+           title="variance falls as 1/B")
 
 
 def plot_noise_panel(report: NoiseTrackerReport,

@@ -18,6 +18,7 @@ Shared pieces beside them, which import none of the rooms:
 - ``_batches.py``    batches of any size from a callable, Dataset, DataLoader or tensor
 - ``_called.py``     what was called of the user's code when it raised: one line first
 - ``_state.py``      bit-exact snapshot and restore of model, optimizer, RNGs, flags
+- ``_machinery.py``  DDP's reducer and FSDP2's units reset after a step stopped mid-way
 - ``_background.py`` a panel's background probe: private RNG, a copy or a held model
 - ``_own_steps.py``  batchwidgets' own steps, which an accumulate block lets through
 - ``_grads.py``      fused gradient norms on the device; a GradScaler's scale

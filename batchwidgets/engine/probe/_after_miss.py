@@ -44,9 +44,9 @@ from ...results import Attempt
 STRICT_EXCESS = 2  # failures past fits: "half of them, plus one"
 
 
-def allowed_sizes(lo: int, miss: int, truth: int, multiple_of: int = 1) -> int:
+def allowed_sizes(lo: int, miss: int, truth: int, unit: int = 1) -> int:
     """The bound of NOTE [ What a miss may cost ], for a truth ``truth`` (sizes)."""
-    m = multiple_of
+    m = unit  # multiple_of
     spread, distance = (miss - lo) // m, (miss - truth) // m
     return min(_ceil_log2(spread) + 2, 2 * _ceil_log2(distance + 1) + 2)
 
