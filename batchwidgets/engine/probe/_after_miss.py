@@ -106,8 +106,11 @@ def next_after_oom(attempts: Sequence[Attempt], miss: int, *, multiple_of: int,
     fits = sum(a.fits for a in after)
     excess = start_excess(depth, top - lo0) - (len(after) - fits) + fits
     low, high = _window(depth, len(after), excess, lo, hi, top)
-    wanted = hi - 1 if guess is None else guess // m + 1  # past the edge first: NOTE
-    return min(max(wanted, low), high) * m
+    edge = hi - 1 if guess is None else guess // m
+    if low <= edge < high:  # past the edge first where the edge may still confirm it: NOTE
+        below, above = _window(depth, len(after) + 1, excess - 1, lo, edge + 1, top)
+        return (edge + 1 if below <= edge <= above else edge) * m
+    return min(max(edge + 1, low), high) * m
 
 
 def _window(depth: int, tried: int, excess: int, lo: int, hi: int, top: int) -> tuple[int, int]:
