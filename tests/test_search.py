@@ -509,6 +509,17 @@ def test_after_an_oom_the_model_missed_every_truth_within_min_of_bisection_and_w
     assert wrong == {}
 
 
+def test_a_miss_a_few_samples_below_far_from_the_last_fit_costs_the_forced_size_and_two():
+    # the OOM share forces one size well inside first (lo = 4, miss = 1500: 993), then the
+    # refitted edge and the size past it; 6 sizes for largest = 1498 on 47ee4c0 (1499x, 1268, ...)
+    lo, miss = 4, 1500
+    for largest in (1499, 1498, 1497, 1495, 1492, 1470):
+        after = search_after_oom(lo, miss, largest, lambda a, t=largest: t)
+        assert_within_the_miss_bound(after, lo, miss, largest)
+        assert len(after) <= (2 if largest == miss - 1 else 3), [a.batch_size for a in after]
+        assert sum(not a.fits for a in after) <= 1
+
+
 @pytest.mark.parametrize("largest", [4, 5, 6, 7, 100, 2_899_000, 2_899_998, 2_899_999])
 def test_a_meter_wrong_by_any_factor_costs_a_bisection_not_a_walk(largest):
     lo, miss = 4, 2_900_000

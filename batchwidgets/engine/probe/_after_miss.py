@@ -35,7 +35,11 @@ from ...results import Attempt
 #     cap(k, s, g) = r + cap(k + 1, s - 1, g + r),   r = cap(k + 1, s + 1, g),
 # and a single candidate needs no size (k within its bound, s >= 0). Each size the search tries
 # is one that leaves both sides within their cap: an interval of sizes, inside which it takes the
-# one nearest the model's refitted edge (or its neighbour, to confirm it), else the middle. So
+# one just past the model's refitted edge g (g + 1 fails, g runs: the edge confirmed) where g is
+# still inside the interval after g + 1 failed, else g itself first (g runs, g + 1 fails: one
+# failure, not two, where the share has no room for a second: after lo = 4, P = 1500 and 993,
+# g + 1 first cost 6 sizes for a truth 2 below P, g first 3), nearest the interval if g is
+# outside it, else the size next to the miss. So
 # whatever the model says, every truth ends within its bound, with the exact edge: a size that
 # ran next to one that failed. cap(0, 2, 0) >= B holds for every B up to 2^18 (262,144 units);
 # past that the allowed excess of failures is the least s that covers B (3 up to 2^31: 1.5
@@ -106,8 +110,11 @@ def next_after_oom(attempts: Sequence[Attempt], miss: int, *, multiple_of: int,
     fits = sum(a.fits for a in after)
     excess = start_excess(depth, top - lo0) - (len(after) - fits) + fits
     low, high = _window(depth, len(after), excess, lo, hi, top)
-    wanted = hi - 1 if guess is None else guess // m + 1  # past the edge first: NOTE
-    return min(max(wanted, low), high) * m
+    edge = hi - 1 if guess is None else guess // m
+    if low <= edge < high:  # past the edge first where the edge may still confirm it: NOTE
+        below, above = _window(depth, len(after) + 1, excess - 1, lo, edge + 1, top)
+        return (edge + 1 if below <= edge <= above else edge) * m
+    return min(max(edge + 1, low), high) * m
 
 
 def _window(depth: int, tried: int, excess: int, lo: int, hi: int, top: int) -> tuple[int, int]:
