@@ -251,6 +251,7 @@ def _probe_rules(report: Any, text: str, problems: list[str]) -> str:
                       text)
     if found:
         headroom, multiple = value(found[1]), int(value(found[2]))
+        report = getattr(report, "probe", None) or report  # a BatchSplitReport's, its probe's
         size = report.max_batch_size
         expected = max(min(multiple, size), int(headroom * size) // multiple * multiple)
         if report.recommended_batch_size != expected:
@@ -380,8 +381,9 @@ def problems(report: Any, extra: dict[str, str] | None = None) -> list[str]:
                 text = text.replace(field, " ")
         text = check_rules(report, text, found)
         pool = shallow if name in SHALLOW else deep
-        if name == "text" and getattr(report, "what_if", ()):  # its what-if line reads the rows
-            pool = pool | numbers(report.what_if, depth=2, deep=True)
+        probe = getattr(report, "probe", None) or report  # a BatchSplitReport tells its probe's
+        if name == "text" and getattr(probe, "what_if", ()):  # its what-if line reads the rows
+            pool = pool | numbers(probe.what_if, depth=2, deep=True)
         check_numbers(name, text, pool, found)
     return found
 

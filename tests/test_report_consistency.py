@@ -96,6 +96,14 @@ def probes() -> dict:
     }
 
 
+def batch_split(probe: results.BatchSizeReport, global_batch_size: int) -> results.BatchSplitReport:
+    """What fit_trainer and BatchSizeCallback return, from the probe and split_batch."""
+    per_device, steps = bw.split_batch(global_batch_size, probe.recommended_batch_size)
+    return results.BatchSplitReport(
+        global_batch_size=global_batch_size, world_size=1, per_device_batch_size=per_device,
+        accumulation_steps=steps, max_per_device=probe.recommended_batch_size, probe=probe)
+
+
 def noise_reports() -> dict:
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(200, 16, generator=generator),
@@ -165,6 +173,7 @@ def loader_reports() -> tuple[dict, dict]:
 def gallery():
     made = probes()
     made["memory_split"] = made["find_batch"].memory_split
+    made["batch_split"] = batch_split(made["find_batch"], global_batch_size=96)
     made |= noise_reports()
     trained, objects = training_reports()
     made |= trained
