@@ -60,8 +60,9 @@ class MemoryModel(Short):
 @dataclass(frozen=True)
 class PeakSegment(Short):
     """From ``batch_size`` on (until the next segment) the step's peak is ``fixed_bytes +
-    per_sample_bytes * B``, held by the op at ``where`` ("backward of encoder.layer.5 (aten.bmm)").
-    The peak is convex in B, so at any size it is the largest of the segments' lines."""
+    per_sample_bytes * B``, held by the op at ``where`` ("encoder.layer.5 (BertLayer) backward,
+    at aten.bmm.default"). The peak is convex in B, so at any size it is the largest of the
+    segments' lines."""
 
     batch_size: int
     fixed_bytes: float
@@ -262,7 +263,7 @@ class BatchSizeReport(TextForm):
 
     @property
     def peak_location(self) -> str:
-        """Where the peak sits at max_batch_size: "backward of encoder.layer.5 (aten.bmm)"."""
+        """Where the peak sits at max_batch_size ("layers.9 (Linear) backward, at aten.mm")."""
         if not self.peak_segments:
             return ""
         size = self.max_batch_size or 1
