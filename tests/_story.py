@@ -413,12 +413,19 @@ def reports_in(namespace: dict) -> list:
     return found
 
 
+_CHECKED: dict[int, tuple[Any, list[str]]] = {}  # id -> (the report, kept alive; its problems)
+
+
 def told_in(namespace: dict) -> dict[str, list[str]]:
-    """What each report in ``namespace`` (a notebook's globals) gets wrong, by its name there."""
+    """What each report in ``namespace`` (a notebook's globals) gets wrong, by its name there.
+    Reports are frozen: each one is checked once, however many cells later it is still held."""
     names = {id(value): name for name, value in namespace.items()}
     told = {}
     for report in reports_in(namespace):
-        found = problems(report)
+        kept = _CHECKED.get(id(report))
+        if kept is None or kept[0] is not report:
+            kept = _CHECKED[id(report)] = (report, problems(report))
+        found = kept[1]
         if found:
             told[f"{names.get(id(report), 'a report')}: {type(report).__name__}"] = found
     return told
