@@ -56,12 +56,23 @@ def fresh_cache(session_cache: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _longest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """Two workers take whole files in this order (addopts: -n 2 --dist loadfile
+    --no-loadscope-reorder): the files that take longest start first (the tutorials, the
+    browser tests, any file with a test marked slow), and the many short ones fill in behind
+    them, so neither worker is left with a long file at the end."""
+    long = {item.path for item in items if item.path.suffix == ".ipynb"
+            or item.get_closest_marker("slow") or item.get_closest_marker("browser")}
+    items.sort(key=lambda item: item.path not in long)  # stable: each file's order kept
 
 
 def _fp32_precisions() -> dict[str, str]:

@@ -301,6 +301,7 @@ def test_the_plot_of_a_target_plan_draws_the_targets_curve_and_names_it():
     assert list(curve.get_xdata()) == [size for size, _ in report.target_peaks]
 
 
+@pytest.mark.slow
 def test_the_what_ifs_of_a_meta_model_are_planned_as_those_of_the_same_model_on_the_cpu():
     """bf16, activation checkpointing, another optimizer: every row planned for the target on
     fake tensors (predicted: nothing ran), the meta model never materialised or changed."""

@@ -295,6 +295,7 @@ def text_items(n: int) -> Items:
     return Items(items)
 
 
+@pytest.mark.slow
 def test_critical_batch_measures_bert_on_padded_text_and_puts_everything_back():
     """The user's case: a BERT in train mode (dropout), AdamW with its state, a DataLoader whose
     collate_fn pads variable-length text. The branches and the noise scale beside them

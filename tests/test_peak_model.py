@@ -376,6 +376,7 @@ class Blocks(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.slow
 def test_the_checkpoint_every_block_what_if_is_measured_as_checkpointed_models_run():
     # a Hugging Face model by its own gradient_checkpointing_enable(); a plain one by each
     # block's forward through torch.utils.checkpoint; the user's model is left as it was

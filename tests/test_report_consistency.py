@@ -187,6 +187,7 @@ REPORT_TYPES = sorted(
     and issubclass(getattr(results, name), results._text.TextForm))
 
 
+@pytest.mark.slow
 def test_the_gallery_has_every_report_type(gallery):
     made, _ = gallery
     assert sorted({type(report).__name__ for report in made.values()}) == REPORT_TYPES
