@@ -47,7 +47,10 @@ def model_and_optimizer():
 @pytest.fixture
 def ip():
     start_ipython()
-    shell = get_ipython()
+    shell = get_ipython()  # one shell per process: what earlier tests' cells bound goes first
+    made = ["xb", "yb", "loss", "bs", "step", "ema", "loader", "steps_taken", "history"]
+    for name in made:
+        shell.user_ns.pop(name, None)
     model, optimizer, scheduler = model_and_optimizer()
     pushed = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "torch": torch,
               "F": F, "out": "the user's own out"}
@@ -55,7 +58,7 @@ def ip():
     shell.run_line_magic("load_ext", "batchwidgets")
     yield shell
     shell.run_line_magic("unload_ext", "batchwidgets")
-    for name in [*pushed, "ema", "loader", "steps_taken", "history"]:
+    for name in [*pushed, *made]:
         shell.user_ns.pop(name, None)
 
 
