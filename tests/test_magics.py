@@ -414,8 +414,11 @@ NOISE_LOOP = "for epoch in range(3):\n" + "".join(f"    {line}\n" for line in LO
 
 @pytest.fixture
 def noise_ip(ip, data):
+    made = ("noise_tracker", "tracker", "accumulated")
+    for name in made:  # one shell per process: what another file's cells bound goes first
+        ip.user_ns.pop(name, None)
     yield ip
-    for name in ("noise_tracker", "tracker", "accumulated"):
+    for name in made:
         ip.user_ns.pop(name, None)
 
 
