@@ -20,6 +20,7 @@ from batchwidgets import results
 from batchwidgets._warnings import BatchwidgetsWarning
 from batchwidgets.datasets import SlowDataset
 from batchwidgets.engine.probe import NoBatchSizeFits
+from batchwidgets.integrations._fit import split_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,14 +97,6 @@ def probes() -> dict:
     }
 
 
-def batch_split(probe: results.BatchSizeReport, global_batch_size: int) -> results.BatchSplitReport:
-    """What fit_trainer and BatchSizeCallback return, from the probe and split_batch."""
-    per_device, steps = bw.split_batch(global_batch_size, probe.recommended_batch_size)
-    return results.BatchSplitReport(
-        global_batch_size=global_batch_size, world_size=1, per_device_batch_size=per_device,
-        accumulation_steps=steps, max_per_device=probe.recommended_batch_size, probe=probe)
-
-
 def noise_reports() -> dict:
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(200, 16, generator=generator),
@@ -173,7 +166,8 @@ def loader_reports() -> tuple[dict, dict]:
 def gallery():
     made = probes()
     made["memory_split"] = made["find_batch"].memory_split
-    made["batch_split"] = batch_split(made["find_batch"], global_batch_size=96)
+    # what fit_trainer and BatchSizeCallback return: their split of the probe's answer
+    made["batch_split"] = split_report(made["find_batch"], 96, world_size=1, stacklevel=1)
     made |= noise_reports()
     trained, objects = training_reports()
     made |= trained
