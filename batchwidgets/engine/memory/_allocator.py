@@ -14,7 +14,6 @@ Usage:
 from __future__ import annotations
 
 import bisect
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ import torch
 # older segment, where the driver's addresses could order them otherwise.
 
 KIB, MIB = 2**10, 2**20
+_ADDRESS_BITS = 60  # a free block's key: its size above its address (addresses stay below 2**60)
 MIN_BLOCK_BYTES = 512  # kMinBlockSize
 SMALL_SIZE_BYTES = 1 * MIB  # kSmallSize: the largest request of the small pool
 SMALL_SEGMENT_BYTES = 2 * MIB  # kSmallBuffer
@@ -84,8 +84,9 @@ class _Block:
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.address)
+    def key(self) -> int:
+        """(size, address) as one int, ordered as the pair is: best fit by size, then address."""
+        return (self.size << _ADDRESS_BITS) | self.address
 
 
 class CachingAllocatorModel:
@@ -100,8 +101,9 @@ class CachingAllocatorModel:
         self.peak_allocated_bytes = 0
         self.peak_reserved_bytes = 0
         self.n_segments = 0
-        self._pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # sorted keys
-        self._free: dict[tuple[int, int], _Block] = {}  # (size, address) -> free block
+        self.met_cap = False  # a segment would have passed the cap: the cache was released
+        self._pools: dict[bool, list[int]] = {True: [], False: []}  # sorted keys
+        self._free: dict[int, _Block] = {}  # _Block.key() -> free block
         self._next_address = 0
 
     # -- public API --------------------------------------------------------------------------
@@ -111,8 +113,11 @@ class CachingAllocatorModel:
             return None
         size = round_size(nbytes)
         small = size <= SMALL_SIZE_BYTES
-        block = self._take_free_block(size, small)
-        if block is None:
+        pool = self._pools[small]  # best fit: the first key of at least (size, address 0)
+        index = bisect.bisect_left(pool, size << _ADDRESS_BITS)
+        if index < len(pool):
+            block = self._free.pop(pool.pop(index))
+        else:
             block = self._new_segment(size, small)
         remaining = block.size - size
         if (remaining >= MIN_BLOCK_BYTES) if small else (remaining > SMALL_SIZE_BYTES):
@@ -121,10 +126,13 @@ class CachingAllocatorModel:
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
-            self._insert(rest)
+            key = (remaining << _ADDRESS_BITS) | rest.address
+            self._free[key] = rest
+            bisect.insort(pool, key)
         block.allocated = True
         self.allocated_bytes += block.size
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
         return block
 
     def free(self, handle: _Block | None) -> None:
@@ -136,18 +144,19 @@ class CachingAllocatorModel:
                                "this is a bug in batchwidgets; please report it.")
         handle.allocated = False
         self.allocated_bytes -= handle.size
-        for neighbour in (handle.prev, handle.next):
-            if neighbour is not None and not neighbour.allocated:
-                self._remove(neighbour)
-                if neighbour is handle.prev:
-                    handle.address, handle.prev = neighbour.address, neighbour.prev
-                    if handle.prev is not None:
-                        handle.prev.next = handle
-                else:
-                    handle.next = neighbour.next
-                    if handle.next is not None:
-                        handle.next.prev = handle
-                handle.size += neighbour.size
+        before, after = handle.prev, handle.next
+        if before is not None and not before.allocated:
+            self._remove(before)
+            handle.address, handle.prev = before.address, before.prev
+            if handle.prev is not None:
+                handle.prev.next = handle
+            handle.size += before.size
+        if after is not None and not after.allocated:
+            self._remove(after)
+            handle.next = after.next
+            if handle.next is not None:
+                handle.next.prev = handle
+            handle.size += after.size
         self._insert(handle)
 
     def empty_cache(self) -> None:
@@ -165,7 +174,7 @@ class CachingAllocatorModel:
     def largest_free_bytes(self) -> int:
         """What cuDNN may ask for without an error: the larger of the room left under the cap
         and the largest cached free block (``cacheInfo``). Unbounded without a cap."""
-        cached = max((key[0] for key in self._free), default=0)
+        cached = max((block.size for block in self._free.values()), default=0)
         if self.cap_bytes is None:
             return 2**62
         return max(cached, self.cap_bytes - self.reserved_bytes)
@@ -192,16 +201,10 @@ class CachingAllocatorModel:
         pool = self._pools[block.small]
         del pool[bisect.bisect_left(pool, key)]
 
-    def _take_free_block(self, size: int, small: bool) -> _Block | None:
-        pool = self._pools[small]
-        index = bisect.bisect_left(pool, (size, -1))
-        if index == len(pool):
-            return None
-        return self._free.pop(pool.pop(index))
-
     def _new_segment(self, size: int, small: bool) -> _Block:
         nbytes = segment_size(size)
         if self.cap_bytes is not None and self.reserved_bytes + nbytes > self.cap_bytes:
+            self.met_cap = True
             self.empty_cache()  # what the real allocator does before it gives up
             if self.reserved_bytes + nbytes > self.cap_bytes:
                 raise torch.OutOfMemoryError(
@@ -282,6 +285,7 @@ class ReplayResult:
     peak_reserved_bytes: int
     fits: bool
     failed_at: int | None  # index of the event that ran out; -1: the preallocated storages
+    met_cap: bool = False  # a segment would have passed the cap (the cache was released)
 
 
 # NOTE [ The allocator's steady state ]
@@ -311,42 +315,72 @@ def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
     ``steady=True`` runs the step until the allocator's layout repeats (NOTE [ The allocator's
     steady state ]); the peaks are those of every step run.
     """
-    model = CachingAllocatorModel(cap_bytes)
-    handles: dict[object, object] = {}
-    events = list(events)
-    index = -1
-    try:
-        for item in preallocated:
-            key, nbytes = item if isinstance(item, tuple) else (None, item)
-            handle = model.malloc(nbytes)
-            if key is not None:
-                handles[key] = handle
-        layout = None
-        kept = ({key for kind, key, _ in events if kind != "free"}
-                - {key for kind, key, _ in events if kind == "free"}) if steady else set()
-        for step in range(STEADY_STEPS if steady else 1):
-            for index, (kind, key, nbytes) in enumerate(events):
-                if step and key in kept:
-                    continue  # made by the first step, there for the others
-                own = (step, key) if step and key < 0 else key  # a step's own allocations
-                if kind == "alloc" or kind.startswith(_STAGING):
-                    handles[own] = model.malloc(event_bytes(kind, nbytes))
-                elif kind == "workspace":
-                    handles[own] = model.malloc_workspace(nbytes, workspace_fraction)
-                elif kind == "free":
-                    if own in handles:
-                        model.free(handles.pop(own))
-                else:
-                    raise ValueError(f"events should hold ('alloc', key, nbytes), ('free', key, "
-                                     f"0) and ('workspace', key, nbytes) tuples, but got "
-                                     f"events[{index}]={(kind, key, nbytes)!r}.")
-            now = (model.reserved_bytes, tuple(sorted(model._free)))
-            if now == layout:
-                break
-            layout = now
-    except torch.OutOfMemoryError:
-        return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, False, index)
-    return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, True, None)
+    return _Replay(events).run(cap_bytes, list(preallocated), workspace_fraction, steady)
+
+
+_ALLOC, _WORKSPACE, _FREE = 0, 1, 2
+
+
+class _Replay:
+    """A trace read once for the many replays of a search: each event's action, key and bytes
+    (a staging event's buffer sized), and whether the first step made it for the others."""
+
+    def __init__(self, events: Iterable[Event]) -> None:
+        events = list(events)
+        made = {key for kind, key, _ in events if kind != "free"}
+        kept = made - {key for kind, key, _ in events if kind == "free"}
+        self.actions: list[tuple[int, object, int, bool]] = []
+        for index, (kind, key, nbytes) in enumerate(events):
+            if kind == "alloc" or kind.startswith(_STAGING):
+                action = (_ALLOC, key, event_bytes(kind, nbytes), key in kept)
+            elif kind == "workspace":
+                action = (_WORKSPACE, key, nbytes, key in kept)
+            elif kind == "free":
+                action = (_FREE, key, 0, False)
+            else:
+                raise ValueError(f"events should hold ('alloc', key, nbytes), ('free', key, "
+                                 f"0) and ('workspace', key, nbytes) tuples, but got "
+                                 f"events[{index}]={(kind, key, nbytes)!r}.")
+            self.actions.append(action)
+        self.workspaces = any(action[0] == _WORKSPACE for action in self.actions)
+
+    def run(self, cap_bytes: int | None, preallocated: Sequence[int | tuple[int, int]],
+            workspace_fraction: float, steady: bool) -> ReplayResult:
+        model = CachingAllocatorModel(cap_bytes)
+        malloc, free = model.malloc, model.free
+        handles: dict[object, object] = {}
+        index = -1
+        try:
+            for item in preallocated:
+                key, nbytes = item if isinstance(item, tuple) else (None, item)
+                handle = malloc(nbytes)
+                if key is not None:
+                    handles[key] = handle
+            layout = None
+            for step in range(STEADY_STEPS if steady else 1):
+                # a later step's own allocations have keys of their own: (step, key)
+                mine: dict[object, object] = handles if not step else {}
+                # ``index`` is the event that ran out, for the OOM below (hence the noqa)
+                for index, (action, key, nbytes, kept) in enumerate(self.actions):  # noqa: B007
+                    if action == _FREE:
+                        table = mine if (step and key < 0) else handles
+                        if key in table:
+                            free(table.pop(key))
+                    elif step and kept:
+                        continue  # made by the first step, there for the others
+                    else:
+                        table = mine if (step and key < 0) else handles
+                        table[key] = (malloc(nbytes) if action == _ALLOC else
+                                      model.malloc_workspace(nbytes, workspace_fraction))
+                now = (model.reserved_bytes, tuple(sorted(model._free)))
+                if now == layout:
+                    break
+                layout = now
+        except torch.OutOfMemoryError:
+            return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, False,
+                                index, True)
+        return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, True, None,
+                            model.met_cap)
 
 
 # NOTE [ What a step needs ]
@@ -363,13 +397,15 @@ def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
 # device's memory, so a plan's answer never sits on a knife edge of the replay; a failure further
 # above the window, where the uncapped allocator's cache outgrows the cap, is not looked for (each
 # look is a replay of the whole step), and the curve of needs is monotone once a running maximum
-# over the sizes is taken (a larger batch holds no fewer bytes).
+# over the sizes is taken (a larger batch holds no fewer bytes). A replay that never met its cap
+# ran as without one, so it runs so on every larger capacity too: where no workspace takes a
+# share of the room left, that capacity's window is not replayed (``_Fitter.above``).
 GRID_BYTES = 2 * MIB
 NEED_WINDOW = 16 * MIB
 
 
 def _top(events: Sequence[Event], preallocated: Sequence[int | tuple[int, int]],
-         fits: Callable[[int], bool]) -> tuple[int, int]:
+         fits: _Fitter) -> tuple[int, int]:
     """(a capacity below which nothing fits, one the step fits on): the steady peak of its live
     blocks, and the uncapped reserved peak of its tensors (a convolution's workspace takes what
     the free memory allows, so it grows with the capacity and never fails), raised by the grid
@@ -385,8 +421,10 @@ def _top(events: Sequence[Event], preallocated: Sequence[int | tuple[int, int]],
     return low, top
 
 
-def _window_fails(fits: Callable[[int], bool], cap_bytes: int) -> int | None:
+def _window_fails(fits: _Fitter, cap_bytes: int) -> int | None:
     """The highest capacity of the grid within the window above ``cap_bytes`` that fails."""
+    if fits.above(cap_bytes):
+        return None
     start = cap_bytes // GRID_BYTES * GRID_BYTES
     window = min(NEED_WINDOW, cap_bytes // 64) // GRID_BYTES * GRID_BYTES
     for cap in range(start + window, start, -GRID_BYTES):
@@ -395,12 +433,29 @@ def _window_fails(fits: Callable[[int], bool], cap_bytes: int) -> int | None:
     return None
 
 
-def _fitter(events: Sequence[Event], preallocated: Sequence[int | tuple[int, int]],
-            workspace_fraction: float) -> Callable[[int], bool]:
-    def fits(cap: int) -> bool:
-        return replay(events, cap, preallocated=preallocated,
-                      workspace_fraction=workspace_fraction, steady=True).fits
-    return functools.lru_cache(maxsize=None)(fits)
+class _Fitter:
+    """Whether a step fits a capacity, in the allocator's steady state, each capacity replayed
+    once. ``above(cap)``: it fits there and on every larger capacity, because its replay never
+    met the cap, so it ran as without one (no workspace takes a share of the room left)."""
+
+    def __init__(self, events: Sequence[Event], preallocated: Sequence[int | tuple[int, int]],
+                 workspace_fraction: float) -> None:
+        self.step, self.preallocated = _Replay(events), list(preallocated)
+        self.workspace_fraction = workspace_fraction
+        self._results: dict[int, ReplayResult] = {}
+
+    def result(self, cap: int) -> ReplayResult:
+        if cap not in self._results:
+            self._results[cap] = self.step.run(cap, self.preallocated, self.workspace_fraction,
+                                               steady=True)
+        return self._results[cap]
+
+    def __call__(self, cap: int) -> bool:
+        return self.result(cap).fits
+
+    def above(self, cap: int) -> bool:
+        result = self.result(cap)
+        return result.fits and not result.met_cap and not self.step.workspaces
 
 
 def needed_bytes(events: Sequence[Event], *, preallocated: Sequence[int | tuple[int, int]] = (),
@@ -409,7 +464,7 @@ def needed_bytes(events: Sequence[Event], *, preallocated: Sequence[int | tuple[
     """The least capacity on which the step fits with NEED_WINDOW to spare (NOTE [ What a step
     needs ]), in the allocator's steady state; ``exact=False``: a capacity it surely fits on
     (the uncapped peak of its tensors), for sizes far from any cap."""
-    fits = _fitter(events, preallocated, workspace_fraction)
+    fits = _Fitter(events, preallocated, workspace_fraction)
     low, top = _top(events, preallocated, fits)
     if not exact:
         return top
@@ -430,7 +485,7 @@ def fits_from(events: Sequence[Event], cap_bytes: int, *,
               workspace_fraction: float = WORKSPACE_FREE_FRACTION) -> bool:
     """Whether the step needs at most ``cap_bytes`` (NOTE [ What a step needs ]): it fits at
     the cap and on the grid up to NEED_WINDOW above it, in the allocator's steady state."""
-    fits = _fitter(events, preallocated, workspace_fraction)
+    fits = _Fitter(events, preallocated, workspace_fraction)
     return fits(cap_bytes) and _window_fails(fits, cap_bytes) is None
 
 
