@@ -22,6 +22,7 @@ from batchwidgets.engine.memory._allocator import (
     scale_events,
 )
 from batchwidgets.engine.memory._simulated import (
+    ProbeMeter,
     SimulatedCudaMeter,
     preallocated_sizes,
     record_events,
@@ -525,3 +526,23 @@ def test_the_prediction_holds_through_trials_on_one_meter_as_the_probe_runs_them
     assert not trial(2 * predicted)
     assert not trial(predicted + 9)
     assert trial(predicted - 7)
+
+
+def test_a_storage_grown_from_no_bytes_keeps_its_kind_in_the_trace():
+    # A storage made empty then grown in place (an out= op's result, resize_) was an allocation
+    # event of 0 bytes that the tracker never saw born, and the events' kinds are matched to
+    # births storage by storage: the empty event took the grown storage's kind, which then had
+    # none (an optimizer's state counted whole on every rank of a ZeRO plan)
+    meter = ProbeMeter("cpu", None)
+    kept = []
+    with meter.measure(lambda: []) as reading:
+        for _ in range(3):
+            state = torch.empty(0)
+            torch.add(torch.ones(256), 1, out=state)
+            meter.mark(state, "optimizer")
+            kept.append(state)
+    trace = reading.trace
+    kinds = [(nbytes, kind) for (event, _, nbytes), kind in zip(trace.events, trace.event_kinds)
+             if event == "alloc"]
+    # torch.ones' own storage, then the state (NOTE [ A storage of no bytes ])
+    assert kinds == [(1024, "temporary"), (1024, "optimizer")] * 3
