@@ -126,9 +126,7 @@ class CachingAllocatorModel:
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
-            key = (remaining << _ADDRESS_BITS) | rest.address
-            self._free[key] = rest
-            bisect.insort(pool, key)
+            self._insert(rest)
         block.allocated = True
         self.allocated_bytes += block.size
         if self.allocated_bytes > self.peak_allocated_bytes:
@@ -362,14 +360,13 @@ class _Replay:
                 mine: dict[object, object] = handles if not step else {}
                 # ``index`` is the event that ran out, for the OOM below (hence the noqa)
                 for index, (action, key, nbytes, kept) in enumerate(self.actions):  # noqa: B007
+                    if step and kept:
+                        continue  # made by the first step, there for the others
+                    table = mine if (step and key < 0) else handles
                     if action == _FREE:
-                        table = mine if (step and key < 0) else handles
                         if key in table:
                             free(table.pop(key))
-                    elif step and kept:
-                        continue  # made by the first step, there for the others
                     else:
-                        table = mine if (step and key < 0) else handles
                         table[key] = (malloc(nbytes) if action == _ALLOC else
                                       model.malloc_workspace(nbytes, workspace_fraction))
                 now = (model.reserved_bytes, tuple(sorted(model._free)))
