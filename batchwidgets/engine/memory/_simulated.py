@@ -76,22 +76,18 @@ class _SimulatedDevice(TorchDispatchMode):
         storage = tensor.untyped_storage()
         key, nbytes = id(storage), storage.nbytes()
         known = self._storages.get(key)
-        if known is not None and known[0]() is storage:
+        same = known is not None and known[0]() is storage
+        if same:
             if known[1] == nbytes:
                 return
             del self._storages[key]  # resized in place (out= ops): the new block comes first
-            entry = self._malloc(nbytes)
-            self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, entry)
-            self.storage_of[entry[0]] = key
-            if known[2] is not None:
-                self._free(known[2])
-            return
-        # NOTE [ A storage of no bytes ]: known, so an out= op that grows it is seen, but no
-        # event: the tracker sees no birth, and the events' kinds are matched to its births
+        # NOTE [ A storage of no bytes ]: known, so that an out= op growing it is seen, no event
         entry = self._malloc(nbytes) if nbytes else None
         self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, entry)
         if entry is not None:
             self.storage_of[entry[0]] = key
+        if same and known[2] is not None:
+            self._free(known[2])
 
     def _malloc(self, nbytes: int, workspace_fraction: float | None = None,
                 kind: str = "alloc", logged: int | None = None) -> tuple[int, Any]:
@@ -201,15 +197,13 @@ class _SimulatedDevice(TorchDispatchMode):
 
 
 # NOTE [ A storage of no bytes ]
-# A storage of 0 bytes takes no block of the allocator, and the tracer never sees it born (its
-# live bytes do not change), while the device logged an allocation event for it. The events'
-# kinds (parameter, gradient, optimizer, ... for a rank's share of the trace) are matched to the
-# tracer's births storage by storage (TracingTracker.record_kinds), so that event took the kind
-# of the next birth of the same storage or id: a storage grown from nothing by an out= op, or a
-# later storage at the same address, lost its kind, as an optimizer's state counted whole on
-# every rank of a ZeRO plan did, at addresses that changed from run to run (a Llama's ZeRO-1
-# plan fell to DDP's, 149 against 170, after other tests had run in the process). So the device
-# knows such a storage, to see it grow, but logs nothing until it holds bytes.
+# A storage of 0 bytes takes no block, and the tracer never sees it born (its live bytes do not
+# change). The events' kinds (parameter, gradient, optimizer, ... for a rank's share) are matched
+# to the tracer's births storage by storage (TracingTracker.record_kinds), so an event logged for
+# it took the kind of the next birth at its id: a storage grown from nothing by an out= op, or a
+# later one at the same address, lost its kind, and an optimizer's state counted whole on every
+# ZeRO rank at addresses that changed from run to run (a Llama's ZeRO-1 plan 149 against 170).
+# So the device knows such a storage, to see it grow, but logs nothing until it holds bytes.
 
 
 # NOTE [ One dispatch mode for two ]
