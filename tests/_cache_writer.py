@@ -8,7 +8,7 @@ import os
 
 def write_many(folder: str, key: str, writer: int, times: int) -> None:
     os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
-    from batchwidgets.engine import _cache
+    from batchwidgets.engine.probe import _cache
 
     for i in range(times):
         # large enough that a write is not one system call: a torn file would show

@@ -448,7 +448,7 @@ def test_backward_and_steps_from_another_thread_are_not_accumulated():
 
 
 def test_batchwidgets_own_steps_inside_a_block_are_not_counted():
-    from batchwidgets.engine._own_steps import own_steps
+    from batchwidgets.engine._called import own_steps
 
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

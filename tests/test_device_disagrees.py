@@ -58,7 +58,7 @@ def test_after_the_device_ran_out_the_model_trains_as_if_never_probed(kind, wher
 
 
 # NOTE [ A reducer left mid-reduction ] and NOTE [ An FSDP2 unit left mid-step ] (engine/
-# _machinery.py), NOTE [ A rank that runs out alone ] (probe/_ranks.py): the private members
+# _state.py), NOTE [ A rank that runs out alone ] (probe/_ranks.py): the private members
 # the state guard and the ranks' checkpoints touch, on the torch CI runs. A torch that renames
 # one fails here first; the behaviour is tested in tests/test_ranks_fail_alone.py.
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="pinned to torch 2.13")

@@ -81,15 +81,15 @@ def test_find_batch_parameters():
 
 
 def test_the_vocabulary_names_each_step_and_choice_once():
-    from batchwidgets.engine import _types, probe
+    from batchwidgets.engine import _options, probe
     from batchwidgets.engine.loader import TrainStep
 
     assert not hasattr(probe, "Step")  # ProbeStep's alias, removed (CHANGELOG.md)
-    assert TrainStep is _types.TrainStep
+    assert TrainStep is _options.TrainStep
     assert inspect.signature(bw.accumulate).parameters["remainder"].annotation == "Remainder"
-    assert _types.REMAINDERS == ("apply", "drop")
-    assert set(_types.AMP_NAMES) >= {"bf16", "fp16"}
-    assert _types.NOISE_METHODS == ("auto", "vmap", "loop")
+    assert _options.REMAINDERS == ("apply", "drop")
+    assert set(_options.AMP_NAMES) >= {"bf16", "fp16"}
+    assert _options.NOISE_METHODS == ("auto", "vmap", "loop")
 
 
 def test_accumulate_parameters():

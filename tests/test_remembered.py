@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchwidgets as bw
-from batchwidgets.engine import _cache, options_of
-from batchwidgets.engine.probe import FindBatchRequest, _remember
+from batchwidgets.engine import options_of
+from batchwidgets.engine.probe import FindBatchRequest, _cache, _remember
 from batchwidgets.engine.probe._setup import resolve
 
 MIB = 2**20

@@ -12,19 +12,17 @@ Rooms (each folder's ``__init__.py`` says what it holds and exports):
 Shared pieces beside them, which import none of the rooms:
 
 - ``_util.py``       walking nested batches, the default device, world size, int checks
-- ``_types.py``      the vocabulary: step, progress and data names, Literal choices
 - ``_options.py``    option(), Option, Spelling: each public function's options declared once,
-                    the fields of its request dataclass
+                    the fields of its request dataclass; the vocabulary (step, progress and data
+                    names, Literal choices)
 - ``_batches.py``    batches of any size from a callable, Dataset, DataLoader or tensor
-- ``_called.py``     what was called of the user's code when it raised: one line first
-- ``_state.py``      bit-exact snapshot and restore of model, optimizer, RNGs, flags
-- ``_machinery.py``  DDP's reducer and FSDP2's units reset after a step stopped mid-way
+- ``_called.py``     what was called of the user's code when it raised: one line first; and
+                    batchwidgets' own steps, which an accumulate block lets through
+- ``_state.py``      bit-exact snapshot and restore of model, optimizer, RNGs, flags, and of DDP's
+                    reducer and FSDP2's units after a step stopped mid-way
 - ``_background.py`` a panel's background probe: private RNG, a copy or a held model
-- ``_own_steps.py``  batchwidgets' own steps, which an accumulate block lets through
 - ``_grads.py``      fused gradient norms on the device; a GradScaler's scale
 - ``_unsharded.py``  an FSDP2 model's replica with its full weights (per-example gradients)
-- ``_fingerprint.py`` what decides a step's memory (model, optimizer, batch, code) as JSON values
-- ``_cache.py``      the cache directory: JSON files written atomically, read back or refused
 
 What a room may import (tests/test_boundaries.py holds it): every room the shared pieces;
 ``probe`` also ``memory``; ``accumulate`` also ``noise``. Nothing else, and another room only

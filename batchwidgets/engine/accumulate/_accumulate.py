@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..._warnings import BatchwidgetsWarning
-from .._types import REMAINDERS, Remainder
+from .._options import REMAINDERS, Remainder
 from .._util import check_int
 from ..noise import AutoSteps, NoiseTracker
 from ._accumulator import Accumulator

@@ -15,8 +15,8 @@ import torch
 
 from ..._warnings import BatchwidgetsWarning
 from ...results import AccumulationReport
+from .._called import in_own_steps
 from .._grads import group_by_device_and_dtype, is_sharded, loss_scale
-from .._own_steps import in_own_steps
 from .._state import InterruptGuard
 from .._util import world_size
 from ..noise import AccumulatorFeed, AutoSteps, NoiseTracker
@@ -65,7 +65,7 @@ class _Scalars:
 # calls from other threads (a data-loading or logging thread, a panel) pass straight through,
 # and so do batchwidgets' own steps (find_batch's probe steps inside an accumulate block, which
 # would otherwise count as micro-steps and leave gradients behind; see NOTE [ Own steps ] in
-# engine/_own_steps.py).
+# engine/_called.py).
 
 
 # NOTE [ How accumulate intercepts an unchanged loop ]

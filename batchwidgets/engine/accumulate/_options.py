@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._options import option, positive_integer
-from .._types import REMAINDERS, Remainder
+from .._options import REMAINDERS, Remainder, option, positive_integer
 
 if TYPE_CHECKING:
     import torch

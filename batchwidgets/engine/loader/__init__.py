@@ -13,7 +13,7 @@ training step waits on data.
 It imports the shared modules only.
 """
 
-from .._types import TrainStep
+from .._options import TrainStep
 from ._checks import usable_cpus
 from ._live import LiveLoader, live_loader
 from ._live_settings import SWITCHABLE

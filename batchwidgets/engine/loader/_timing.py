@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ...results import LoaderTrial
-from .._types import Clock, ShouldStop
+from .._options import Clock, ShouldStop
 from .._util import default_device, has_accelerator, tensors, to_device, usable_device
 from ._checks import batch_warnings, setting_warnings
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..._warnings import BatchwidgetsWarning
 from ...results import DataStallReport, LoaderReport, LoaderTrial
 from ...results.loader import with_factory
-from .._types import Clock, OnProgress, ShouldStop, TrainStep
+from .._options import Clock, OnProgress, ShouldStop, TrainStep
 from .._util import check_int, has_accelerator
 from . import _search
 from ._checks import (
@@ -35,7 +35,7 @@ from ._checks import (
 )
 from ._timing import copy_batch, failed_trial, resolve_device, shutdown, synchronize, time_loader
 
-# Progress callbacks, steps and data arguments: NOTE [ One vocabulary ] in engine/_types.py.
+# Progress callbacks, steps and data arguments: NOTE [ One vocabulary ] in engine/_options.py.
 
 DEFAULT_BATCH_SIZE = 32  # for a Dataset given without batch_size
 SETTINGS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "batch_size")

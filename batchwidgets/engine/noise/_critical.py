@@ -18,8 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ...results import BatchSizeReport, Branch, CriticalBatchReport
 from .._batches import collate_of
-from .._called import is_said
-from .._own_steps import own_steps
+from .._called import is_said, own_steps
 from .._state import TrainingState, restored
 from .._util import check_int, check_number
 from ._branches import _default_target, _fit, _loss_criterion, _rung, _Runner

@@ -36,8 +36,8 @@ from .._batches import (
     slice_batch,
 )
 from .._called import called_at, is_said
+from .._options import NOISE_METHODS, NoiseMethod
 from .._state import TrainingState, restored
-from .._types import NOISE_METHODS, NoiseMethod
 from .._unsharded import unsharded
 from .._util import check_int, to_device
 from ._moments import Moments

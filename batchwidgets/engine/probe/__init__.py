@@ -25,7 +25,7 @@
 - ``_parallel.py``    plans for N GPUs: each rank's share and buffers under DDP, ZeRO, FSDP2
 - ``_ranks.py``       one outcome for every rank under torch.distributed, errors included
 - ``_remember.py``    remembered answers: the key of what decides memory, kept and given back;
-  forget()
+  forget(); the key's JSON values in ``_fingerprint.py``, its files in ``_cache.py``
 - ``_what_if.py``     the largest batch under a change, predicted from the trace or measured;
   a target plan's rows, each planned again (on a meta model too)
 

@@ -17,8 +17,8 @@ from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport
 from ...results._snapshot import StepSnapshot
 from .. import memory
+from .._options import ProbeStep
 from .._state import InterruptGuard, TrainingState, restore_home
-from .._types import ProbeStep
 from .._util import user_stacklevel
 from . import _search
 from ._cell import CellStep, CellWorld, FakeCellStep

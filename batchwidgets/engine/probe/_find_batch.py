@@ -20,7 +20,7 @@ import torch
 
 from ...results import BatchSizeReport
 from .._called import is_said
-from .._types import Amp, ProbeStep, ShouldStop, Trace
+from .._options import Amp, ProbeStep, ShouldStop, Trace
 from ._core import at_length
 from ._fake_group import resizes_seen_in_job
 from ._measure import measure

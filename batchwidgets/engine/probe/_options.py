@@ -13,8 +13,19 @@ import torch
 
 from ...results import BatchSizeReport
 from .. import memory
-from .._options import Spelling, integer, integers, number, option
-from .._types import AMP_NAMES, TRACES, Amp, ProbeStep, ShouldStop, Trace
+from .._options import (
+    AMP_NAMES,
+    TRACES,
+    Amp,
+    ProbeStep,
+    ShouldStop,
+    Spelling,
+    Trace,
+    integer,
+    integers,
+    number,
+    option,
+)
 from .._util import usable_device
 from ._parallel import PARALLEL
 

@@ -263,7 +263,7 @@ def agree_limit(limit_bytes: int | None) -> int | None:
 # the checkpoint the others wait at (``ran_out_alone``) and leaves; every other rank learns it
 # there, raises ``OutOfMemoryElsewhere`` (an out-of-memory error) before that collective, and
 # leaves too. Every rank's trial is then out of memory at that size, every rank's state guard
-# resets its wrappers (engine/_machinery.py), and the verdict after the trial meets them all.
+# resets its wrappers (engine/_state.py), and the verdict after the trial meets them all.
 # The checkpoints: making the batch (above); under DDP the trial's forward and backward run
 # under ``no_sync()``, so the reducer starts no collective, and after backward a checkpoint, then
 # the gradients are all-reduced as DDP would (in place, each once: the same memory, DDP's buckets

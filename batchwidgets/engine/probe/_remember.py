@@ -19,10 +19,11 @@ import torch
 from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport, Remembered
 from ...results._json import as_json, from_json
-from .. import _cache, memory
-from .._fingerprint import batch_fingerprint, digest, fingerprint
+from .. import memory
 from .._options import options_of
 from .._state import RngState
+from . import _cache
+from ._fingerprint import batch_fingerprint, digest, fingerprint
 from ._ranks import _collective_device, in_job
 from ._setup import ProbeSetup
 
@@ -45,7 +46,7 @@ LIMIT_TOLERANCE = 1 / 64
 
 # NOTE [ Remembered answers ]
 # find_batch(..., cache=True) looks its call up before measuring: the key is a SHA-256 of what
-# decides the step's memory (NOTE [ What a fingerprint holds ] in engine/_fingerprint.py): the model
+# decides the step's memory (NOTE [ What a fingerprint holds ] in probe/_fingerprint.py): the model
 # (or the owner of step=), the batch make_batch gives at the first size tried (its shapes and
 # dtypes; for a Dataset or DataLoader the worst case, as the probe builds it), the code of
 # make_batch and of step= (a %%find_batch cell's too), every keyed option as given and as resolved

@@ -14,8 +14,8 @@ import torch
 from .. import memory
 from .._batches import as_batch_maker
 from .._grads import is_sharded
+from .._options import ProbeStep, ShouldStop
 from .._state import RngState
-from .._types import ProbeStep, ShouldStop
 from .._unsharded import meta_replica
 from .._util import default_device, usable_device
 from ._cell import CellStep

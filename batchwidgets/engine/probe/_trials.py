@@ -13,8 +13,7 @@ import torch
 from ...results import Attempt
 from .. import memory
 from .._batches import forward
-from .._called import calling, describe, said, scalar_hint, was_called
-from .._own_steps import own_steps
+from .._called import calling, describe, own_steps, said, scalar_hint, was_called
 from .._state import TrainingState, optimizers_within
 from .._util import first_line, to_device
 from ..memory import Reading
