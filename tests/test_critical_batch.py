@@ -349,7 +349,7 @@ def test_evaluations_start_late_without_changing_a_step(monkeypatch):
     """A rung starts evaluating at a quarter of the steps the batch below took (a doubled batch
     at most halves them); a branch already at the target there runs again, evaluated from step
     1. Fewer evaluations, the same branches as evaluating every run from its first step."""
-    from batchwidgets.engine.noise import _branches
+    from batchwidgets.engine.noise import _critical
 
     def measure():
         model, optimizer = model_and_sgd(0.01)
@@ -357,7 +357,7 @@ def test_evaluations_start_late_without_changing_a_step(monkeypatch):
                                  loss_fn=nn.functional.mse_loss, base_batch_size=4, noise=False)
 
     late = measure()
-    monkeypatch.setattr(_branches, "FASTEST", math.inf)  # every run evaluated from step 1
+    monkeypatch.setattr(_critical, "FASTEST", math.inf)  # every run evaluated from step 1
     early = measure()
     assert late.ladder == early.ladder
     assert late.critical_batch_size == early.critical_batch_size

@@ -40,8 +40,7 @@ IDS = [function.__name__ for function, *_ in DECLARED]
 FACES = {
     "find_batch": ["engine/probe", "magics.py", "_notebook.py", "widgets/probe.py"],
     "accumulate": ["engine/accumulate", "magics.py", "_notebook.py"],
-    "critical_batch": ["engine/noise/_critical.py", "engine/noise/_branches.py", "magics.py",
-                       "_notebook.py"],
+    "critical_batch": ["engine/noise/_critical.py", "magics.py", "_notebook.py"],
 }
 
 

@@ -6,8 +6,8 @@ training step waits on data.
 - ``_timing.py``  timing one DataLoader; workers always shut down
 - ``_checks.py``  argument checks, unpicklable datasets, warnings with numbers
 - ``_live.py``    live_loader: the running loop's loader, switched at its next batch without
-                  losing the order, measured; its epochs, whose workers stop when abandoned
-- ``_live_settings.py`` the settings a live loader starts with and switches to, checked
+                  losing the order, measured; its epochs, whose workers stop when abandoned;
+                  the settings it starts with and switches to, checked
 - ``_autotune.py`` live_loader(autotune=True)'s policy: which setting to try next, from the stall
 
 It imports the shared modules only.
@@ -15,8 +15,7 @@ It imports the shared modules only.
 
 from .._options import TrainStep
 from ._checks import usable_cpus
-from ._live import LiveLoader, live_loader
-from ._live_settings import SWITCHABLE
+from ._live import SWITCHABLE, LiveLoader, live_loader
 from ._timing import one_line
 from ._tune import (
     DEFAULT_BATCH_SIZE,

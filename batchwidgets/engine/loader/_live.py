@@ -1,7 +1,9 @@
 """``live_loader``: the DataLoader of a training loop that is running, whose worker settings
 switch at its next batch (from code, another thread or a panel) without losing the epoch's
 place, with that loop's own samples/s and time waiting for data measured.
-One object, one module: the LiveLoader runs its epochs itself; ``Epoch`` is only its iterator.
+One object, one module: the LiveLoader runs its epochs itself; ``Epoch`` is only its iterator,
+and its settings (``resolve``, ``starting_loader``) are those it starts with, the wrapped
+loader's with the caller's over them, and those it switches to, checked as DataLoader would.
 
 Usage:
     >>> import torch, batchwidgets as bw
@@ -32,10 +34,82 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..._warnings import BatchwidgetsWarning
 from ...results import LiveLoaderReport, LoaderSegment, LoaderSwitch
+from .._util import check_int
 from ._autotune import Autotune
 from ._checks import check_workers_can_unpickle, usable_cpus
-from ._live_settings import SWITCHABLE, check_types, resolve, setting, starting_loader
-from ._timing import _size, shutdown
+from ._timing import batch_samples, shutdown
+from ._tune import DEFAULT_BATCH_SIZE, SETTINGS, check_source, source_kwargs
+
+# -- the settings it starts with and switches to -------------------------------------------------
+
+SWITCHABLE = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
+
+
+def setting(name: str) -> property:
+    """A DataLoader attribute that reads the setting in force (assigning it calls ``set``)."""
+    def read(self: Any) -> Any:
+        return self._settings[name]
+
+    def write(self: Any, value: Any) -> None:  # DataLoader.__init__ only; then set()
+        self._settings[name] = value
+
+    return property(read, write, doc=f"The ``{name}`` in force (``set`` changes it).")
+
+
+def starting_loader(source: Any, settings: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """DataLoader arguments of the loader to wrap (``source`` with ``settings`` over its own),
+    and its multiprocessing context kept apart (DataLoader refuses one without workers)."""
+    check_source(source)
+    if isinstance(source, DataLoader):
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise TypeError(f"settings should be among {list(SETTINGS)} for a DataLoader, but "
+                            f"got {unknown}; set other options on the DataLoader you pass in.")
+        kwargs = source_kwargs(source)
+        if settings.get("batch_size") is not None:
+            if "batch_sampler" in kwargs:
+                raise ValueError(f"batch_size should be None for a DataLoader with its own "
+                                 f"batch_sampler, but got batch_size={settings['batch_size']!r};"
+                                 f" change the batch_sampler instead.")
+            kwargs["batch_size"] = settings["batch_size"]
+        kwargs.update({k: v for k, v in settings.items() if k != "batch_size"})
+    else:  # a Dataset: any DataLoader argument, batch_size 32 by default (as make_loader)
+        source_kwargs(source)  # the one-line error for what is no Dataset
+        kwargs = {"dataset": source, "batch_size": DEFAULT_BATCH_SIZE, **settings}
+    context = kwargs.pop("multiprocessing_context", None)
+    if isinstance(context, str):
+        context = torch.multiprocessing.get_context(context)
+    return kwargs, context
+
+
+def resolve(base: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``settings`` over it, checked and completed as DataLoader would."""
+    new = {name: base[name] for name in SWITCHABLE}
+    new.update(settings)
+    check_types(new, settings)
+    if new["num_workers"] == 0:
+        for name, dropped in (("prefetch_factor", None), ("persistent_workers", False)):
+            if settings.get(name) not in (None, False):
+                raise ValueError(
+                    f"{name} should be {dropped} with num_workers=0 (DataLoader takes it "
+                    f"only with workers), but got {name}={settings[name]!r}; set workers "
+                    f"too, e.g. set(num_workers=2, {name}={settings[name]!r}).")
+        new.update(prefetch_factor=None, persistent_workers=False)
+    elif new["prefetch_factor"] is None:
+        new["prefetch_factor"] = 2  # DataLoader's default with workers
+    return new
+
+
+def check_types(new: dict[str, Any], given: dict[str, Any]) -> None:
+    """One line naming the setting that is not what DataLoader takes (``given``: as typed)."""
+    check_int("num_workers", new["num_workers"], 0, hint="; 0 loads in the main process")
+    check_int("prefetch_factor", new["prefetch_factor"], 1, optional=True,
+              hint="; DataLoader's default is 2")
+    for name in ("pin_memory", "persistent_workers"):
+        if not isinstance(new[name], bool):
+            raise ValueError(f"{name} should be True or False, but got "
+                             f"{name}={given.get(name, new[name])!r}.")
+
 
 OnBatch = Callable[[int, int], Any]  # on_batch(epoch, batch): before each batch is taken
 
@@ -419,7 +493,7 @@ class LiveLoader(DataLoader):
         now = time.perf_counter()
         indices = epoch.feed.taken.popleft() if epoch.feed is not None else None
         samples = len(indices) if self._auto_collation and indices is not None \
-            else _size(batch)[0]
+            else batch_samples(batch)[0]
         if epoch.switch is not None:
             self._end_switch(epoch, now)
         self._record(wall_s=now - epoch.last, wait_s=now - called + epoch.extra_wait,

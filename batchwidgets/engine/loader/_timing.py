@@ -37,7 +37,7 @@ def synchronize(device: torch.device) -> None:
         getattr(torch, device.type).synchronize()
 
 
-def _size(batch: Any) -> tuple[int, int]:
+def batch_samples(batch: Any) -> tuple[int, int]:
     """(samples, bytes): samples from the first tensor's dim 0 (0-d ones skipped; 1 when there
     is none), bytes from all tensors."""
     found = list(tensors(batch))
@@ -93,7 +93,7 @@ def time_loader(loader: DataLoader, device: torch.device, duration_s: float,
         first = copy_batch(first, device, non_blocking)
         synchronize(device)
         first_batch_s = clock() - started
-        notes += batch_warnings(first, loader, _size(first)[1])
+        notes += batch_warnings(first, loader, batch_samples(first)[1])
         del first
         n_batches = n_samples = n_bytes = epoch_ends = 0
         cancelled = restarted = False
@@ -113,7 +113,7 @@ def time_loader(loader: DataLoader, device: torch.device, duration_s: float,
                 iterator = iter(loader)
                 continue
             restarted = False
-            samples, size = _size(copy_batch(batch, device, non_blocking))
+            samples, size = batch_samples(copy_batch(batch, device, non_blocking))
             n_batches, n_samples, n_bytes = n_batches + 1, n_samples + samples, n_bytes + size
             now = clock()
         synchronize(device)

@@ -41,14 +41,14 @@ DEFAULT_BATCH_SIZE = 32  # for a Dataset given without batch_size
 SETTINGS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "batch_size")
 
 
-def _check_source(source: Any) -> None:
+def check_source(source: Any) -> None:
     if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
         raise TypeError(f"loader_or_dataset should be a DataLoader or a Dataset, but got "
                         f"loader_or_dataset={source!r} (a path); load the files into a "
                         f"torch.utils.data.Dataset, e.g. torchvision.datasets.ImageFolder(path).")
 
 
-def _source_kwargs(source: Any) -> dict[str, Any]:
+def source_kwargs(source: Any) -> dict[str, Any]:
     """DataLoader arguments that reproduce ``source`` (a DataLoader) or batch a Dataset."""
     if not isinstance(source, DataLoader):
         if not (hasattr(source, "__getitem__") or hasattr(source, "__iter__")):
@@ -109,7 +109,7 @@ def make_loader(loader_or_dataset: DataLoader | Any, /, **settings: Any) -> Data
     if unknown:
         raise TypeError(f"settings should be among {list(SETTINGS)}, but got {unknown}; set "
                         f"other options on the DataLoader you pass in.")
-    kwargs = _source_kwargs(loader_or_dataset)
+    kwargs = source_kwargs(loader_or_dataset)
     batch_size = settings.pop("batch_size", None)
     if batch_size is not None:
         if "batch_sampler" in kwargs:
@@ -172,7 +172,7 @@ def measure_loader(loader_or_dataset: DataLoader | Any, *, num_workers: int = 0,
     >>> measure_loader(data, batch_size=16, max_batches=2).n_batches
     2
     """
-    _check_source(loader_or_dataset)
+    check_source(loader_or_dataset)
     check_measure_arguments(num_workers, prefetch_factor, batch_size, duration_s, max_batches)
     loader = make_loader(loader_or_dataset, num_workers=num_workers, pin_memory=pin_memory,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
@@ -231,7 +231,7 @@ def tune_loader(loader_or_dataset: DataLoader | Any, device: torch.device | str 
     >>> report.best.num_workers in (0, 1)
     True
     """
-    _check_source(loader_or_dataset)
+    check_source(loader_or_dataset)
     check_tune_arguments(max_workers, duration_s, threshold, batch_size)
     target = resolve_device(device)
     accelerator = target.type not in ("cpu", "mps", "meta")  # where pinned memory helps

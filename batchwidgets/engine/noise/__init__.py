@@ -8,7 +8,6 @@ during training, and the batch-size schedule they suggest.
 - ``_feed.py``      what an accumulate block hands a tracker each update, on the device
 - ``_schedule.py``  the batch-size schedule from the noise scale; sampling the tracker
 - ``_critical.py``  critical_batch: the critical batch measured from branched runs
-- ``_branches.py``  its branches: runs to a target, the learning-rate search, the fit
 - ``_options.py``   CriticalBatchRequest: critical_batch's options declared once as one
   frozen dataclass (its signature's defaults, %critical_batch's flags)
 

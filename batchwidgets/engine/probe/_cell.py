@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._called import calling
-from ._fake import _fake_like, _fake_state, _host_scalars, _quiet_meta_errors, _where_it_failed
+from ._fake import fake_like, fake_state, host_scalars, quiet_meta_errors, where_it_failed
 
 # NOTE [ A cell as the step ]
 # `%%find_batch --var bs` probes the user's own training code: whatever it keeps, frees, clips,
@@ -156,12 +156,12 @@ class CellWorld:
                        for p in g["params"]})
         buffers = {id(b): b for m in modules for b in m.buffers()}
         self.modules = modules
-        scalars = {k: v for o in self.optimizers for k, v in _host_scalars(o).items()}
+        scalars = {k: v for o in self.optimizers for k, v in host_scalars(o).items()}
         with mode:
-            self.twins = {key: torch.nn.Parameter(_fake_like(p), requires_grad=p.requires_grad)
+            self.twins = {key: torch.nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
                           for key, p in params.items()}
-            self.twins.update({key: _fake_like(b) for key, b in buffers.items()})
-            self._start = [{self.twins[id(p)]: {k: _fake_state(v, scalars) for k, v in s.items()}
+            self.twins.update({key: fake_like(b) for key, b in buffers.items()})
+            self._start = [{self.twins[id(p)]: {k: fake_state(v, scalars) for k, v in s.items()}
                             for p, s in o.state.items() if id(p) in self.twins}
                            for o in self.optimizers]
         self._grads = {key: (p.grad.shape, p.grad.stride(), p.grad.dtype)
@@ -226,7 +226,7 @@ class FakeCellStep:
         self.world, self.meter = world, meter
 
     def __call__(self, batch_size: int) -> None:
-        with _quiet_meta_errors(), _where_it_failed(self.meter), self.world.swapped():
+        with quiet_meta_errors(), where_it_failed(self.meter), self.world.swapped():
             self.world.step(batch_size)
 
     def release(self) -> None:

@@ -60,7 +60,7 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
+def fake_like(tensor: torch.Tensor) -> torch.Tensor:
     """A fake CPU tensor of ``tensor``'s shape, strides and dtype (call under the fake mode)."""
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
 
@@ -81,14 +81,14 @@ class FakeWorld:
         """``rule``: the optimizer's state learned by shape, when it cannot be faked as it is
         (NOTE [ Optimizer state by shape ] in _optimizer_shapes.py)."""
         self.model, self.mode = model, mode
-        scalars = _host_scalars(optimizer)  # read before the fake mode: they are real
+        scalars = host_scalars(optimizer)  # read before the fake mode: they are real
         with mode:
-            self.params = {name: torch.nn.Parameter(_fake_like(p), requires_grad=p.requires_grad)
+            self.params = {name: torch.nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
                            for name, p in model.named_parameters()}
-            self.buffers = {name: _fake_like(b) for name, b in model.named_buffers()}
+            self.buffers = {name: fake_like(b) for name, b in model.named_buffers()}
             twins = {id(p): self.params[name] for name, p in model.named_parameters()}
             self.optimizer = (optimizer_twin(optimizer, twins,
-                                             lambda value: _fake_state(value, scalars))
+                                             lambda value: fake_state(value, scalars))
                               if rule is None
                               else StandIn(optimizer, twins, rule))
         # gradients the user holds: a real trial accumulates into them (and frees them), so
@@ -153,20 +153,20 @@ class FakeWorld:
             gc.enable()
 
 
-def _host_scalars(optimizer: torch.optim.Optimizer) -> dict[int, float]:
+def host_scalars(optimizer: torch.optim.Optimizer) -> dict[int, float]:
     """The numbers of the state's host scalars (Adam's ``step``), by id."""
     return {id(value): value.item() for state in optimizer.state.values()
             for value in state.values() if is_host_scalar(value)}
 
 
-def _fake_state(value: Any, scalars: dict[int, float]) -> Any:
+def fake_state(value: Any, scalars: dict[int, float]) -> Any:
     """A fake of one optimizer state value; a host scalar keeps its number as a fake constant,
     since the optimizer reads it back as a real step would."""
     if not isinstance(value, torch.Tensor):
         return value
     if id(value) in scalars:
         return torch.tensor(scalars[id(value)], dtype=value.dtype)
-    return _fake_like(value)
+    return fake_like(value)
 
 
 class FakeStep:
@@ -177,7 +177,7 @@ class FakeStep:
         self.world, self.step, self.meter = world, step, meter
 
     def __call__(self, batch_size: int) -> None:
-        with _quiet_meta_errors(), _where_it_failed(self.meter), self.world.swapped():
+        with quiet_meta_errors(), where_it_failed(self.meter), self.world.swapped():
             self.step(batch_size)
 
     def release(self) -> None:
@@ -216,7 +216,7 @@ def _made_real(make: Callable[[int], Any]) -> Callable[[int], Any]:
 
         def fake(tensor: torch.Tensor) -> torch.Tensor:
             if id(tensor) not in fakes:
-                fakes[id(tensor)] = _fake_like(tensor)
+                fakes[id(tensor)] = fake_like(tensor)
             return fakes[id(tensor)]
 
         return tree_map_only(torch.Tensor, fake, batch if keywords is None else keywords)
@@ -225,7 +225,7 @@ def _made_real(make: Callable[[int], Any]) -> Callable[[int], Any]:
 
 
 @contextmanager
-def _quiet_meta_errors() -> Iterator[None]:
+def quiet_meta_errors() -> Iterator[None]:
     """FakeTensorMode logs every meta kernel that raises (a user's shape error) at ERROR level
     before raising it: the error reaches the user said in our words (or the fake search gives
     way to real steps), so the log line would only be noise in the notebook."""
@@ -249,7 +249,7 @@ _FAKE_LIMITS = (NotImplementedError, *(
 
 
 @contextmanager
-def _where_it_failed(meter: Any) -> Iterator[None]:
+def where_it_failed(meter: Any) -> Iterator[None]:
     """What fake tensors cannot run, as FakeTraceError (the op, the module it ran in)."""
     try:
         yield

@@ -63,7 +63,7 @@ def alone() -> Iterator[None]:
         _ALONE[0] = was
 
 
-def _collective_device() -> torch.device | None:
+def collective_device() -> torch.device | None:
     """Where all_reduce tensors live (CUDA for NCCL, else the CPU); None when not distributed."""
     if not in_job():
         return None
@@ -108,7 +108,7 @@ def _failed(rank: int, message: str | None) -> RankFailed:
 
 def _verdict(values: list[float], failed_rank: int) -> list[float]:
     flat = torch.tensor([*values, float(failed_rank)], dtype=torch.float64,
-                        device=_collective_device())
+                        device=collective_device())
     torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MIN)
     return flat.tolist()
 
@@ -220,7 +220,7 @@ def agree_size(size: int | None, stopping: bool) -> tuple[int | None, bool]:
     trace, and a trace's frees may land a few ops apart (a collective's buffers are released when
     its work completes, on the backend's thread), so two ranks' predictions can differ by a
     sample: all follow rank 0's, and none waits alone."""
-    device = _collective_device()
+    device = collective_device()
     if device is None:
         return size, stopping
     mine = -1 if size is None or torch.distributed.get_rank() != 0 else size
@@ -232,7 +232,7 @@ def agree_size(size: int | None, stopping: bool) -> tuple[int | None, bool]:
 
 def agree_limit(limit_bytes: int | None) -> int | None:
     """The smallest limit of any rank (a probe begins here on every rank)."""
-    device = _collective_device()
+    device = collective_device()
     if device is None:
         return limit_bytes  # every rank takes part below, with or without a limit of its own
     _PROBES[0] += 1

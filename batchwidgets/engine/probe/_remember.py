@@ -24,7 +24,7 @@ from .._options import options_of
 from .._state import RngState
 from . import _cache
 from ._fingerprint import batch_fingerprint, digest, fingerprint
-from ._ranks import _collective_device, in_job
+from ._ranks import collective_device, in_job
 from ._setup import ProbeSetup
 
 # NOTE [ When to bump ENGINE_VERSION ]
@@ -209,7 +209,7 @@ def _agreed(found: BatchSizeReport | None) -> BatchSizeReport | None:
     None on every rank, which then all measure (one all_reduce)."""
     size = float(found.max_batch_size) if found is not None else 0.0
     mine = torch.tensor([float(found is not None), size, -size], dtype=torch.float64,
-                        device=_collective_device())
+                        device=collective_device())
     torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MIN)
     every_rank, smallest, largest = mine[0].item(), mine[1].item(), -mine[2].item()
     return found if every_rank == 1.0 and smallest == largest else None
