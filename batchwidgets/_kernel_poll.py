@@ -25,7 +25,7 @@ from ._warnings import BatchwidgetsWarning
 # turn while a synchronous cell runs. poll() takes the shell messages waiting for the main
 # thread, dispatches the comm ones at once and hands every other one back, in order, to where
 # the kernel would have taken it from. It rests on these kernel internals, hence the CI test of
-# both lines (tests/test_kernel_poll.py):
+# both lines (tests/magics/test_kernel_poll.py):
 # - ipykernel 7.x: a shell-channel thread forwards each message over an inproc ZMQ PAIR socket
 #   (``kernel.shell_channel_thread.manager.get_shell_channel_to_subshell_pair(None)``; without
 #   that thread, ``kernel.shell_stream`` itself) to a ZMQStream on the main loop, whose

@@ -11,7 +11,8 @@ real step with plain AdamW. They should agree within 2%.
 
     python benchmarks/distributed_plans.py   # -> results/distributed_plans_cpu.{json,md}
 
-tests/test_distributed_plans.py imports ``real_boundaries`` and ``plan_report`` from here.
+tests/engine/probe/test_distributed_plans.py imports ``real_boundaries`` and ``plan_report``
+from here.
 """
 
 from __future__ import annotations

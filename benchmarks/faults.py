@@ -20,7 +20,8 @@ import torch
 from _machine import commit, device_name
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the storm is the one tests/test_reliability.py runs
+# the storm is the one tests/engine/test_reliability.py runs
+sys.path.insert(0, str(ROOT / "tests"))
 
 from test_reliability import accumulate_storm, kernel_storm, run_storm  # noqa: E402
 

@@ -21,7 +21,7 @@ the JSON and the ``.md`` the moment it is measured, so a run cut off keeps what 
 - ``tests``: the ``gpu``-marked tests, with their summary line.
 
 ``--dry-run`` runs every section on the CPU with tiny models, the budget meter standing in for the
-capped GPU and gloo for NCCL, in under 2 minutes (tests/test_gpu_truth.py runs it).
+capped GPU and gloo for NCCL, in under 2 minutes (tests/engine/probe/test_gpu_truth.py runs it).
 
 Usage:
     PYTHONPATH=. python benchmarks/gpu_truth.py              # -> results/gpu_truth_<device>.*
@@ -80,7 +80,8 @@ SHARE = {"boundaries": 0.48, "allocator": 0.07, "stop": 0.05, "loader": 0.06, "r
 STEPS = 2  # per size, as find_batch: Adam's state exists from the first
 CAPS = ("8GiB", "16GiB")
 DRY_CAPS = ("8MiB",)  # one cap: every path, in the time a test may take
-GPU_TESTS = ("tests/test_gpu.py", "tests/test_gpu_probe.py", "tests/test_magics.py")
+GPU_TESTS = ("tests/engine/probe/test_gpu.py", "tests/engine/probe/test_gpu_probe.py",
+             "tests/magics/test_magics.py")
 MIB = 2**20
 
 
@@ -419,7 +420,7 @@ UNCHECKED = (
     "the language models' \"keeps output\" truths were recorded with the output alive through "
     "the whole next step, before find_batch modelled the loop that rebinds it after the next "
     "forward (issue 38): the next run records that loop",
-    "what tests/test_gpu_truth.py names as known gaps: the memory-efficient attention "
+    "what tests/engine/probe/test_gpu_truth.py names as known gaps: the memory-efficient attention "
     "backward's workspace, LayerNorm's CUDA backward buffers, cuDNN's algorithm choice at the "
     "edge, the allocator's layout under a cap around a 4.5 GB tensor",
     "MPS: the probe has not run on an Apple GPU",

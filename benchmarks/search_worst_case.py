@@ -1,13 +1,13 @@
 """find_batch after a prediction that misses (issue 37, item 6): sizes tried, out-of-memory errors
 and exactness, against the bound of NOTE [ After a miss ] in batchwidgets/engine/probe/_search.py.
 
-The model is tests/test_search.py's ``Miscounted``: a buffer of 2 MiB + 12 KiB a sample, held
-through backward; its real steps hold 1 + skew times what the trace the prediction was made from
-counted (less where skew < 0), rounded up to 2 MiB blocks as a caching allocator rounds: a meter
-that counts otherwise than the device. The budget is the tensor bytes of a step (the tracker's),
-set so the trace says 1,500 samples fit; each skew is found (by bisection, against real steps
-under the budget) so the true boundary lies 1, 2, 5, 20 samples, 0.5% (8) and 2% (30) below or
-above that prediction. Two ways the prediction is made:
+The model is tests/engine/probe/test_search.py's ``Miscounted``: a buffer of 2 MiB + 12 KiB a
+sample, held through backward; its real steps hold 1 + skew times what the trace the prediction was
+made from counted (less where skew < 0), rounded up to 2 MiB blocks as a caching allocator rounds:
+a meter that counts otherwise than the device. The budget is the tensor bytes of a step (the
+tracker's), set so the trace says 1,500 samples fit; each skew is found (by bisection, against real
+steps under the budget) so the true boundary lies 1, 2, 5, 20 samples, 0.5% (8) and 2% (30)
+below or above that prediction. Two ways the prediction is made:
 
 - fake trace first: the model form on this device (NOTE [ A free first guess ] in
   probe/_loop.py); the real steps start at the fake trace's edge, which misses;
@@ -104,8 +104,8 @@ def search(skew: float, above: int, trace: str | None, device_bytes: int | None)
             "ooms": sum(not a.fits for a in real), "wall_s": round(wall, 2)}
 
 
-# Far misses (issue 44): tests/test_search_after_a_miss.py's EmulatedDevice, whose device runs
-# out of memory in forward or in backward above T while the meter says 3,000 samples fit
+# Far misses (issue 44): tests/engine/probe/test_search_after_a_miss.py's EmulatedDevice, whose
+# device runs out of memory in forward or in backward above T while the meter says 3,000 samples fit
 # (3,007 with the budget's slack); T 1 sample, 2%, 50% and 99.9% below the meter.
 FAR = {"1 sample": 3006, "2%": 2940, "50%": 1500, "99.9%": 3}
 FAR_WAYS = {"device OOM in forward": "forward", "device OOM in backward": "backward"}
@@ -162,7 +162,8 @@ def markdown(head: dict, records: list[dict]) -> str:
         f"torch {head['torch']}",
         f"- regenerate: `python benchmarks/search_worst_case.py"
         f"{' --baseline ' + baseline if baseline else ''}`",
-        "- model: tests/test_search.py's `Miscounted`, a buffer of 2 MiB + 12 KiB a sample; its "
+        "- model: tests/engine/probe/test_search.py's `Miscounted`, a buffer of 2 MiB + 12 KiB "
+        "a sample; its "
         "real steps hold 1 + skew times what the trace counted, rounded up to 2 MiB blocks; the "
         f"budget (tensor bytes) says {PREDICTED} samples fit; each skew puts the true boundary "
         "d samples below or above that prediction",
@@ -217,7 +218,8 @@ def far_markdown(head: dict, far: list[dict]) -> str:
     2 ceil(log2(miss - T + 1)) + 2), OOMs after it against half of them plus one."""
     baseline = head["baseline"]
     lines = ["", "## A device that disagrees by any factor (issue 44)", "",
-             "tests/test_search_after_a_miss.py's `EmulatedDevice`: the meter says 3,007 samples "
+             "tests/engine/probe/test_search_after_a_miss.py's `EmulatedDevice`: the meter says "
+             "3,007 samples "
              "fit; the device runs out of memory in forward or in backward above T. After the "
              "miss the search may try min(ceil(log2(miss - lo)) + 2, 2 ceil(log2(miss - T + 1)) "
              "+ 2) sizes, at most half of them plus one OOMs (NOTE [ What a miss may cost ]).", ""]

@@ -1,5 +1,6 @@
-"""A process that writes one cache entry again and again (tests/test_remembered.py starts several
-at once with multiprocessing): it imports the cache module alone, so it starts fast."""
+"""A process that writes one cache entry again and again (tests/engine/probe/test_remembered.py
+starts several at once with multiprocessing): it imports the cache module alone, so it starts
+fast."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 forward, from inside its backward (an autograd Function, after the last layer's gradients are
 made), or from inside the optimizer's step (after it updated every weight), while the probe's
 budget allows far more. And the check that a model trains after find_batch exactly as one that
-never met it. Shared by tests/test_device_disagrees.py and the jobs of
-tests/test_ranks_fail_alone.py (whose workers import it by path)."""
+never met it. Shared by tests/engine/probe/test_device_disagrees.py and the jobs of
+tests/engine/probe/test_ranks_fail_alone.py (whose workers import it by path)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""One story per report (issue 41): what tests/test_report_consistency.py checks on every report,
-its static HTML, its panel and every report the tutorials make.
+"""One story per report (issue 41): what tests/results/test_report_consistency.py checks on every
+report, its static HTML, its panel and every report the tutorials make.
 
 ``problems(report, extra_texts)`` returns what does not agree, one line each:
 1. rules: every learning-rate factor ("from B = b to B' = b': ×F by <rule>"), every trade-off

@@ -1,7 +1,7 @@
 """A tiny GPT-2 from a config (no download) trained by a Hugging Face ``Trainer`` or a Lightning
-``Trainer``, built alike in the test process and in the processes tests/test_fit_trainer.py
-starts (``python _tiny_lm.py hf|lightning OUT [train]`` prints what the run set, as JSON after
-MARK)."""
+``Trainer``, built alike in the test process and in the processes
+tests/integrations/test_fit_trainer.py starts (``python _tiny_lm.py hf|lightning OUT [train]``
+prints what the run set, as JSON after MARK)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ What a room may import (tests/test_boundaries.py holds it): every room the share
 ``probe`` also ``memory``; ``accumulate`` also ``noise``. Nothing else, and another room only
 through its package (``from ..memory import replay``), never its private modules. So
 ``find_batch`` loads no module of noise, accumulate or loader. A new module adds its line to
-its room's ``__init__.py``; its tests go in tests/test_<public module it serves>.py.
+its room's ``__init__.py``; its tests go in tests/engine/<room>/ (tests/engine/ for the shared
+modules), named by the behaviour they hold.
 
 The names below are the engine's public face beside its rooms: what the front ends (magics,
 widgets, integrations) use of the shared modules. A front end imports these or a room's

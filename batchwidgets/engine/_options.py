@@ -16,21 +16,20 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 # NOTE [ Options declared once ]
-# Each keyword option of a public function is one field of that function's request dataclass,
-# in its signature's order, declared by ``option()``: the default (the field's), the help line,
-# the check (one rule on the value alone; rules between options stay in the function's
-# checks), how a magic reads it (``flag``: a value parsed from its text, a name in the
-# notebook, a switch; no flag for a callable, or where the magic's flag means more than the
-# keyword: %%accumulate finds the scaler in the notebook), and whether it enters a remembered
-# answer's key (``keyed``). Everything else reads the fields (``options_of``): the function's
-# checks, a magic's @argument lines and "(default: ...)" in its help, a panel's control's value
-# and tooltip, the cache key. The function's signature spells its defaults as the request's
-# (``headroom: float = OPTIONS.headroom``) for help(), IDEs and type checkers, and builds the
-# request from its keywords by name (never ``locals()``); the stages read ``request.headroom``,
-# so a misspelt option fails where it is written, not as a KeyError deep in a stage.
-# tests/test_options.py holds the two equal, fails on a default written again in the code that
-# serves the function (its room, the magics, its panel), and on a keyword without its field or
-# a flag without its keyword. Adding an option is one field, one keyword, and what it does.
+# Each keyword option of a public function is one field of that function's request dataclass, in its
+# signature's order, declared by ``option()``: the default (the field's), the help line, the check
+# (one rule on the value alone; rules between options stay in the function's checks), how a magic
+# reads it (``flag``: a value parsed from its text, a name in the notebook, a switch; no flag for a
+# callable, or where the magic's flag means more than the keyword: %%accumulate finds the scaler in
+# the notebook), and whether it enters a remembered answer's key (``keyed``). Everything else reads
+# the fields (``options_of``): the function's checks, a magic's @argument lines and "(default: ...)"
+# in its help, a panel's control's value and tooltip, the cache key. The function's signature spells
+# its defaults as the request's (``headroom: float = OPTIONS.headroom``) for help(), IDEs and type
+# checkers, and builds the request from its keywords by name (never ``locals()``); the stages read
+# ``request.headroom``, so a misspelt option fails where it is written, not as a KeyError deep in a
+# stage. tests/engine/test_options.py holds the two equal, fails on a default written again in the
+# code that serves the function (its room, the magics, its panel), and on a keyword without its
+# field or a flag without its keyword. Adding an option is one field, one keyword, and what it does.
 #
 # A check names options as the caller wrote them, through a ``Spelling``: ``max_batch_size=4``
 # in Python, ``--max-batch-size 4`` on a magic's line. So a magic's mistake is the function's

@@ -529,7 +529,7 @@ class TrainingState:
 # that runs out alone ] in probe/_ranks.py). DDP's own Python flags (``require_forward_param_sync``,
 # which a forward under ``no_sync()`` clears and which decides whether the next forward
 # broadcasts the buffers) are put back as they were. Pinned to torch 2.13 by
-# tests/test_device_disagrees.py.
+# tests/engine/probe/test_device_disagrees.py.
 #
 # NOTE [ An FSDP2 unit left mid-step ]
 # FSDP2 (``fully_shard``) keeps per unit a training state (FORWARD, PRE_BACKWARD, ...), the

@@ -122,7 +122,7 @@ def noise_advice(b_simple: float, error: float | None, unit: str,
 # The learning-rate rules the advice names, each with the factor it gives from B to B'. Every
 # factor in a piece of advice is written "from B = b to B' = b': ×F by <rule>", the rule's name
 # as here, the noise-scale rule followed by "at B_noise = x" (or B_simple), so that a reader (and
-# tests/test_report_consistency.py) can tell which rule gave which number from which inputs.
+# tests/results/test_report_consistency.py) can tell which rule gave which number from which inputs.
 NOISE_SCALE_RULE = "the noise-scale rule"
 LINEAR_SCALING = "linear scaling"
 

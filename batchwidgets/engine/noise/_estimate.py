@@ -39,28 +39,27 @@ from .._util import check_int
 
 # NOTE [ The prefix-sum estimator ]
 # Seeing each micro-batch gradient g_j takes a hook per parameter per micro-step. Without hooks,
-# accumulate sees only running sums: at the j-th intercepted optimizer.step(), .grad holds
-# A_j = g_1 + ... + g_j (times the GradScaler's scale). A_j / j is the gradient of a batch of
-# j*b samples, so by NOTE [ The two-batch-size estimator ] y_j = |A_j / j|^2 has
-# E y_j = |G|^2 + tr(Sigma) x_j with x_j = 1/(j b), j = 1 .. k-1, and the update's averaged
-# gradient is one more point, at x = 1/(n b) for the n micro-batches it averages (n = k, or k*W
-# after DDP's all-reduce over W ranks). The ordinary least-squares line through such points gives
-# |G|^2 and tr(Sigma) as its intercept and slope (an estimator tried and left out). Both are
-# fixed linear combinations sum_j w_j y_j whose weights depend on the x's only (intercept:
-# sum w = 1, sum w x = 0; slope: sum w = 0, sum w x = 1), so their expectations are exactly
-# |G|^2 and tr(Sigma): unbiased although the y's are correlated (A_2 contains A_1). The
-# correlation costs variance only, and the error bars stay right: they come from the spread of
-# the per-update estimates, and different updates use different batches.
-# Which points: nested sums repeat one another. In simulations (Gaussian micro-batch gradients,
-# k = 4 and 8, B_simple from b/4 to 64 b) the first point alone with the last, which is the
-# two-batch-size estimator with one small norm, |g_1|^2, in place of the mean of k, varies less
-# than the line through all k points (which has 1.03-1.9x its variance) and is within 11% of the
-# best linear unbiased fit of all k (generalised least squares with the true covariance). So
-# accumulate reads .grad after the first micro-step only: one extra gradient norm per update.
-# The price, against the k separate norms of the hooks: B_simple's per-update variance is 2x at
-# B_simple >= 16 b, 3x at 4 b, 7-11x at b, and 28-52x when B_simple is b/4 (a batch
-# already far beyond the critical one), at k = 4-8; the same error bar takes that many times the
-# updates. On tests/test_noise_tracker.py's regression (k = 4, B_simple about 0.7 b) it is 29x:
+# accumulate sees only running sums: at the j-th intercepted optimizer.step(), .grad holds A_j = g_1
+# + ... + g_j (times the GradScaler's scale). A_j / j is the gradient of a batch of j*b samples, so
+# by NOTE [ The two-batch-size estimator ] y_j = |A_j / j|^2 has E y_j = |G|^2 + tr(Sigma) x_j with
+# x_j = 1/(j b), j = 1 .. k-1, and the update's averaged gradient is one more point, at x = 1/(n b)
+# for the n micro-batches it averages (n = k, or k*W after DDP's all-reduce over W ranks). The
+# ordinary least-squares line through such points gives |G|^2 and tr(Sigma) as its intercept and
+# slope (an estimator tried and left out). Both are fixed linear combinations sum_j w_j y_j whose
+# weights depend on the x's only (intercept: sum w = 1, sum w x = 0; slope: sum w = 0, sum w x = 1),
+# so their expectations are exactly |G|^2 and tr(Sigma): unbiased although the y's are correlated
+# (A_2 contains A_1). The correlation costs variance only, and the error bars stay right: they come
+# from the spread of the per-update estimates, and different updates use different batches. Which
+# points: nested sums repeat one another. In simulations (Gaussian micro-batch gradients, k = 4 and
+# 8, B_simple from b/4 to 64 b) the first point alone with the last, which is the two-batch-size
+# estimator with one small norm, |g_1|^2, in place of the mean of k, varies less than the line
+# through all k points (which has 1.03-1.9x its variance) and is within 11% of the best linear
+# unbiased fit of all k (generalised least squares with the true covariance). So accumulate reads
+# .grad after the first micro-step only: one extra gradient norm per update. The price, against the
+# k separate norms of the hooks: B_simple's per-update variance is 2x at B_simple >= 16 b, 3x at 4
+# b, 7-11x at b, and 28-52x when B_simple is b/4 (a batch already far beyond the critical one), at k
+# = 4-8; the same error bar takes that many times the updates. On
+# tests/engine/noise/test_noise_tracker.py's regression (k = 4, B_simple about 0.7 b) it is 29x:
 # 9000 updates at ema=1-1/3000 give what 300 at ema=0.99 give with the hooks.
 
 def grad_sq_norm(params: Sequence[torch.Tensor], scaler: Any, optimizer: torch.optim.Optimizer,

@@ -32,12 +32,12 @@ from ._tracker import NoiseTracker
 # Under FSDP2 (``fully_shard``) a micro-step's gradients are reduce-scattered as it ends: .grad is
 # each rank's shard of the gradient averaged over the ranks, and hooks on the sharded parameters
 # never see a rank's own micro-batch gradient. So the tracker takes the hook-free estimate: after
-# the first micro-step .grad holds the gradient of the first micro-batch of every rank (world
-# size x b examples), after the last that of all k (k x world x b), and their norms are the full
-# gradient's (NOTE [ Norms of sharded gradients ] in engine/_grads.py): the same two-size
-# estimate as one process gets from micro-batches of world x b, which is its oracle in
-# tests/test_distributed_fsdp.py. Every update is measured (no sampling): making the norms full
-# is a collective, which every rank must call alike.
+# the first micro-step .grad holds the gradient of the first micro-batch of every rank (world size x
+# b examples), after the last that of all k (k x world x b), and their norms are the full gradient's
+# (NOTE [ Norms of sharded gradients ] in engine/_grads.py): the same two-size estimate as one
+# process gets from micro-batches of world x b, which is its oracle in
+# tests/engine/probe/test_distributed_fsdp.py. Every update is measured (no sampling): making the
+# norms full is a collective, which every rank must call alike.
 
 
 class AccumulatorFeed:

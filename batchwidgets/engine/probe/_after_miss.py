@@ -33,18 +33,18 @@ from ...results import Attempt
 # above x (x runs: k + 1, s + 1) and those below (x fails: k + 1, s - 1, and the top moves down).
 # The most candidates go to the side where x runs (the most a search settles grows with g), so
 #     cap(k, s, g) = r + cap(k + 1, s - 1, g + r),   r = cap(k + 1, s + 1, g),
-# and a single candidate needs no size (k within its bound, s >= 0). Each size the search tries
-# is one that leaves both sides within their cap: an interval of sizes, inside which it takes the
-# one just past the model's refitted edge g (g + 1 fails, g runs: the edge confirmed) where g is
-# still inside the interval after g + 1 failed, else g itself first (g runs, g + 1 fails: one
-# failure, not two, where the share has no room for a second: after lo = 4, P = 1500 and 993,
-# g + 1 first cost 6 sizes for a truth 2 below P, g first 3), nearest the interval if g is
-# outside it, else the size next to the miss. So
-# whatever the model says, every truth ends within its bound, with the exact edge: a size that
-# ran next to one that failed. cap(0, 2, 0) >= B holds for every B up to 2^18 (262,144 units);
-# past that the allowed excess of failures is the least s that covers B (3 up to 2^31: 1.5
-# failures past half on the paths that need them), and the sizes stay within the bound.
-# tests/test_search.py checks both on every truth for many (lo, P) and whatever the model says.
+# and a single candidate needs no size (k within its bound, s >= 0). Each size the search tries is
+# one that leaves both sides within their cap: an interval of sizes, inside which it takes the one
+# just past the model's refitted edge g (g + 1 fails, g runs: the edge confirmed) where g is still
+# inside the interval after g + 1 failed, else g itself first (g runs, g + 1 fails: one failure, not
+# two, where the share has no room for a second: after lo = 4, P = 1500 and 993, g + 1 first cost 6
+# sizes for a truth 2 below P, g first 3), nearest the interval if g is outside it, else the size
+# next to the miss. So whatever the model says, every truth ends within its bound, with the exact
+# edge: a size that ran next to one that failed. cap(0, 2, 0) >= B holds for every B up to 2^18
+# (262,144 units); past that the allowed excess of failures is the least s that covers B (3 up to
+# 2^31: 1.5 failures past half on the paths that need them), and the sizes stay within the bound.
+# tests/engine/probe/test_search.py checks both on every truth for many (lo, P) and whatever the
+# model says.
 STRICT_EXCESS = 2  # failures past fits: "half of them, plus one"
 
 

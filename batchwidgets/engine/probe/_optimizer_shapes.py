@@ -164,7 +164,7 @@ def state_rule(optimizer: torch.optim.Optimizer) -> StateRule | None:
     name = type(optimizer).__name__
     custom = _custom_state(optimizer.state.values())
     if custom is None and type(optimizer).__module__.startswith("torch.optim"):
-        return None  # PyTorch's own: its steps run on fake tensors (tests/test_fake_trace.py)
+        return None  # PyTorch's own: its steps run on fake tensors (probe/test_fake_trace.py)
     why = custom and f"state holds {custom}"
     if why is None:
         why = _fake_failure(optimizer)

@@ -153,7 +153,7 @@ def _target(text: str) -> None:
 # tests/test_boundaries.py), and the request cannot sit below the engine with it: its checks
 # and flag parsers are engine code (sizes, devices, GPU targets, the parallel strategies). So
 # the one literal of each is the report's, the layer below, and the request's field reads it;
-# the signature reads the request's, and tests/test_options.py holds all three equal.
+# the signature reads the request's, and tests/engine/test_options.py holds all three equal.
 @dataclass(frozen=True)
 class FindBatchRequest:
     """find_batch's options, as it was called: one field each, in its signature's order, with

@@ -56,13 +56,13 @@ def plan(setup: ProbeSetup) -> BatchSizeReport:
 
 # NOTE [ The band of a plan, from the evidence ]
 # What the plan cannot trace (the real allocator's layout, kernels not modelled, cuDNN's choice)
-# moves the real edge. The band's low end is the answer times the lowest ratio of true boundary
-# to plan recorded on a real GPU, with the kernel rules of memory/_kernels.py, the workspaces of
+# moves the real edge. The band's low end is the answer times the lowest ratio of true boundary to
+# plan recorded on a real GPU, with the kernel rules of memory/_kernels.py, the workspaces of
 # memory/_simulated.py and the staging buffers and steady state of memory/_allocator.py: an H200
 # capped at 8 and 16 GiB (benchmarks/results/gpu_truth_h200.md, torch 2.11; replayed by
-# tests/test_gpu_truth.py): the plans made today are exact for the wide CNN and the encoder at
-# 8 GiB (641, 784), 0.993 and 0.976 of the plan at 16 GiB, and 0.947 for the checkpointed Llama
-# at 16 GiB (18 against 19, one sample); an H100 earlier gave the encoder 0.961 (784 against
+# tests/engine/probe/test_gpu_truth.py): the plans made today are exact for the wide CNN and the
+# encoder at 8 GiB (641, 784), 0.993 and 0.976 of the plan at 16 GiB, and 0.947 for the checkpointed
+# Llama at 16 GiB (18 against 19, one sample); an H100 earlier gave the encoder 0.961 (784 against
 # 816, before the staging buffer). The recommended size (headroom 0.9) stays below every truth.
 EVIDENCE_RATIO = 0.96
 

@@ -64,15 +64,15 @@ MAX_MISSES = 2  # of the fake search, which keeps predicting after a miss (its s
 #   the largest size that ran when the first step is taken (P, or the pair where it ran):
 #   A + m, 3m, 7m, ..., each doubling the distance proven, never past the bracket's middle,
 #   until one fails; then bisection of what is left.
-# The bound of the second. Let d be the distance from P to the nearest size that fails (in units
-# of m), d' <= d the same from A. The steps at offsets 2^j - 1 first fail at j = t =
-# ceil(log2(d' + 1)) and leave 2^(t-1) - 1 sizes between offsets 2^(t-1) - 1 and 2^t - 1, which
-# bisection settles in t - 1 tries: 2t - 1 sizes. Where the middle stops a step, less than twice
-# the distance proven is left, which bisection settles within the same count. The pair costs 2
-# sizes at most, and leaves a narrower bracket or a step further out. So after P at most
-# 2 ceil(log2(d + 1)) + 2 sizes, and the answer is exact: a size that ran next to one that
-# failed. tests/test_search.py checks both for every size the model could choose. A fake size
-# that misses costs no step: the fake search predicts on, up to MAX_MISSES misses.
+# The bound of the second. Let d be the distance from P to the nearest size that fails (in units of
+# m), d' <= d the same from A. The steps at offsets 2^j - 1 first fail at j = t = ceil(log2(d' + 1))
+# and leave 2^(t-1) - 1 sizes between offsets 2^(t-1) - 1 and 2^t - 1, which bisection settles in t
+# - 1 tries: 2t - 1 sizes. Where the middle stops a step, less than twice the distance proven is
+# left, which bisection settles within the same count. The pair costs 2 sizes at most, and leaves a
+# narrower bracket or a step further out. So after P at most 2 ceil(log2(d + 1)) + 2 sizes, and the
+# answer is exact: a size that ran next to one that failed. tests/engine/probe/test_search.py checks
+# both for every size the model could choose. A fake size that misses costs no step: the fake search
+# predicts on, up to MAX_MISSES misses.
 WINDOW = 16  # after a miss the model refits on a real size at least P/16 below P
 
 

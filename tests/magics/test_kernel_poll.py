@@ -11,14 +11,13 @@ import sys
 import textwrap
 import types
 import warnings
-from pathlib import Path
 
 import pytest
+from _paths import ROOT
 
 from batchwidgets._kernel_poll import WidgetPoll
 from batchwidgets._warnings import BatchwidgetsWarning
 
-ROOT = Path(__file__).resolve().parents[1]
 IPYKERNEL6 = ROOT / ".ipykernel6"  # pip install --target .ipykernel6 --no-deps "ipykernel==6.29.*"
 IPYWIDGETS7 = ROOT / ".ipywidgets7"  # with ipykernel 6: Colab's lines ("6+widgets7")
 

@@ -1,5 +1,5 @@
 """Issue 41, "Every report tells one story": each case the issue met, as a test. The general check
-over every report type, panel and tutorial is tests/test_report_consistency.py."""
+over every report type, panel and tutorial is tests/results/test_report_consistency.py."""
 
 from __future__ import annotations
 
@@ -7,19 +7,16 @@ import itertools
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from _paths import ROOT
 from test_noise import make_data, make_mlp
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 
 import batchwidgets as bw
 from batchwidgets.results import CriticalBatchReport, NoiseReport
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 
 def biased_mlp():

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _paths import ROOT
 from IPython import get_ipython
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import start_ipython
@@ -20,7 +20,6 @@ from torch import nn
 
 import batchwidgets as bw
 
-ROOT = Path(__file__).parent.parent
 BUDGET = "4MiB"
 
 # the user's cell: one step of a plain loop, its variables left bound as a cell leaves them

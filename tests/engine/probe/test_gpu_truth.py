@@ -8,14 +8,13 @@ import json
 import pickle
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _paths import ROOT
 
 import batchwidgets as bw
 
-ROOT = Path(__file__).parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import gpu_truth  # noqa: E402

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _paths import TESTS
 
 import batchwidgets
 
@@ -96,7 +97,7 @@ def _run_job(tmp: Path, world: int) -> list[dict]:
     root = str(Path(batchwidgets.__file__).parents[1])  # this checkout, not another install
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    tests = str(Path(__file__).parent)
+    tests = str(TESTS)
     workers = [subprocess.Popen([sys.executable, str(script), str(rank), str(world),
                                  str(tmp / "init"), str(outputs[rank]), tests, str(EDGE)],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
+from _paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 # the import name -> the distribution pip installs it from, for what the tutorials import

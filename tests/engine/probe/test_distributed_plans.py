@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 
 import pytest
+from _paths import ROOT
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+BENCHMARKS = ROOT / "benchmarks"
 # (model, strategy, ranks): the MLP under every strategy on 2 ranks and two on 4 (ZeRO-1's
 # shards are whole parameters, uneven by rank), and the transformer encoder under FSDP2
 CASES = [("mlp", "ddp", 2), ("mlp", "fsdp", 2), ("mlp", "zero1", 2), ("encoder", "fsdp", 2),

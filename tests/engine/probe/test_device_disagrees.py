@@ -3,7 +3,7 @@ forward, in backward, in the optimizer's step, past 12 samples, under a budget o
 answer is the device's edge, and the model then trains its next steps exactly as one that never
 met find_batch (equal weights, optimizer state and loss scale after the same steps on the same
 batches). Plain, AMP with a GradScaler, torch.compile here; DDP and FSDP2, on 1, 2 and 4 ranks,
-in tests/test_ranks_fail_alone.py."""
+in tests/engine/probe/test_ranks_fail_alone.py."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_after_the_device_ran_out_the_model_trains_as_if_never_probed(kind, wher
 # NOTE [ A reducer left mid-reduction ] and NOTE [ An FSDP2 unit left mid-step ] (engine/
 # _state.py), NOTE [ A rank that runs out alone ] (probe/_ranks.py): the private members
 # the state guard and the ranks' checkpoints touch, on the torch CI runs. A torch that renames
-# one fails here first; the behaviour is tested in tests/test_ranks_fail_alone.py.
+# one fails here first; the behaviour is tested in tests/engine/probe/test_ranks_fail_alone.py.
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="pinned to torch 2.13")
 def test_the_private_members_the_state_guard_resets_exist_on_the_pinned_torch():
     from torch.distributed.fsdp import FSDPModule

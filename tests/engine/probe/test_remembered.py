@@ -13,11 +13,11 @@ import sys
 import textwrap
 import time
 import warnings
-from pathlib import Path
 
 import _cache_writer
 import pytest
 import torch
+from _paths import ROOT
 from torch import nn
 from torch.nn import functional as F
 
@@ -28,7 +28,7 @@ from batchwidgets.engine.probe._setup import resolve
 
 MIB = 2**20
 BUDGET = 2 * MIB
-ROOT = str(Path(__file__).resolve().parents[1])  # processes started import this checkout
+ROOT = str(ROOT)  # processes started import this checkout
 FORWARDS: list[int] = []  # the batch sizes Counted's forward ran at (fake ones too)
 
 

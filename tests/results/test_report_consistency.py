@@ -7,7 +7,6 @@ says how). The checker is shown to catch each kind of disagreement it looks for.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +20,6 @@ from batchwidgets._warnings import BatchwidgetsWarning
 from batchwidgets.datasets import SlowDataset
 from batchwidgets.engine.probe import NoBatchSizeFits
 from batchwidgets.integrations._fit import split_report
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def cnn():

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import _tiny_lm
 import pytest
+from _paths import TESTS
 
 import batchwidgets as bw
 
 transformers = pytest.importorskip("transformers")
 lightning = pytest.importorskip("lightning")
-HERE = Path(__file__).parent
+
 
 
 # -- split_batch ----------------------------------------------------------------------------------
@@ -72,11 +73,11 @@ def start(kind: str, out: Path, cache: Path, *extra: str, torchrun: bool = False
     """``_tiny_lm.py`` in new processes (2 ranks under torchrun), sharing ``cache``; each
     process's JSON line."""
     env = {**os.environ, "BATCHWIDGETS_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}  # this checkout
+           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}  # this checkout
     env.pop("PYTHONUNBUFFERED", None)  # fewer, larger writes; each rank's line is one write
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                  "--standalone"] if torchrun else [sys.executable])
-    done = subprocess.run([*launcher, str(HERE / "_tiny_lm.py"), kind, str(out), *extra],
+    done = subprocess.run([*launcher, str(TESTS / "_tiny_lm.py"), kind, str(out), *extra],
                           env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-6000:]}"
     return [json.loads(line.removeprefix(_tiny_lm.MARK)) for line in done.stdout.splitlines()
