@@ -65,7 +65,7 @@ class _SimulatedDevice(TorchDispatchMode):
         self.cublas: dict[int | str, tuple[int, Any]] = {}  # see _blas_workspaces
         self.tracker: TracingTracker | None = None
         self._keys = iter(range(1, 2**62))
-        self._storages: dict[int, tuple[weakref.ref, int, tuple[int, Any]]] = {}
+        self._storages: dict[int, tuple[weakref.ref, int, tuple[int, Any] | None]] = {}
         self.storage_of: dict[int, int] = {}  # allocation key -> id() of its storage
         self._busy = False
         self._pending: list[tuple[int, Any]] = []  # frees that arrived inside a malloc (gc)
@@ -86,7 +86,7 @@ class _SimulatedDevice(TorchDispatchMode):
         self._storages[key] = (weakref.ref(storage, self._release(key)), nbytes, entry)
         if entry is not None:
             self.storage_of[entry[0]] = key
-        if same and known[2] is not None:
+        if same:
             self._free(known[2])
 
     def _malloc(self, nbytes: int, workspace_fraction: float | None = None,
@@ -109,7 +109,9 @@ class _SimulatedDevice(TorchDispatchMode):
             self._log_op()
         return key, block
 
-    def _free(self, entry: tuple[int, Any]) -> None:
+    def _free(self, entry: tuple[int, Any] | None) -> None:
+        if entry is None:  # a storage of no bytes: no block (NOTE [ A storage of no bytes ])
+            return
         if self._busy:
             self._pending.append(entry)
             return
@@ -130,8 +132,7 @@ class _SimulatedDevice(TorchDispatchMode):
             known = self._storages.get(key)
             if known is not None and known[0] is ref:
                 del self._storages[key]
-                if known[2] is not None:
-                    self._free(known[2])
+                self._free(known[2])
         return release
 
     def _blas_workspaces(self, name: str) -> None:
