@@ -11,8 +11,8 @@ import venv
 from pathlib import Path
 
 import pytest
+from _paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PANEL = """
 import batchwidgets as bw
 from batchwidgets.results import Attempt, BatchSizeReport

@@ -7,11 +7,9 @@ import subprocess
 import sys
 import tarfile
 import zipfile
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from _paths import ROOT
 
 
 @pytest.mark.slow

@@ -8,17 +8,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _paths import TESTS
 
 import batchwidgets as bw
 from batchwidgets import _plan_cli
 
 transformers = pytest.importorskip("transformers")
 
-TESTS = Path(__file__).parent
 LLAMA = ["LlamaConfig", "vocab_size=1000", "hidden_size=64", "num_hidden_layers=2",
          "num_attention_heads=4", "num_key_value_heads=2", "intermediate_size=128"]
 BERT = ["BertConfig", "vocab_size=1000", "hidden_size=64", "num_hidden_layers=2",

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _paths import ROOT
 
 
 def _chromium() -> Path:

@@ -24,7 +24,6 @@ transformers = pytest.importorskip("transformers")
 lightning = pytest.importorskip("lightning")
 
 
-
 # -- split_batch ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("global_batch", "fits", "world", "expected"), [

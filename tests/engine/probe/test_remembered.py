@@ -28,7 +28,6 @@ from batchwidgets.engine.probe._setup import resolve
 
 MIB = 2**20
 BUDGET = 2 * MIB
-ROOT = str(ROOT)  # processes started import this checkout
 FORWARDS: list[int] = []  # the batch sizes Counted's forward ran at (fake ones too)
 
 
@@ -139,8 +138,8 @@ SCRIPT = textwrap.dedent("""
 def test_a_fresh_process_gets_the_answer_in_under_a_second(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "BATCHWIDGETS_CACHE_DIR": str(tmp_path / "cache"),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "BATCHWIDGETS_CACHE_DIR": str(tmp_path / "cache"),  # this checkout:
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
     def run() -> dict:
         done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
@@ -503,7 +502,7 @@ def test_every_rank_of_a_job_gets_the_same_remembered_answer_or_none(tmp_path):
     script.write_text(JOB)
     outputs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BATCHWIDGETS_CACHE_DIR": str(tmp_path / "c"),
-           "PYTHONPATH": ROOT}
+           "PYTHONPATH": str(ROOT)}  # processes started import this checkout
     workers = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "init"),
                                  str(outputs[rank])], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for rank in range(2)]
