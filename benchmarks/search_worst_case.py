@@ -10,7 +10,7 @@ steps under the budget) so the true boundary lies 1, 2, 5, 20 samples, 0.5% (8) 
 below or above that prediction. Two ways the prediction is made:
 
 - fake trace first: the model form on this device (NOTE [ A free first guess ] in
-  probe/_loop.py); the real steps start at the fake trace's edge, which misses;
+  probe/_probe.py); the real steps start at the fake trace's edge, which misses;
 - real steps from 2, as on a GPU: ``trace="real"``, and the skew only above 64 samples, so the
   model fitted on sizes 2 and 4 misses.
 

@@ -376,12 +376,12 @@ def test_the_front_end_rule_sees_private_imports_and_members(tmp_path):
     (package / "widgets").mkdir()
     (package / "widgets" / "probe.py").write_text(
         "from ..engine import _background, memory\n"
-        "from ..engine.probe._setup import resolve\n"
+        "from ..engine.probe._resolve import resolve\n"
         "def f(tracker):\n    from ..engine._util import usable_device\n"
         "    tracker._defer(1)\n    return self._defer\n")
     (package / "magics.py").write_text("from .engine import called_where\n")
     assert front_end_privates(package) == [
         "widgets/probe.py imports batchwidgets.engine._background",
         "widgets/probe.py imports batchwidgets.engine._util",
-        "widgets/probe.py imports batchwidgets.engine.probe._setup",
+        "widgets/probe.py imports batchwidgets.engine.probe._resolve",
         "widgets/probe.py:5 uses tracker._defer"]

@@ -190,6 +190,7 @@ def positive_integer(text: str) -> int:
 ProbeStep = Callable[[int], Any]  # step(batch_size): builds its batch and trains once
 TrainStep = Callable[[Any], Any]  # step(batch): one training step on the given batch
 OnProgress = Callable[[Any], None]  # on_progress(row): each row of the report as it is made
+OnStep = Callable[[Any], None]  # on_step(attempt): each size find_batch tried, as it finishes
 ShouldStop = Callable[[], bool]
 Clock = Callable[[], float]
 

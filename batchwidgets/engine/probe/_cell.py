@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._called import calling
-from ._fake import fake_like, fake_state, host_scalars, quiet_meta_errors, where_it_failed
+from ._fakes import fake_like, fake_state, host_scalars, quiet_meta_errors, where_it_failed
 
 # NOTE [ A cell as the step ]
 # `%%find_batch --var bs` probes the user's own training code: whatever it keeps, frees, clips,
@@ -137,7 +137,7 @@ class CellStep:
 
 # NOTE [ A cell's fake trials ]
 # A cell traced on fake tensors (the free first guess of NOTE [ A free first guess ] in
-# _loop.py) runs the user's objects themselves, not copies: while it runs, every module it names
+# _probe.py) runs the user's objects themselves, not copies: while it runs, every module it names
 # has fake twins in its registries (as FakeWorld.swapped), and every optimizer it names holds the
 # twins in its param groups and fake state made from its real state's shapes; the real ones go
 # back when the run ends, and the real objects' hyperparameters, schedulers and modes come back

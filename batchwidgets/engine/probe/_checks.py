@@ -14,9 +14,7 @@ from .. import memory
 from .._options import PYTHON, Spelling, check_options
 from ._options import FindBatchRequest
 from ._ranks import in_job
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-              "float16": torch.float16}
+from ._trials import AMP_DTYPES
 
 
 def _cpu_has_bf16() -> bool:

@@ -20,16 +20,16 @@ import torch
 
 from ...results import BatchSizeReport
 from .._called import is_said
-from .._options import Amp, ProbeStep, ShouldStop, Trace
-from ._core import at_length
-from ._fake_group import resizes_seen_in_job
+from .._options import Amp, OnStep, ProbeStep, ShouldStop, Trace
+from ._fakes import resizes_seen_in_job
 from ._measure import measure
 from ._nothing_fits import NoBatchSizeFits, already
 from ._options import OPTIONS, FindBatchRequest
 from ._plan import plan
+from ._probe import one_fsdp_rank, probed, traced_for_plan
 from ._remember import remembered
-from ._setup import ProbeSetup, eager_while_probed, resolve
-from ._trials import OnStep
+from ._resolve import eager_while_probed, resolve
+from ._setup import ProbeSetup, at_length
 
 MakeBatch = (Callable[[int], Any] | torch.utils.data.Dataset | torch.utils.data.DataLoader
              | torch.Tensor)
@@ -212,11 +212,27 @@ def _probe(setup: ProbeSetup) -> BatchSizeReport:
     """One probe: planned for a target, measured on this device otherwise. Where nothing fits,
     the error's advice is the call's (NOTE [ Advice from the call ] in _nothing_fits.py)."""
     try:
-        return plan(setup) if setup.target is not None else measure(setup)
+        return _planned(setup) if setup.target is not None else _measured(setup)
     except NoBatchSizeFits as error:
         if error.call is not None:
             raise
         raise NoBatchSizeFits(error.report, already(setup)) from None
+
+
+def _measured(setup: ProbeSetup) -> BatchSizeReport:
+    """Real steps searched on this device (fake ones first where they run), then verified."""
+    return measure(setup, probed(setup),
+                   again=lambda **change: _measured(setup.with_change(**change)))
+
+
+def _planned(setup: ProbeSetup) -> BatchSizeReport:
+    """The step traced for the target (fake, or real where fakes cannot run), one FSDP2 rank
+    too where its plan is asked for, then replayed under the target's memory."""
+    setup, traced = traced_for_plan(setup)
+    rank = (one_fsdp_rank(setup) if setup.parallel in ("fsdp", "compare")
+            and not traced.stopped else None)
+    return plan(setup, traced, rank,
+                again=lambda **change: _planned(setup.with_change(**change)))
 
 
 def _frontier(setup: ProbeSetup) -> BatchSizeReport:

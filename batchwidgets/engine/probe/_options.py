@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,6 +17,7 @@ from .._options import (
     AMP_NAMES,
     TRACES,
     Amp,
+    OnStep,
     ProbeStep,
     ShouldStop,
     Spelling,
@@ -28,9 +29,6 @@ from .._options import (
 )
 from .._util import usable_device
 from ._parallel import PARALLEL
-
-if TYPE_CHECKING:
-    from ._trials import OnStep
 
 _RESTORED = ("state_dict", "load_state_dict")  # how the probe puts a scaler or scheduler back
 

@@ -1,45 +1,39 @@
-"""Planning for a target: the step traced at the sizes a search picks, on fake tensors (real
-steps where fakes cannot run), then replayed through the target's caching allocator under its
-memory (``planned``), for one GPU or for each rank of N (``_parallel.py``), the what-ifs planned
-too. Nothing runs on the target, and the model is only read."""
+"""Planning for a target, as functions of the traces a probe made (``Traced``): replayed through
+the target's caching allocator under its memory (``planned``), for one GPU or for each rank of N
+(``_parallel.py``), the what-ifs planned too. Nothing runs on the target, the model is only read,
+and nothing here calls into the probe: a what-if planned again comes back through ``again``."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 from ...results import BatchSizeReport
 from ...results._snapshot import StepSnapshot
 from .. import memory
 from .._util import first_line
-from ..memory import OpTrace, PeakModel
+from ..memory import PeakModel
 from . import _what_if
-from ._checks import has_meta_tensors
-from ._core import report_of, traced
-from ._fake import FakeTraceError
-from ._fake_group import FakeGroupUnavailable, fake_group
-from ._loop import Pair, Search
 from ._nothing_fits import NoBatchSizeFits
-from ._optimizer_shapes import OptimizerStateError, state_rule
 from ._parallel import plan_ranks
-from ._ranks import alone
-from ._setup import SEARCH_CEILING, ProbeSetup
-from ._sharded import ShardingError
+from ._setup import SEARCH_CEILING, Pair, ProbeSetup, Traced
 
 
-def plan(setup: ProbeSetup) -> BatchSizeReport:
-    """The step traced for the target (NOTE [ Planning for a GPU that is not here ]), replayed
-    under its memory for one GPU or each rank of N, and the what-if rows, each planned."""
-    with alone():
-        setup, search = _traced(setup)
-    report = report_of(setup, search)
-    if search.stopped:  # planned from the sizes traced before the stop, where they are two
-        if search._event_pair() is None:
+def plan(setup: ProbeSetup, traced: Traced, rank: tuple[Traced | None, str] | None = None,
+         again: Callable[..., BatchSizeReport] | None = None) -> BatchSizeReport:
+    """The traces replayed under the target's memory for one GPU or each rank of N (NOTE
+    [ Planning for a GPU that is not here ]), and the what-if rows, each planned. ``rank``: one
+    FSDP2 rank's traces, or why there are none (``parallel`` "fsdp" or "compare");
+    ``again(**change)``: the plan with one change (``what_if=True``)."""
+    report = traced.report
+    if traced.stopped:  # planned from the sizes traced before the stop, where they are two
+        if traced.pair is None:
             return dataclasses.replace(report, target=setup.target[0])
-        return dataclasses.replace(planned(report, search, *setup.target), stop_reason="stopped")
-    report = planned(report, search, *setup.target)
+        return dataclasses.replace(planned(report, traced, *setup.target), stop_reason="stopped")
+    report = planned(report, traced, *setup.target)
     if setup.parallel is not None:  # see NOTE [ Per-rank memory by strategy ]
-        report = _ranks_planned(setup, report, search)
+        report = _ranks_planned(setup, report, traced, rank)
     if report.max_batch_size == 0 and report.stop_reason != "stopped":
         raise NoBatchSizeFits(report)
     # each row planned, never measured; a plan for N GPUs has its strategies' rows instead.
@@ -47,8 +41,8 @@ def plan(setup: ProbeSetup) -> BatchSizeReport:
     # plan; what_if=True plans each change
     if setup.model is not None and setup.parallel is None:
         report = dataclasses.replace(report, what_if=_what_if.for_target(
-            search.model, report.max_batch_size, setup.target[1],
-            (lambda **change: plan(setup.with_change(**change))) if setup.what_if else None,
+            traced.model, report.max_batch_size, setup.target[1],
+            again if setup.what_if else None,
             setup.optimizer, setup.amp, multiple_of=setup.multiple_of, ceiling=setup.ceiling,
             modules=_what_if.checkpoint_candidates(setup.model), module=setup.model))
     return report
@@ -77,21 +71,21 @@ EVIDENCE_RATIO = 0.96
 # predicted. The band's high end is the same replay with the tensors alone (no convolution
 # workspaces), its low end the answer as far below as real GPUs were found (NOTE [ The band of a
 # plan, from the evidence ]).
-def planned(report: BatchSizeReport, search: Search, name: str, usable_bytes: int,
+def planned(report: BatchSizeReport, traced: Traced, name: str, usable_bytes: int,
             pair: Pair | None = None) -> BatchSizeReport:
-    """The answer on the target from the search's traces (or ``pair``: a rank's share of them,
+    """The answer on the target from the probe's traces (or ``pair``: a rank's share of them,
     NOTE [ One rank's share of a trace ] in _parallel.py)."""
-    pair = pair or search._event_pair()
+    pair = pair or traced.pair
     if pair is None:
         raise RuntimeError(f"find_batch could not trace two sizes of the same op sequence on the "
                            f"CPU to predict for {name} (sizes tried: "
                            f"{[a.batch_size for a in report.attempts]}); the step's shapes depend "
                            f"on its data. Probe on a GPU instead.")
-    if not search.replays:
-        return _planned_in_tensors(report, pair, name, usable_bytes, search.ceiling)
+    if not traced.replays:
+        return _planned_in_tensors(report, pair, name, usable_bytes, traced.ceiling)
     (small, b_small), (large, b_large) = pair
     predict = functools.partial(memory.largest_batch_size, multiple_of=report.multiple_of,
-                                ceiling=search.ceiling, preallocated=large.preallocated)
+                                ceiling=traced.ceiling, preallocated=large.preallocated)
     low = predict(small.events, b_small, large.events, b_large, usable_bytes)
     needs = _needs(pair, low, report.multiple_of)
     for _ in range(4):  # NOTE [ The answer under the curve ]
@@ -106,7 +100,7 @@ def planned(report: BatchSizeReport, search: Search, name: str, usable_bytes: in
     return dataclasses.replace(
         report, step_snapshot=_snapshot(pair, max(low, 1), name, usable_bytes, True),
         max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
-        budget_bytes=None, stop_reason=_stop(name, low, search.ceiling), target=name,
+        budget_bytes=None, stop_reason=_stop(name, low, traced.ceiling), target=name,
         target_band=(_evidence_low(low, report.multiple_of), max(low, high)),
         target_peaks=_running_max(needs),
         method=report.method.replace("then verified", "then replayed for the target"))
@@ -166,7 +160,7 @@ def _evidence_low(found: int, multiple_of: int) -> int:
     return int(found * EVIDENCE_RATIO) // multiple_of * multiple_of
 
 
-def _needs(pair: tuple[tuple[OpTrace, int], tuple[OpTrace, int]], found: int,
+def _needs(pair: Pair, found: int,
            multiple_of: int) -> list[tuple[int, int]]:
     """What the step needs on the target (NOTE [ What a step needs ] in memory/_allocator.py)
     at sizes from 1 to twice the answer (doubling, and the answer and the next size exactly),
@@ -197,70 +191,35 @@ def _running_max(needs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(peaks)
 
 
-def _ranks_planned(setup: ProbeSetup, report: BatchSizeReport,
-                   search: Search) -> BatchSizeReport:
-    """Each strategy's per-rank plan: FSDP2 traced on one rank of a fake group where it can be
-    (NOTE [ One FSDP2 rank, traced ]), the rest by each storage's share on a rank."""
-    traced: dict[str, BatchSizeReport] = {}
+def _ranks_planned(setup: ProbeSetup, report: BatchSizeReport, traced: Traced,
+                   rank: tuple[Traced | None, str] | None) -> BatchSizeReport:
+    """Each strategy's per-rank plan: FSDP2 from one rank traced on a fake group where it could
+    be (NOTE [ One FSDP2 rank, traced ] in _sharded.py), the rest by each storage's share on a
+    rank."""
+    ranks_traced: dict[str, BatchSizeReport] = {}
     if setup.parallel in ("fsdp", "compare"):
-        fsdp, why_not = _fsdp_traced(setup) if setup.trace == "fake" else (
-            None, "the step was traced by real steps")
+        fsdp, why_not = _fsdp_planned(setup, *(rank or (None, "no rank was traced")))
         if fsdp is not None:
-            traced["fsdp"] = fsdp
+            ranks_traced["fsdp"] = fsdp
         else:
             report = dataclasses.replace(report, method=f"{report.method} FSDP2 planned by its "
                                                         f"published rules: {why_not}.")
     name, usable = setup.target
-    return plan_ranks(report, setup.model, setup.parallel, setup.world_size, search._event_pair(),
-                      lambda pair: planned(report, search, name, usable, pair), traced,
+    return plan_ranks(report, setup.model, setup.parallel, setup.world_size, traced.pair,
+                      lambda pair: planned(report, traced, name, usable, pair), ranks_traced,
                       setup.units)
 
 
-def _fsdp_traced(setup: ProbeSetup) -> tuple[BatchSizeReport | None, str]:
-    """One FSDP2 rank's plan, traced on a fake process group; or None and why it could not be."""
-    if state_rule(setup.optimizer) is not None:
-        return None, "its optimizer's state cannot be made on fake tensors"
+def _fsdp_planned(setup: ProbeSetup, rank: Traced | None,
+                  why_not: str) -> tuple[BatchSizeReport | None, str]:
+    """One FSDP2 rank's plan from its traces; or None and why there is none."""
+    if rank is None:
+        return None, why_not
     try:
-        with fake_group(setup.world_size) as mesh:
-            sharded = setup.with_change(mesh=mesh)
-            search = traced(sharded)
-            report = planned(report_of(sharded, search), search, *setup.target)
-    except FakeGroupUnavailable as error:
-        return None, str(error)
-    except ShardingError:
-        if setup.parallel == "fsdp":
-            raise
-        return None, "fully_shard cannot wrap this model"
-    except Exception as error:  # what the plain trace ran, one FSDP2 rank could not
+        report = planned(rank.report, rank, *setup.target)
+    except Exception as error:  # what the plain trace planned, one FSDP2 rank's could not
         memory.drop_own_frames(error)
         return None, f"one FSDP2 rank could not be traced ({first_line(error)})"
     method = (f"{report.method} One FSDP2 rank of {setup.world_size} traced on a fake process "
               f"group: its shards, all-gathers and reduce-scatters as they run.")
     return dataclasses.replace(report, method=method), ""
-
-
-def _traced(setup: ProbeSetup) -> tuple[ProbeSetup, Search]:
-    """The search; a fake trace that cannot run is traced by real steps, the reason kept in
-    the setup's notes (a meta model has none to run: one line naming the op and the module)."""
-    if setup.trace == "real":
-        return setup, traced(setup)
-    try:
-        rule = state_rule(setup.optimizer)  # see NOTE [ Optimizer state by shape ]
-        with_rule = setup if rule is None else dataclasses.replace(
-            setup, notes=(*setup.notes, rule.note))
-        return with_rule, traced(with_rule, rule)
-    except Exception as error:
-        on_meta = has_meta_tensors(setup.model)
-        if isinstance(error, FakeTraceError) and on_meta:
-            raise ValueError(
-                f"model should run on fake tensors to be planned from the meta device, but "
-                f"{error.op} in {error.module} reads a value back or makes a shape from data; "
-                f"build the model on a real device (it is then traced by real steps), or avoid "
-                f"that op (e.g. pass attention_mask, labels of a fixed shape).") from error
-        if on_meta:
-            raise
-        reason = (str(error).rstrip(".") if isinstance(error, (FakeTraceError, OptimizerStateError))
-                  else first_line(error))
-        notes = (*setup.notes, f"Traced by real steps: {reason}.")
-        setup = dataclasses.replace(setup, trace="real", notes=notes)
-        return setup, traced(setup)

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ._fake import FakeWorld
-from ._fake_group import fully_shard_function
+from ._fakes import fully_shard_function, in_fake_mode
 from ._parallel import blocks
 
 # NOTE [ One FSDP2 rank, traced ]
@@ -22,7 +21,7 @@ from ._parallel import blocks
 # parameters and buffers on the meta device (nothing of it materialised, the user's module only
 # read), fully_shard (FSDP2) wraps each block (the modules of each ModuleList, else the top-level
 # children) and then the root, over a 1-D mesh of the fake process group (NOTE [ A fake process
-# group, behind one adapter ] in _fake_group.py), and the copy is materialised as fake tensors:
+# group, behind one adapter ] in _fakes.py), and the copy is materialised as fake tensors:
 # each parameter a DTensor around this rank's padded 1/N shard. The optimizer is a shallow copy
 # of the user's over those shards, its state empty (each trial's first step makes it; the second
 # step holds it, as the real job's does). The training step then runs as it would on rank 0:
@@ -118,4 +117,5 @@ class ShardedWorld:
             param.grad = None
         self.optimizer.state.clear()
 
-    active = FakeWorld.active  # the fake mode, the cycle collector paused (the same reason)
+    def active(self) -> contextlib.AbstractContextManager:
+        return in_fake_mode(self.mode)  # the cycle collector paused, as FakeWorld's

@@ -17,7 +17,6 @@ from .._called import calling, describe, own_steps, said, scalar_hint, was_calle
 from .._state import TrainingState, optimizers_within
 from .._util import first_line, to_device
 from ..memory import Reading
-from ._checks import AMP_DTYPES
 from ._ranks import (
     RankFailed,
     after_backward,
@@ -27,7 +26,8 @@ from ._ranks import (
     ran_out_alone,
 )
 
-OnStep = Callable[[Attempt], None]
+AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+              "float16": torch.float16}  # amp= as autocast's dtype
 
 
 def state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list:

@@ -1,5 +1,5 @@
 """A local probe searches on fake tensors first (issue 23, NOTE [ A free first guess ] in
-probe/_loop.py): its small sizes cost no step, its first real size is the edge, and the answer
+probe/_probe.py): its small sizes cost no step, its first real size is the edge, and the answer
 rests on two real steps there, exact against an independent oracle, on models the search was
 not tuned on too."""
 

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 import batchwidgets as bw
 from batchwidgets.engine import options_of
 from batchwidgets.engine.probe import FindBatchRequest, _cache, _remember
-from batchwidgets.engine.probe._setup import resolve
+from batchwidgets.engine.probe._resolve import resolve
 
 MIB = 2**20
 BUDGET = 2 * MIB

@@ -1,16 +1,24 @@
-"""The one adapter over PyTorch's fake process group (``torch.testing._internal``): N ranks in
-this process alone, no communication, so one rank's step under FSDP2 can be traced as it runs;
-and ``fully_shard`` wherever the supported torch keeps it."""
+"""PyTorch's fake machinery, adapted in one place: fake tensors (``FakeTensorMode``, a fake of a
+tensor or of an optimizer's state, what fakes cannot run: ``FakeTraceError``), the fake process
+group (``torch.testing._internal``: N ranks in this process alone, no communication, so one rank's
+step under FSDP2 can be traced as it runs), and ``fully_shard`` wherever the supported torch keeps
+it. The fake trials (``_fake.py``, ``_cell.py``, ``_sharded.py``) stand on it."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from .._unsharded import is_host_scalar
 
 # NOTE [ A fake process group, behind one adapter ]
 # PyTorch's fake process group is a backend ("fake") that answers every collective at once and
@@ -151,3 +159,97 @@ def resizes_seen_in_job() -> contextlib.AbstractContextManager:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return resizes_seen()
     return contextlib.nullcontext()
+
+
+# -- fake tensors ----------------------------------------------------------------------------------
+
+class FakeTraceError(RuntimeError):
+    """The step cannot be traced on fake tensors; ``op`` and ``module`` say where."""
+
+    def __init__(self, op: str, module: str, cause: BaseException) -> None:
+        self.op, self.module = op, module
+        super().__init__(f"{op} in {module} cannot run on fake tensors "
+                         f"({type(cause).__name__})")
+
+
+def fake_mode() -> FakeTensorMode:
+    """Real tensors a make_batch slices or collates become fake constants as they meet an op.
+    FakeTensorMode's dispatch cache is shared by every mode in the process; entries an earlier
+    plan left made a later one's trial free 4 storages more at one size than at the other (a
+    second plan with SGD without momentum could not be scaled), so each plan starts it empty."""
+    clear = getattr(FakeTensorMode, "cache_clear", None)
+    if clear is not None:
+        clear()
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor of ``tensor``'s shape, strides and dtype (call under the fake mode)."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+
+
+def host_scalars(optimizer: torch.optim.Optimizer) -> dict[int, float]:
+    """The numbers of the state's host scalars (Adam's ``step``), by id."""
+    return {id(value): value.item() for state in optimizer.state.values()
+            for value in state.values() if is_host_scalar(value)}
+
+
+def fake_state(value: Any, scalars: dict[int, float]) -> Any:
+    """A fake of one optimizer state value; a host scalar keeps its number as a fake constant,
+    since the optimizer reads it back as a real step would."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if id(value) in scalars:
+        return torch.tensor(scalars[id(value)], dtype=value.dtype)
+    return fake_like(value)
+
+
+@contextlib.contextmanager
+def quiet_meta_errors() -> Iterator[None]:
+    """FakeTensorMode logs every meta kernel that raises (a user's shape error) at ERROR level
+    before raising it: the error reaches the user said in our words (or the fake search gives
+    way to real steps), so the log line would only be noise in the notebook."""
+    logger = logging.getLogger(fake_tensor.__name__)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# What fake tensors cannot do: read a value back, make a shape from data, an op without a meta
+# kernel. Any other error is the user's own and propagates as it is.
+_FAKE_LIMITS = (NotImplementedError, *(
+    getattr(fake_tensor, name) for name in ("DataDependentOutputException",
+                                            "DynamicOutputShapeException",
+                                            "UnsupportedOperatorException",
+                                            "UnsupportedFakeTensorException")
+    if hasattr(fake_tensor, name)))
+
+
+@contextlib.contextmanager
+def where_it_failed(meter: Any) -> Iterator[None]:
+    """What fake tensors cannot run, as FakeTraceError (the op, the module it ran in)."""
+    try:
+        yield
+    except _FAKE_LIMITS as error:
+        func = getattr(error, "func", None)
+        where = meter._where.module() if getattr(meter, "_where", None) is not None else "the step"
+        raise FakeTraceError(str(func) if func is not None else type(error).__name__, where,
+                             error) from error
+
+
+@contextlib.contextmanager
+def in_fake_mode(mode: FakeTensorMode) -> Iterator[None]:
+    """The fake mode, with Python's cycle collector paused: fake tensors make many more
+    Python objects than real ones, and a collection inside the step would free cyclic
+    garbage at another op at each size, so the two traces would not line up (a 32-layer
+    model's did not); refcounting frees the rest where a real step frees it."""
+    gc.collect()
+    gc.disable()
+    try:
+        with mode:
+            yield
+    finally:
+        gc.enable()
