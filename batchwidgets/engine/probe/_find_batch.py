@@ -26,7 +26,7 @@ from ._measure import measure
 from ._nothing_fits import NoBatchSizeFits, already
 from ._options import OPTIONS, FindBatchRequest
 from ._plan import plan
-from ._probe import one_fsdp_rank, probed, traced_for_plan
+from ._probe import probed, traced_for_plan
 from ._remember import remembered
 from ._resolve import eager_while_probed, resolve
 from ._setup import ProbeSetup, at_length
@@ -229,10 +229,7 @@ def _planned(setup: ProbeSetup) -> BatchSizeReport:
     """The step traced for the target (fake, or real where fakes cannot run), one FSDP2 rank
     too where its plan is asked for, then replayed under the target's memory."""
     setup, traced = traced_for_plan(setup)
-    rank = (one_fsdp_rank(setup) if setup.parallel in ("fsdp", "compare")
-            and not traced.stopped else None)
-    return plan(setup, traced, rank,
-                again=lambda **change: _planned(setup.with_change(**change)))
+    return plan(setup, traced, again=lambda **change: _planned(setup.with_change(**change)))
 
 
 def _frontier(setup: ProbeSetup) -> BatchSizeReport:

@@ -20,11 +20,10 @@ from ._parallel import plan_ranks
 from ._setup import SEARCH_CEILING, Pair, ProbeSetup, Traced
 
 
-def plan(setup: ProbeSetup, traced: Traced, rank: tuple[Traced | None, str] | None = None,
+def plan(setup: ProbeSetup, traced: Traced,
          again: Callable[..., BatchSizeReport] | None = None) -> BatchSizeReport:
     """The traces replayed under the target's memory for one GPU or each rank of N (NOTE
-    [ Planning for a GPU that is not here ]), and the what-if rows, each planned. ``rank``: one
-    FSDP2 rank's traces, or why there are none (``parallel`` "fsdp" or "compare");
+    [ Planning for a GPU that is not here ]), and the what-if rows, each planned.
     ``again(**change)``: the plan with one change (``what_if=True``)."""
     report = traced.report
     if traced.stopped:  # planned from the sizes traced before the stop, where they are two
@@ -33,7 +32,7 @@ def plan(setup: ProbeSetup, traced: Traced, rank: tuple[Traced | None, str] | No
         return dataclasses.replace(planned(report, traced, *setup.target), stop_reason="stopped")
     report = planned(report, traced, *setup.target)
     if setup.parallel is not None:  # see NOTE [ Per-rank memory by strategy ]
-        report = _ranks_planned(setup, report, traced, rank)
+        report = _ranks_planned(setup, report, traced)
     if report.max_batch_size == 0 and report.stop_reason != "stopped":
         raise NoBatchSizeFits(report)
     # each row planned, never measured; a plan for N GPUs has its strategies' rows instead.
@@ -191,14 +190,14 @@ def _running_max(needs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(peaks)
 
 
-def _ranks_planned(setup: ProbeSetup, report: BatchSizeReport, traced: Traced,
-                   rank: tuple[Traced | None, str] | None) -> BatchSizeReport:
+def _ranks_planned(setup: ProbeSetup, report: BatchSizeReport,
+                   traced: Traced) -> BatchSizeReport:
     """Each strategy's per-rank plan: FSDP2 from one rank traced on a fake group where it could
     be (NOTE [ One FSDP2 rank, traced ] in _sharded.py), the rest by each storage's share on a
     rank."""
     ranks_traced: dict[str, BatchSizeReport] = {}
     if setup.parallel in ("fsdp", "compare"):
-        fsdp, why_not = _fsdp_planned(setup, *(rank or (None, "no rank was traced")))
+        fsdp, why_not = _fsdp_planned(setup, traced.rank, traced.rank_note)
         if fsdp is not None:
             ranks_traced["fsdp"] = fsdp
         else:

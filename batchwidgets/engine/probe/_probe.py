@@ -3,14 +3,20 @@ this device's real tensors or on fake ones, and what it found as plain values (`
 One object, one module: ``Probe`` owns the meter, the state guard, the trainer and the search's
 state, as PyTorch's MemTracker owns its own: a context manager whose state is in ``self``.
 
-Usage (what find_batch's stages do; ``probed`` is the same in one call):
+Usage (what find_batch's stages do; ``probed(setup)`` is the same in one call):
+    >>> import torch
+    >>> from batchwidgets.engine.probe._options import FindBatchRequest
+    >>> from batchwidgets.engine.probe._resolve import resolve
+    >>> setup = resolve(torch.nn.Linear(8, 2), torch.zeros(8), FindBatchRequest(budget="64KB"))
     >>> with Probe(setup) as probe:  # the meter's cap on, the user's state guarded
     ...     probe.run()  # size after size: fit the per-op model, ask the policy, run the size
     >>> traced = probe.traced()  # the report of the search, the traces to plan from
+    >>> traced.report.max_batch_size > 0, traced.pair is not None
+    (True, True)
 
 Measuring (``_measure.py``) and planning (``_plan.py``) are functions of a ``Traced``; neither
-calls into the probe. A plan's traces are made here too (``traced_for_plan``, ``one_fsdp_rank``):
-fake first, real steps where fakes cannot run."""
+calls into the probe. A plan's traces are made here too (``traced_for_plan``): fake first, real
+steps where fakes cannot run, one FSDP2 rank's where asked."""
 
 from __future__ import annotations
 
@@ -65,11 +71,10 @@ from ._trials import (
 _FLAT = "memory did not grow with the batch size: check make_batch"
 
 
-def probed(setup: ProbeSetup, rule: StateRule | None = None) -> Traced:
+def probed(setup: ProbeSetup) -> Traced:
     """The search under the meter and the state guard, and what it found (``NoBatchSizeFits``
-    where nothing fits). ``rule``: the optimizer's state by shape for fake trials (NOTE
-    [ Optimizer state by shape ] in _optimizer_shapes.py)."""
-    with Probe(setup, rule) as probe:
+    where nothing fits)."""
+    with Probe(setup) as probe:
         probe.run()
     return probe.traced()
 
@@ -106,8 +111,6 @@ def probed(setup: ProbeSetup, rule: StateRule | None = None) -> Traced:
 MAX_FAKE_SIZES = 6  # a fake search that has not found its edge by then leaves it to real steps
 
 
-
-
 class Probe:
     """One probe's trials and search. Every trial starts from the user's state, and the user's
     state comes back however the probe ends (NOTE [ Restoring under Ctrl-C ] in
@@ -116,9 +119,14 @@ class Probe:
     model on what ran, asks the policy for the next size and runs it (NOTE [ Predict, then
     verify ] in _search.py)."""
 
-    def __init__(self, setup: ProbeSetup, rule: StateRule | None = None) -> None:
-        self.setup, self._rule = setup, rule
+    def __init__(self, setup: ProbeSetup) -> None:
+        self.setup = setup
         self._fake = setup.trace == "fake"
+        # fake trials of one GPU: the optimizer's state learned by shape where fakes cannot
+        # make it (NOTE [ Optimizer state by shape ] in _optimizer_shapes.py; OptimizerStateError
+        # where it cannot be learned either)
+        self._rule: StateRule | None = (state_rule(setup.optimizer)
+                                        if self._fake and setup.mesh is None else None)
         self.meter = memory.probe_meter(setup.device, setup.budget_bytes,
                                         setup.target[0] if setup.target is not None else None)
         self.trainer: Trainer | None = None
@@ -529,7 +537,8 @@ class Probe:
             limit_bytes=self.limit_bytes, baseline_bytes=self.meter.baseline_bytes,
             memory_model=_search.fit_memory(attempts), headroom=setup.headroom,
             multiple_of=setup.multiple_of, amp=setup.amp, stop_reason=stop,
-            peak_segments=segments, method=" ".join([self._method(), *setup.notes]),
+            peak_segments=segments, method=" ".join([self._method(), *setup.notes,
+                                             *([self._rule.note] if self._rule else [])]),
             worst_case=self._batches_from(), memory_split=self.split,
             memory_timeline=self.timeline, trace=setup.trace, loop=self._loop_of(),
             step_snapshot=self._snapshot(), assumed=setup.assumed + self._loss_assumed())
@@ -579,35 +588,42 @@ class Probe:
 def traced_for_plan(setup: ProbeSetup) -> tuple[ProbeSetup, Traced]:
     """A target's traces, this process alone: on fake tensors, or by real steps where a fake
     trace cannot run, the reason kept in the setup's notes (a meta model has none to run: one
-    line naming the op and the module)."""
+    line naming the op and the module); with ``parallel`` "fsdp" or "compare", one FSDP2 rank's
+    traces too (``Traced.rank``), or why there are none (``Traced.rank_note``)."""
     with alone():
+        setup, traced = _one_gpu(setup)
+    if setup.parallel not in ("fsdp", "compare") or traced.stopped:
+        return setup, traced
+    rank, why_not = _one_fsdp_rank(setup)
+    return setup, dataclasses.replace(traced, rank=rank, rank_note=why_not)
+
+
+def _one_gpu(setup: ProbeSetup) -> tuple[ProbeSetup, Traced]:
+    """One GPU's traces: fake first, unless real steps were asked for."""
+    try:
+        return setup, probed(setup)
+    except Exception as error:
         if setup.trace == "real":
-            return setup, probed(setup)
-        try:
-            rule = state_rule(setup.optimizer)  # see NOTE [ Optimizer state by shape ]
-            with_rule = setup if rule is None else dataclasses.replace(
-                setup, notes=(*setup.notes, rule.note))
-            return with_rule, probed(with_rule, rule)
-        except Exception as error:
-            on_meta = has_meta_tensors(setup.model)
-            if isinstance(error, FakeTraceError) and on_meta:
-                raise ValueError(
-                    f"model should run on fake tensors to be planned from the meta device, but "
-                    f"{error.op} in {error.module} reads a value back or makes a shape from "
-                    f"data; build the model on a real device (it is then traced by real steps), "
-                    f"or avoid that op (e.g. pass attention_mask, labels of a fixed "
-                    f"shape).") from error
-            if on_meta:
-                raise
-            reason = (str(error).rstrip(".")
-                      if isinstance(error, (FakeTraceError, OptimizerStateError))
-                      else first_line(error))
-            notes = (*setup.notes, f"Traced by real steps: {reason}.")
-            setup = dataclasses.replace(setup, trace="real", notes=notes)
-            return setup, probed(setup)
+            raise
+        on_meta = has_meta_tensors(setup.model)
+        if isinstance(error, FakeTraceError) and on_meta:
+            raise ValueError(
+                f"model should run on fake tensors to be planned from the meta device, but "
+                f"{error.op} in {error.module} reads a value back or makes a shape from "
+                f"data; build the model on a real device (it is then traced by real steps), "
+                f"or avoid that op (e.g. pass attention_mask, labels of a fixed "
+                f"shape).") from error
+        if on_meta:
+            raise
+        reason = (str(error).rstrip(".")
+                  if isinstance(error, (FakeTraceError, OptimizerStateError))
+                  else first_line(error))
+        notes = (*setup.notes, f"Traced by real steps: {reason}.")
+        setup = dataclasses.replace(setup, trace="real", notes=notes)
+        return setup, probed(setup)
 
 
-def one_fsdp_rank(setup: ProbeSetup) -> tuple[Traced | None, str]:
+def _one_fsdp_rank(setup: ProbeSetup) -> tuple[Traced | None, str]:
     """One FSDP2 rank's traces on a fake process group (NOTE [ One FSDP2 rank, traced ] in
     _sharded.py); or None and why it could not be traced."""
     if setup.trace != "fake":

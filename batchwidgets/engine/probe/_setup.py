@@ -146,6 +146,10 @@ class Traced:
     unseen_bytes: int  # real CUDA: reserved that the trace's replay does not explain
     replays: bool  # what runs out is reserved memory: traces replay through the allocator
     ceiling: int  # the largest size the search could try
+    # a plan over N GPUs with parallel "fsdp" or "compare": one FSDP2 rank's traces on a fake
+    # process group (NOTE [ One FSDP2 rank, traced ] in _sharded.py), or why there are none
+    rank: Traced | None = None
+    rank_note: str = ""
 
     @property
     def stopped(self) -> bool:
