@@ -53,9 +53,9 @@ class TracingTracker(TensorMemoryTracker):
     """The tensor tracker that also records the step's per-op trace (``self.trace``)."""
 
     def __init__(self, device: torch.device, budget_bytes: int | None, baseline: list,
-                 where: _Where, held_bytes: int = 0) -> None:
+                 where: _Where, held_bytes: int = 0, *, defer_budget: bool = False) -> None:
         self.trace: OpTrace | None = None
-        super().__init__(device, budget_bytes, baseline, held_bytes)
+        super().__init__(device, budget_bytes, baseline, held_bytes, defer_budget=defer_budget)
         self.trace, self._where = OpTrace(kinds=where.modules.kinds), where
         self._op_names: dict[Any, str] = {}  # str(func) once per op overload
         self._batch_peak: int | None = None  # while making the batch; see collapsed()
@@ -293,6 +293,12 @@ class _TracedSteps:
     defer_budget = False  # inside a job (NOTE [ Over the budget inside a job ] in _tracker.py)
     held_bytes = 0  # what the step holds outside every op (TensorMemoryTracker's held_bytes)
 
+    def prepare(self, held_bytes: int, *, defer_budget: bool) -> None:
+        """Set once before the first trial: what each step holds outside every op (DDP's
+        gradient buckets: TensorMemoryTracker's ``held_bytes``), and whether a job's steps run
+        to their end over the budget (NOTE [ Over the budget inside a job ] in _tracker.py)."""
+        self.held_bytes, self.defer_budget = held_bytes, defer_budget
+
     def end_trial(self) -> None:
         """Raise the out-of-memory error a job's steps held back until they ended."""
         if self._tracker is not None:
@@ -369,8 +375,8 @@ class TensorMeter(_TracedSteps):
         reading = self._reading = Reading()
         self._where = _Where()
         tracker = self._tracker = TracingTracker(self.device, self.limit_bytes, tracked(),
-                                                 self._where, self.held_bytes)
-        tracker.defer_budget = self.defer_budget
+                                                 self._where, self.held_bytes,
+                                                 defer_budget=self.defer_budget)
         if self.baseline_bytes is None:
             self.baseline_bytes = tracker.baseline_bytes
         try:
@@ -460,10 +466,8 @@ class CudaMeter(_TracedSteps):
         trace = trace or self.defer_budget  # see JOB_TENSOR_FRACTION
         self._where = _Where() if trace else None
         budget = int(JOB_TENSOR_FRACTION * self.limit_bytes) if self.defer_budget else None
-        tracker = (TracingTracker(self.device, budget, tracked(), self._where, self.held_bytes)
-                   if trace else None)
-        if tracker is not None:
-            tracker.defer_budget = self.defer_budget
+        tracker = (TracingTracker(self.device, budget, tracked(), self._where, self.held_bytes,
+                                  defer_budget=self.defer_budget) if trace else None)
         self._tracker = tracker
         try:
             with tracing(tracker, self._where) if tracker is not None else nullcontext():

@@ -124,17 +124,18 @@ class TensorMemoryTracker(TorchDispatchMode):
     """
 
     def __init__(self, device: torch.device | str = "cpu", budget_bytes: int | None = None,
-                 baseline: Iterable[object] = (), held_bytes: int = 0) -> None:
+                 baseline: Iterable[object] = (), held_bytes: int = 0, *,
+                 defer_budget: bool = False) -> None:
         """``held_bytes``: memory the step holds that no op shows (DDP's gradient buckets:
         NOTE [ What a wrapper holds outside every op ] in probe/_trials.py), counted from the
-        start."""
+        start. ``defer_budget``: inside a distributed job (NOTE [ Over the budget inside a job
+        ])."""
         super().__init__()
         self.device = torch.device(device)
         self.budget_bytes = budget_bytes
         self.live_bytes = 0
         self.peak_bytes = 0
-        # set True inside a distributed job: see NOTE [ Over the budget inside a job ]
-        self.defer_budget = False
+        self.defer_budget = defer_budget
         self.over_budget: str | None = None  # the first crossing's message, while deferred
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
         for tensor in unique_tensors(baseline):

@@ -183,8 +183,8 @@ class Probe:
             self.trainer = self._fake_trainer() if self._fake else self._trainer()
             self.limit_bytes = agree_limit(self.meter.limit_bytes)
             # real steps in a job run to their end: NOTE [ Over the budget inside a job ]
-            self.meter.defer_budget = in_job() and not self._fake
-            self.meter.held_bytes = 0 if self._fake else held_outside_ops(setup.owner)
+            self.meter.prepare(0 if self._fake else held_outside_ops(setup.owner),
+                               defer_budget=in_job() and not self._fake)
             self.meter.warm_up()
             self._left = stack.pop_all()
         return self
