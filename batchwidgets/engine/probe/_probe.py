@@ -160,14 +160,6 @@ class Probe:
         differ (the plan then says it cannot predict)."""
         return self.setup.target is not None
 
-    @property
-    def ceiling(self) -> int:
-        return self.setup.ceiling
-
-    @property
-    def multiple_of(self) -> int:
-        return self.setup.multiple_of
-
     def __enter__(self) -> Probe:
         """The meter's cap on and the trainer made, the user's state guarded from here."""
         setup = self.setup
@@ -221,7 +213,7 @@ class Probe:
         return Traced(report=self._report(), model=self.model, pair=self._event_pair(),
                       limit_bytes=self.limit_bytes, overhead_bytes=self.overhead_bytes,
                       unseen_bytes=self.unseen_bytes, replays=self.replays,
-                      ceiling=self.ceiling)
+                      ceiling=self.setup.ceiling)
 
     # -- the trials ----------------------------------------------------------------------------
 
@@ -340,8 +332,8 @@ class Probe:
             if not searched and self.seed_size is not None:
                 predicted = self.seed_size  # NOTE [ A free first guess ]
             size = _search.next_batch_size(
-                searched, start=self.start, multiple_of=self.multiple_of,
-                ceiling=self.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
+                searched, start=self.start, multiple_of=self.setup.multiple_of,
+                ceiling=self.setup.ceiling, limit_bytes=self.limit_bytes, predicted=predicted)
             if self.traced_only and (self._event_pair() is not None
                                      or len(self.traces) >= MAX_FAKE_SIZES):
                 size = None  # a plan's traces: two that correspond, or none to predict from
@@ -465,10 +457,11 @@ class Probe:
             (small, b_small), (large, b_large) = pair
             return memory.largest_batch_size(
                 small.events, b_small, large.events, b_large, self.limit_bytes,
-                multiple_of=self.multiple_of, ceiling=self.ceiling,
+                multiple_of=self.setup.multiple_of, ceiling=self.setup.ceiling,
                 preallocated=large.preallocated, overhead_bytes=self.unseen_bytes)
         return self.model.largest_batch_size(self.limit_bytes - self.overhead_bytes,
-                                             multiple_of=self.multiple_of, ceiling=self.ceiling)
+                                             multiple_of=self.setup.multiple_of,
+                                             ceiling=self.setup.ceiling)
 
     def _predicted_peak(self, size: int) -> int:
         if self.replays:
