@@ -10,8 +10,8 @@ Usage (what find_batch's stages do; ``probed(setup)`` is the same in one call):
     >>> setup = resolve(torch.nn.Linear(8, 2), torch.zeros(8), FindBatchRequest(budget="64KB"))
     >>> with Probe(setup) as probe:  # the meter's cap on, the user's state guarded
     ...     probe.run()  # size after size: fit the per-op model, ask the policy, run the size
-    >>> traced = probe.traced()  # the report of the search, the traces to plan from
-    >>> traced.report.max_batch_size > 0, traced.pair is not None
+    >>> traced = probe.traced()  # the report of the search, the model fitted on its traces
+    >>> traced.report.max_batch_size > 0, traced.model is not None
     (True, True)
 
 Measuring (``_measure.py``) and planning (``_plan.py``) are functions of a ``Traced``; neither
@@ -210,7 +210,8 @@ class Probe:
 
     def traced(self) -> Traced:
         """What the probe found (``NoBatchSizeFits`` when nothing fits)."""
-        return Traced(report=self._report(), model=self.model, pair=self._event_pair(),
+        return Traced(report=self._report(), model=self.model,
+                      pair=self._event_pair() if self.traced_only else None,
                       limit_bytes=self.limit_bytes, overhead_bytes=self.overhead_bytes,
                       unseen_bytes=self.unseen_bytes, replays=self.replays,
                       ceiling=self.setup.ceiling)

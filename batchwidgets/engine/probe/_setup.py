@@ -140,7 +140,7 @@ class Traced:
 
     report: BatchSizeReport  # the search's own answer, before any plan
     model: PeakModel | None  # the per-op model fitted on the traces, where one fits
-    pair: Pair | None  # two traced sizes of one op sequence, to scale and replay; None if none
+    pair: Pair | None  # a plan's two traced sizes of one op sequence, to scale and replay
     limit_bytes: int | None  # the limit searched under (lowered after a real allocator failure)
     overhead_bytes: int  # reserved beyond the tensors (CUDA), from the traced sizes
     unseen_bytes: int  # real CUDA: reserved that the trace's replay does not explain
