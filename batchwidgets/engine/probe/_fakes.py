@@ -253,3 +253,18 @@ def in_fake_mode(mode: FakeTensorMode) -> Iterator[None]:
             yield
     finally:
         gc.enable()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector off over the fake trials (as ``in_fake_mode`` pauses it over
+    each), then run once, so that their garbage is not collected inside a real step (its time
+    and its trace); as it was afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        if enabled:
+            gc.enable()

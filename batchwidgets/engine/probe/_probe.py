@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gc
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -42,7 +41,13 @@ from . import _search
 from ._cell import CellStep, CellWorld, FakeCellStep
 from ._checks import has_meta_tensors
 from ._fake import FakeWorld, fake_step
-from ._fakes import FakeGroupUnavailable, FakeTraceError, fake_group, fake_mode
+from ._fakes import (
+    FakeGroupUnavailable,
+    FakeTraceError,
+    collector_paused,
+    fake_group,
+    fake_mode,
+)
 from ._nothing_fits import NoBatchSizeFits
 from ._optimizer_shapes import OptimizerStateError, StateRule, state_rule
 from ._ranks import (
@@ -280,7 +285,7 @@ class Probe:
         guess ])."""
         real, self._seeding = self.trainer, True
         try:
-            with _collector_paused():
+            with collector_paused():
                 self.trainer = self._fake_trainer(paused=True)
                 self._search()
         except Exception as error:  # the real steps search alone, and the report says why
@@ -636,18 +641,3 @@ def _one_fsdp_rank(setup: ProbeSetup) -> tuple[Traced | None, str]:
     except Exception as error:  # what the plain trace ran, one FSDP2 rank could not
         memory.drop_own_frames(error)
         return None, f"one FSDP2 rank could not be traced ({first_line(error)})"
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cycle collector off over the fake trials (as FakeWorld.active pauses it over
-    each), then run once, so that their garbage is not collected inside a real step (its time
-    and its trace); as it was afterwards."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.collect()
-        if enabled:
-            gc.enable()
