@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 WHERE = ("forward", "backward", "step")
 
@@ -36,22 +37,24 @@ class _InBackward(torch.autograd.Function):
 class Device(nn.Module):
     """A layer that emulates the device: it runs out of memory past ``edge`` samples at ``where``
     (``"forward"``, ``"backward"``, ``"step"``: the step reads the last batch's size) while
-    ``armed``; only on the rank ``failing`` (None: every rank)."""
+    ``armed``; only on the rank ``failing`` (None: every rank); never in a fake trace."""
 
     def __init__(self, edge: int, where: str, failing: int | None = None) -> None:
         super().__init__()
         self.edge, self.where, self.failing = edge, where, failing
         self.last = 0
         self.armed = True
+        self.fake = False
 
     def runs_out(self, size: int) -> bool:
-        if not self.armed or size <= self.edge:
+        if not self.armed or size <= self.edge or self.fake:
             return False
         if self.failing is None or not torch.distributed.is_initialized():
             return True
         return torch.distributed.get_rank() == self.failing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fake = isinstance(x, FakeTensor)  # a fake trace never meets the device
         self.last = len(x)
         if self.where == "forward" and self.runs_out(len(x)):
             raise out_of_memory(len(x))

@@ -21,7 +21,7 @@ from ._allocator import largest_batch_size, needed_bytes, replay, scale_events
 from ._budget import available_memory_bytes, parse_bytes
 from ._meters import Reading
 from ._oom import cannot_train_alone, drop_own_frames, forget, free_memory, is_oom
-from ._simulated import probe_meter, simulated_cuda
+from ._simulated import probe_meter, seed_meter, simulated_cuda
 from ._snapshot import step_snapshot
 from ._targets import CPU_TARGET, GPU_TARGETS, is_cpu_target, parse_gpus, parse_target
 from ._trace import OpTrace, PeakModel, said_where
@@ -33,5 +33,5 @@ __all__ = [
     "forget", "free_memory", "is_cpu_target", "is_oom", "largest_batch_size", "needed_bytes",
     "parse_bytes",
     "parse_gpus", "parse_target", "probe_meter", "replay", "said_where", "scale_events",
-    "simulated_cuda", "step_snapshot", "track_tensor_memory",
+    "seed_meter", "simulated_cuda", "step_snapshot", "track_tensor_memory",
 ]

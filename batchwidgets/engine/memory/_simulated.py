@@ -42,6 +42,7 @@ from ._workspaces import (
     MATMUL_OPS,
     REDUCE_OPS,
     Workspaces,
+    device_rules,
     kernel_area,
     reduction_shape,
     target_capability,
@@ -398,3 +399,15 @@ def probe_meter(device: torch.device, budget_bytes: int | None,
     if device.type == "cpu" and _SIMULATED is not None:  # tests: see simulated_cuda
         return ProbeMeter(device, budget_bytes, workspaces=_SIMULATED)
     return make_meter(device, budget_bytes)
+
+
+def seed_meter(meter: ProbeMeter | TensorMeter | CudaMeter) -> ProbeMeter | TensorMeter:
+    """The meter a probe's fake first search reads beside ``meter``, the real steps' own: on a
+    GPU, the plan for that GPU (its workspaces, kernels and caching allocator, simulated over
+    fake CPU tensors) capped where the real steps are (NOTE [ On CUDA, the plan for this device
+    first ] in probe/_probe.py); elsewhere ``meter`` itself, whose fake trials count as the real
+    ones do."""
+    if not isinstance(meter, CudaMeter):
+        return meter
+    workspaces, capability = device_rules(meter.device)
+    return ProbeMeter("cpu", meter.limit_bytes, workspaces=workspaces, capability=capability)

@@ -137,7 +137,20 @@ def target_workspaces(name: str) -> Workspaces:
     name = gpu_name(name)
     hopper = name.startswith(("H100", "H200")) or name not in GPU_CAPABILITY  # a size: the
     # larger workspaces, so that the plan errs low
-    sms, threads = GPU_SMS.get(name, SIZE_SMS)
+    return gpu_workspaces(hopper, *GPU_SMS.get(name, SIZE_SMS))
+
+
+def gpu_workspaces(hopper: bool, sms: int, threads_per_sm: int) -> Workspaces:
+    """A GPU's workspaces, from what sizes them: Hopper's cuBLAS, its SMs and their threads."""
     return Workspaces(cublas_bytes=32 * MIB if hopper else Workspaces.cublas_bytes,
                       cublas_threads=2, cublaslt_bytes=1 * MIB, conv_unfold=True, sms=sms,
-                      threads_per_sm=threads)
+                      threads_per_sm=threads_per_sm)
+
+
+def device_rules(device: torch.device) -> tuple[Workspaces, tuple[int, int]]:
+    """The workspaces and compute capability of the GPU present at ``device``, as a plan for it
+    takes them (NOTE [ On CUDA, the plan for this device first ] in probe/_probe.py)."""
+    properties = torch.cuda.get_device_properties(device)
+    capability = (properties.major, properties.minor)
+    return gpu_workspaces(capability >= (9, 0), properties.multi_processor_count,
+                          properties.max_threads_per_multi_processor), capability

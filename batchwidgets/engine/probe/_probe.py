@@ -109,11 +109,23 @@ def probed(setup: ProbeSetup) -> Traced:
 # way than predicted means the fake trace missed something the real step holds: the fake traces
 # are dropped, and the search goes on from the real sizes alone. A step that fake tensors cannot
 # run (a value read back, a shape from data, anything else that fails) or whose fake sizes give
-# no model leaves the search to real steps from the start, and report.method says why. Not on
-# CUDA (the fakes run the CPU's kernels, whose workspaces and attention differ), not for a
-# step(batch_size) of the user's own (it runs on the user's real tensors), not under
-# torch.distributed (every rank must take the same path), not with trace="real".
+# no model leaves the search to real steps from the start, and report.method says why. On CUDA
+# the fake search is the plan for this GPU (NOTE [ On CUDA, the plan for this device first ]).
+# Not on MPS (no plan models its kernels), not for a step(batch_size) of the user's own (it runs
+# on the user's real tensors), not under torch.distributed (every rank must take the same path),
+# not with trace="real".
 MAX_FAKE_SIZES = 6  # a fake search that has not found its edge by then leaves it to real steps
+
+# NOTE [ On CUDA, the plan for this device first ]
+# A first guess fitted on real sizes 2 and 4 misses where the small sizes' memory is not the
+# large ones': on the H200 (benchmarks/results/gpu_truth_h200.md) it said 671 for a wide CNN
+# whose boundary was 641, and the search walked down from there, while the plan for that same
+# capped GPU, made on a CPU, said 642. So on CUDA the fake search reads the plan's meter, not
+# the GPU's (memory.seed_meter): the same fake trace, kernel rules (_kernels.py) and caching
+# allocator replay that target= uses, with this GPU's workspaces (its cuBLAS, its SMs) and capped
+# at what the real steps may use (free memory and budget, as CudaMeter.limit_bytes). The real
+# steps then verify its answer as on the CPU: B runs, B + 1 runs out, two real sizes. A miss
+# costs what NOTE [ What a miss may cost ] in _after_miss.py allows, from the real sizes alone.
 
 
 class Probe:
@@ -134,6 +146,9 @@ class Probe:
                                         if self._fake and setup.mesh is None else None)
         self.meter = memory.probe_meter(setup.device, setup.budget_bytes,
                                         setup.target[0] if setup.target is not None else None)
+        # what fake trials read: on a GPU the plan for it (NOTE [ On CUDA, the plan for this
+        # device first ]), else the meter itself
+        self._fake_meter = memory.seed_meter(self.meter) if setup.fake_first else self.meter
         self.trainer: Trainer | None = None
         self._home: TrainingState | None = None
         self._left: contextlib.ExitStack | None = None
@@ -183,6 +198,9 @@ class Probe:
             self.meter.prepare(0 if self._fake else held_outside_ops(setup.owner),
                                defer_budget=in_job() and not self._fake)
             self.meter.warm_up()
+            if self._fake_meter is not self.meter:  # a GPU's plan, for the first guess
+                self._fake_meter.prepare(0, defer_budget=False)
+                self._fake_meter.warm_up()
             self._left = stack.pop_all()
         return self
 
@@ -252,7 +270,7 @@ class Probe:
         trial, which costs more than a small fake trial in a large process: see ``_seed``). A
         %%find_batch cell's: its objects' twins (NOTE [ A cell's fake trials ]), the user's
         state put back after each."""
-        setup, meter, mode = self.setup, self.meter, fake_mode()
+        setup, meter, mode = self.setup, self._fake_meter, fake_mode()
         if setup.model is None:
             cell = CellWorld(setup.step, mode, self._home if paused else None)
             return Trainer(FakeCellStep(cell, meter), meter, cell, setup.steps_per_trial,
@@ -310,7 +328,10 @@ class Probe:
             else:  # nothing fits: the real steps confirm it from the smallest fake OOM down
                 self.start = min((a.batch_size for a in self.attempts if not a.fits
                                   and not memory.cannot_train_alone(a.error)), default=self.start)
-            self.seed_note = (f" Traced first on fake tensors (sizes "
+            how = ("Planned first for this GPU on fake tensors (its workspaces, kernels and "
+                   "caching allocator; " if self._fake_meter is not self.meter
+                   else "Traced first on fake tensors (")
+            self.seed_note = (f" {how}sizes "
                               f"{', '.join(str(a.batch_size) for a in self.attempts)}), so the "
                               f"real steps began at {self.seed_size or self.start}.")
 
@@ -404,7 +425,8 @@ class Probe:
                 self.split_trace = trace  # the report's step_snapshot
             if reading.peak_reserved_bytes:
                 self.overhead_bytes = max(0, reading.peak_reserved_bytes - max(trace.live))
-            if self.meter.device.type == "cuda":  # workspaces the tensor trace cannot see
+            if self.meter.device.type == "cuda" and not attempt.fake:  # workspaces the
+                # tensor trace cannot see
                 replayed = memory.replay(trace.events, preallocated=trace.preallocated)
                 self.unseen_bytes = max(0, (reading.peak_reserved_bytes or 0)
                                         - replayed.peak_reserved_bytes)

@@ -67,9 +67,9 @@ def _fake_first(trace: str | None, planned: bool, is_module: bool,
     if not is_module and not isinstance(step, CellStep):
         return False, ["No fake trace first: a step(batch_size) of your own runs on your own "
                        "tensors."]
-    if device.type != "cpu":
-        return False, [f"No fake trace first: fake tensors run the CPU's kernels, not "
-                       f"{device.type.upper()}'s."]
+    if device.type not in ("cpu", "cuda"):  # CUDA: NOTE [ On CUDA, the plan for this device
+        # first ] in _probe.py
+        return False, [f"No fake trace first: no plan models {device.type.upper()}'s kernels."]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False, ["No fake trace first under torch.distributed: every rank takes the "
                        "same real steps."]
