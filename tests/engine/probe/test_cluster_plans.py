@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from _plan_factories import llama_tokens, meta_llama
 from torch import nn
 
 import batchwidgets as bw
@@ -57,17 +58,8 @@ def test_each_rank_holds_its_strategys_share_of_the_states():
 
 def test_an_llms_rows_hold_its_gradients_though_its_peak_comes_before_them():
     # a Llama's peak is in its forward (the logits), where no gradient exists yet
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=344,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=4000)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-
-    def tokens(batch_size: int) -> dict:
-        ids = torch.randint(0, 4000, (batch_size, 128))
-        return {"input_ids": ids, "labels": ids}
-
-    report = bw.find_batch(model, tokens, target="4x1GiB", parallel="compare")
+    model = meta_llama(128, 2, 344, 4000)
+    report = bw.find_batch(model, llama_tokens(4000, 128), target="4x1GiB", parallel="compare")
     assert report.memory_split.gradients_bytes == 0  # at the peak
     trained = sum(p.numel() * 4 for p in model.parameters())
     rows = {row.parallel: row for row in report.parallel_plans}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from _plan_factories import llama_tokens, meta_llama
 from torch import nn
 
 import batchwidgets as bw
@@ -16,29 +16,14 @@ import batchwidgets as bw
 ORDER = (("ddp", "zero1"), ("zero1", "zero2"), ("zero2", "zero3"), ("zero2", "fsdp"))
 
 
-def llama(hidden: int, layers: int, intermediate: int, vocab: int) -> nn.Module:
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
-                                      num_hidden_layers=layers, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=vocab,
-                                      max_position_embeddings=64)
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(config)
-
-
-def tokens(vocab: int, length: int):
-    def make_batch(batch_size: int) -> dict:
-        ids = torch.randint(0, vocab, (batch_size, length))
-        return {"input_ids": ids, "labels": ids}
-    return make_batch
-
-
 def per_rank(report: bw.BatchSizeReport) -> dict[str, int]:
     return {row.parallel: row.max_batch_size for row in report.parallel_plans}
 
 
 def test_a_llama_shaped_plan_keeps_the_order_of_every_strategy_and_says_its_wrapping():
-    report = bw.find_batch(llama(512, 2, 1408, 1024), tokens(1024, 16), target="8x512MiB",
-                           parallel="compare", cache=False)
+    report = bw.find_batch(meta_llama(512, 2, 1408, 1024, max_position_embeddings=64),
+                           llama_tokens(1024, 16), target="8x512MiB", parallel="compare",
+                           cache=False)
     found = per_rank(report)
     assert set(found) == {"ddp", "zero1", "zero2", "zero3", "fsdp"}
     assert found["ddp"] > 0
@@ -71,7 +56,8 @@ def test_one_fsdp2_rank_never_holds_every_blocks_gathered_weights():
 def test_where_the_buffers_outweigh_the_sharding_the_report_says_why():
     # most of this model is its embedding and head: on 2 ranks, ZeRO-3's gathers and FSDP2's
     # root (gathered from forward to backward) hold more than sharding takes off a rank
-    report = bw.find_batch(llama(256, 1, 704, 32_000), tokens(32_000, 16), target="2x1GiB",
+    report = bw.find_batch(meta_llama(256, 1, 704, 32_000, max_position_embeddings=64),
+                           llama_tokens(32_000, 16), target="2x1GiB",
                            parallel="compare", cache=False)
     found = per_rank(report)
     broken = [(low, high) for low, high in ORDER if found[high] < found[low]]
@@ -85,18 +71,19 @@ def test_where_the_buffers_outweigh_the_sharding_the_report_says_why():
 
 
 @pytest.mark.slow
-def test_a_llama_3_8b_shape_on_8xa100_keeps_the_order():
-    # the issue's plan: full fine-tuning in fp32 AdamW, 2,048 tokens; zero2 fitted 1, zero3 2,
-    # fsdp 0 (a rank counted all 32 GB of gathered weights)
-    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14_336,
-                                      num_hidden_layers=32, num_attention_heads=32,
-                                      num_key_value_heads=8, vocab_size=128_256)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    report = bw.find_batch(model, tokens(128_256, 2048), target="8xA100-80GB",
+def test_a_llama_3_8b_shape_on_8_capped_a100s_keeps_the_order():
+    # the issue's plan: full fine-tuning of Llama-3-8B in fp32 AdamW, 2,048 tokens, on 8xA100-80GB;
+    # zero2 fitted 1, zero3 2, fsdp 0 (a rank counted all 32 GB of gathered weights). Here 8 of its
+    # 32 layers, each as wide (4,096 x 14,336, 32 heads over 8, the 128,256-token vocabulary), on
+    # A100s capped at 28 GiB: the same regime at a quarter of the trace. zero2 fits 1 and fsdp 1
+    # with less than 4 GiB to spare (it fits none at 24 GiB), below the 6.5 GiB of the 8 blocks'
+    # gathered weights the regression counted: counted again, fsdp falls to 0 below zero2's 1
+    model = meta_llama(4096, 8, 14_336, 128_256, heads=32, kv_heads=8)
+    report = bw.find_batch(model, llama_tokens(128_256, 2048), target="8xA100-80GB@28GiB",
                            parallel="compare", cache=False)
     found = per_rank(report)
     for low, high in ORDER:
         assert found[low] <= found[high], (low, high, found)
+    assert found["zero2"] >= 1  # the regime the regression showed in
     assert found["fsdp"] >= 1
     assert report.parallel_order == ""
