@@ -346,15 +346,31 @@ def texts(batch_size: int) -> dict:
     return {"input_ids": ids, "labels": ids[:, 0] % 2}
 
 
-def test_with_activation_checkpointing_the_probe_finds_what_fits_and_more_than_without():
+CLASSIFIER_BUDGET = 32 * 2**20
+
+
+@pytest.fixture(scope="module")
+def classifier_probes() -> dict:
+    """The classifier probed under one budget: as it is, with every what-if measured (its own
+    answer is the plain model's), and with activation checkpointing; each model as it was left.
+    Two tests read them: one probe of each, not one per test."""
+    plain = classifier()
+    what_if = bw.find_batch(plain, texts, budget=CLASSIFIER_BUDGET, what_if=True)
+    checkpointed = classifier()
+    checkpointed.gradient_checkpointing_enable()
+    return {"plain": plain, "what_if": what_if, "checkpointed": checkpointed,
+            "checkpointed_report": bw.find_batch(checkpointed, texts, budget=CLASSIFIER_BUDGET)}
+
+
+def test_with_activation_checkpointing_the_probe_finds_what_fits_and_more_than_without(
+        classifier_probes):
     # PyTorch's ModuleTracker kept every recomputed activation alive through its gradient hooks
     # (NOTE [ Module tracking under activation checkpointing ]): the probe found half the batch
     # that fits, fewer than without checkpointing
-    budget = 32 * 2**20
-    plain = bw.find_batch(classifier(), texts, budget=budget)
-    model = classifier()
-    model.gradient_checkpointing_enable()
-    report = bw.find_batch(model, texts, budget=budget)
+    budget = CLASSIFIER_BUDGET
+    plain = classifier_probes["what_if"]  # the plain model's probe (the what-ifs beside it)
+    model = classifier_probes["checkpointed"]
+    report = classifier_probes["checkpointed_report"]
     assert report.max_batch_size > 1.4 * plain.max_batch_size
     assert fits_oracle(model, texts, report.max_batch_size, budget)
     assert not fits_oracle(model, texts, report.max_batch_size + 1, budget)
@@ -377,22 +393,21 @@ class Blocks(nn.Module):
 
 
 @pytest.mark.slow
-def test_the_checkpoint_every_block_what_if_is_measured_as_checkpointed_models_run():
+def test_the_checkpoint_every_block_what_if_is_measured_as_checkpointed_models_run(
+        classifier_probes):
     # a Hugging Face model by its own gradient_checkpointing_enable(); a plain one by each
     # block's forward through torch.utils.checkpoint; the user's model is left as it was
     def vectors(batch_size: int):
         return torch.randn(batch_size, 32), torch.randint(0, 4, (batch_size,))
 
-    budget = 32 * 2**20
-    model = classifier()
-    rows = {row.name: row for row in bw.find_batch(model, texts, budget=budget,
-                                                   what_if=True).what_if}
+    model = classifier_probes["plain"]
+    rows = {row.name: row for row in classifier_probes["what_if"].what_if}
     row = rows["checkpoint every block (2 BertLayer)"]
     assert row.measured
     assert not model.is_gradient_checkpointing
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    model.gradient_checkpointing_enable()
-    assert row.max_batch_size == bw.find_batch(model, texts, budget=budget).max_batch_size
+    # the same model (classifier() is seeded) checkpointed by the user, probed alone
+    assert row.max_batch_size == classifier_probes["checkpointed_report"].max_batch_size
 
     budget = 4 * 2**20
     plain = Blocks()
