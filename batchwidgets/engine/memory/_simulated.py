@@ -1,7 +1,8 @@
-"""A simulated CUDA device over CPU tensors, for testing the CUDA search without a GPU: every
-new tensor storage goes through a model of the caching allocator, with cuBLAS- and cuDNN-like
-workspaces, and ``torch.OutOfMemoryError`` is raised at the op that passes the cap. And the
-workspaces of a target GPU (``target_workspaces``); the GPUs themselves are in ``_targets.py``.
+"""A simulated CUDA device over CPU tensors, for testing the CUDA search without a GPU and for
+planning a GPU that is not here: every new tensor storage goes through a model of the caching
+allocator, with cuBLAS- and cuDNN-like workspaces, and ``torch.OutOfMemoryError`` is raised at
+the op that passes the cap. One object, one module: the device, the meters over it, and which
+meter a probe reads (``probe_meter``, ``seed_meter``).
 
 Usage:
     >>> import torch
