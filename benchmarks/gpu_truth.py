@@ -230,9 +230,10 @@ MODELS = (
           describe="the same with gradient_checkpointing_enable()"),
 )
 BY_NAME = {model.name: model for model in MODELS}
-# the dry run's models: a convolution, SDPA in fp32, a language model in both loops, bf16 with
-# activation checkpointing (every path of the sections, in the time a test may take)
-DRY_MODELS = ("wide CNN", "encoder", "GPT-2 small", "Llama 125M bf16, checkpointed")
+# the dry run's models: a convolution, SDPA in fp32, a language model in both loops in bf16 with
+# activation checkpointing (every path of the sections, in the time a test may take; GPT-2's
+# paths, a Hugging Face language model's dict batches and two loops, are the Llama's)
+DRY_MODELS = ("wide CNN", "encoder", "Llama 125M bf16, checkpointed")
 
 
 def models(dry: bool, chosen: set[str] | None = None) -> list[Model]:
@@ -1209,7 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Log(args.out, device, args)
     log.models = set(chosen)
     pool = concurrent.futures.ProcessPoolExecutor(
-        max_workers=2 if args.dry_run else 4, mp_context=multiprocessing.get_context("spawn"))
+        max_workers=1 if args.dry_run else 4, mp_context=multiprocessing.get_context("spawn"))
     plans = start_plans(device, caps, pool, log.models) if "plans" in args.only else []
 
     def run(section: str, work: Callable[[float], None]) -> None:

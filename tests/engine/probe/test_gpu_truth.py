@@ -4,16 +4,21 @@ replayed: every plan the CPU makes today for a GPU capped as a recorded run was 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from _paths import ROOT
 
 import batchwidgets as bw
+from batchwidgets.engine.probe import _find_batch
 
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -70,18 +75,63 @@ def _truth_cases() -> list:
                                       record["boundary"],
                                       id=f"{path.stem}-{record['model']}-{record['cap']}-{loop}",
                                       marks=marks))
-    return cases
+    # a model's loops and caps side by side: each (model, GPU, loop) is traced once, then
+    # planned under each cap (see warmed_once)
+    order = {key: n for n, key in enumerate(dict.fromkeys(c.values[:2] + c.values[3:4]
+                                                          for c in cases))}
+    return sorted(cases, key=lambda c: order[c.values[:2] + c.values[3:4]])
+
+
+# NOTE [ One trace per model and loop ]
+# A plan is a function of the step's traces (probe/_find_batch.py: traced_for_plan -> plan), and
+# the traces of one model in one loop for one GPU do not depend on the cap (the trials run on
+# fake tensors on the CPU; the cap is the memory the replay plans under). So each (model, GPU,
+# loop) is traced once and find_batch plans it under each cap: the same call, the same pipeline
+# and report, half the traces of full-size models on the CPU.
+@pytest.fixture(scope="module")
+def last() -> Iterator[dict]:
+    """The last model warmed and its last traces, let go when the module's tests end."""
+    held: dict = {}
+    yield held
+    held.clear()
+
+
+@pytest.fixture
+def warmed_once(monkeypatch, last):
+    """``gpu_truth.warmed(spec)`` made once for a model's cases in a row, and find_batch's
+    traces of it made once for each loop (NOTE [ One trace per model and loop ])."""
+    traced_for_plan = _find_batch.traced_for_plan
+
+    def once(setup):
+        key = (id(setup.model), setup.target[0], setup.keep_output)
+        if last.get("traced", (None,))[0] != key:
+            last["traced"] = (key, *traced_for_plan(setup))
+        _, traced_setup, traced = last["traced"]
+        assert traced_setup.model is setup.model
+        assert traced_setup.optimizer is setup.optimizer
+        return dataclasses.replace(traced_setup, request=setup.request,
+                                   target=setup.target), traced
+
+    monkeypatch.setattr(_find_batch, "traced_for_plan", once)
+
+    def warmed(name: str) -> tuple:
+        if last.get("warmed", (None,))[0] != name:
+            last.clear()  # the last model and its traces go before the next is built
+            last["warmed"] = (name, *gpu_truth.warmed(gpu_truth.BY_NAME[name]))
+        return last["warmed"][1:]
+
+    return warmed
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "gpu", "cap", "loop", "truth"), _truth_cases())
 def test_a_plan_lies_within_3_percent_below_the_recorded_gpu_boundary(name, gpu, cap, loop,
-                                                                       truth):
+                                                                       truth, warmed_once):
     spec = gpu_truth.BY_NAME[name]
-    model, optimizer = gpu_truth.warmed(spec)
+    model, optimizer = warmed_once(name)
     report = bw.find_batch(model, lambda n: spec.batch(n, False, "cpu"), loss_fn=spec.loss_fn,
                            optimizer=optimizer, target=f"{gpu}@{cap}",
-                           keep_output=loop == "keeps output")
+                           keep_output=loop == "keeps output", cache=False)
     planned = report.max_batch_size
     assert planned <= truth, f"plan {planned} above the real boundary {truth}"
     assert planned >= truth - max(1, BAND * truth), f"plan {planned} too far below {truth}"
@@ -97,13 +147,22 @@ def test_the_truths_are_recorded_with_their_device_and_every_record_names_model_
                                                    "errors") for r in data["records"])
 
 
-@pytest.mark.slow
-def test_the_dry_run_writes_every_section_on_the_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> Path:
+    """One dry run of every section, the planned snapshot's too: the folder it wrote."""
+    out = tmp_path_factory.mktemp("gpu_truth")
     done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_truth.py"), "--dry-run",
-                           "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+                           "--only", ",".join((*gpu_truth.SECTIONS, "snapshots")),
+                           "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT,
+                          env={**os.environ, "BATCHWIDGETS_CACHE_DIR": str(out / "cache")})
     assert done.returncode == 0, done.stderr[-3000:]
-    data = json.loads((tmp_path / "gpu_truth_dry_run.json").read_text())
+    return out
+
+
+@pytest.mark.slow
+def test_the_dry_run_writes_every_section_on_the_cpu(dry_run):
+    data = json.loads((dry_run / "gpu_truth_dry_run.json").read_text())
     sections = {r["section"] for r in data["records"]}
     assert sections >= set(gpu_truth.SECTIONS), sections
     errors = [r for r in data["records"] if "error" in r or r["section"] == "errors"]
@@ -116,7 +175,7 @@ def test_the_dry_run_writes_every_section_on_the_cpu(tmp_path):
     # boundary for that loop
     for r in bounds:
         assert plans[(r["model"], r["cap"], r["loop"])] == r["boundary"], r
-    assert (tmp_path / "gpu_truth_dry_run.md").read_text().startswith("# GPU truth")
+    assert (dry_run / "gpu_truth_dry_run.md").read_text().startswith("# GPU truth")
     # a one-rank DDP and FSDP2 job whose device runs out mid-backward trains afterwards exactly
     # as one that never met find_batch, and the answer is the device's edge
     forced = [r for r in data["records"] if r["model"] == gpu_truth.FORCED]
@@ -136,16 +195,12 @@ def test_a_capped_gpu_target_takes_that_gpus_rules_and_the_cap():
         bw.find_batch(model, x, optimizer=optimizer, target="T4@40GiB")
 
 
-def test_the_dry_run_writes_the_planned_snapshot_beside_its_record(tmp_path):
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_truth.py"), "--dry-run",
-                           "--only", "snapshots", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    data = json.loads((tmp_path / "gpu_truth_dry_run.json").read_text())
+def test_the_dry_run_writes_the_planned_snapshot_beside_its_record(dry_run):
+    data = json.loads((dry_run / "gpu_truth_dry_run.json").read_text())
     (record,) = [r for r in data["records"] if r["section"] == "snapshots"]
     assert record["model"] == "wide CNN"
     assert record["batch_size"] > 0
-    with open(tmp_path / "gpu_truth_dry_run_planned_step.pickle", "rb") as file:
+    with open(dry_run / "gpu_truth_dry_run_planned_step.pickle", "rb") as file:
         snapshot = pickle.load(file)
     assert sum(s["total_size"] for s in snapshot["segments"]) == record[
         "planned_reserved_at_peak"]
