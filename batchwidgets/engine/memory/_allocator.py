@@ -107,6 +107,12 @@ class CachingAllocatorModel:
         self._next_address = 0
 
     # -- public API --------------------------------------------------------------------------
+    def layout(self) -> tuple:
+        """The reserved bytes and every free block: a step that starts from an equal layout
+        runs alike (NOTE [ A size holds when the allocator's layout repeats ] in
+        probe/_trials.py)."""
+        return self.reserved_bytes, tuple(self._pools[True]), tuple(self._pools[False])
+
     def malloc(self, nbytes: int) -> _Block | None:
         """Allocate ``nbytes``; the handle goes to ``free``. ``None`` for 0 bytes."""
         if nbytes <= 0:

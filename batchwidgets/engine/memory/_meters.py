@@ -366,6 +366,9 @@ class TensorMeter(_TracedSteps):
     def live_bytes(self) -> int:
         return self._tracker.live_bytes
 
+    def layout(self) -> tuple | None:
+        return None  # no caching allocator: nothing laid out that a next step could meet
+
     @contextmanager
     def measure(self, tracked: Callable[[], list], trace: bool = True) -> Iterator[Reading]:
         """``tracked()`` lists the tensors alive before the step (weights, gradients, optimizer
@@ -391,6 +394,10 @@ class TensorMeter(_TracedSteps):
 
 # See NOTE [ A real CUDA OOM inside a job ] in _tracker.py (not run on a GPU yet).
 JOB_TENSOR_FRACTION = 0.85
+
+
+_LAYOUT_STATS = ("reserved_bytes", "allocated_bytes", "segment", "inactive_split",
+                 "inactive_split_bytes")
 
 
 class CudaMeter(_TracedSteps):
@@ -453,6 +460,13 @@ class CudaMeter(_TracedSteps):
 
     def live_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device)
+
+    def layout(self) -> tuple | None:
+        """The caching allocator's layout as its counters say it: reserved and allocated bytes,
+        segments and the free splits inside them (memory_snapshot would say each block, at a
+        cost per call that grows with them)."""
+        stats = torch.cuda.memory_stats(self.device)
+        return tuple(stats.get(f"{key}.all.current") for key in _LAYOUT_STATS)
 
     @contextmanager
     def measure(self, tracked: Callable[[], list], trace: bool = False) -> Iterator[Reading]:

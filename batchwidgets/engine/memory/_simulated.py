@@ -346,6 +346,9 @@ class ProbeMeter(_TracedSteps, SimulatedCudaMeter):
     def live_bytes(self) -> int:
         return self.allocator.allocated_bytes
 
+    def layout(self) -> tuple | None:
+        return self.allocator.layout()
+
     @contextmanager
     def measure(self, tracked: Callable[[], list], trace: bool = True) -> Iterator[Reading]:
         del trace  # always: the tracker runs on the CPU anyway

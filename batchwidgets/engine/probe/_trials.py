@@ -3,6 +3,7 @@ own), the state each trial starts from, and one size's steps measured (``Trainer
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -92,6 +93,22 @@ def held_outside_ops(owner: torch.nn.Module | None) -> int:
 # step whose optimizer state exists already) would only repeat itself: the trial stops after it.
 # So each size costs one step, or two where the second can differ, up to ``steps_per_trial``.
 
+# NOTE [ A size holds when the allocator's layout repeats ]
+# On a caching allocator (CUDA, and the simulated device) a step can fit where a later one does not:
+# it starts where the last left the segments, split and partly filled, and may need a new segment
+# there (NOTE [ The allocator's steady state ] in memory/_allocator.py, which plans replay). On the
+# H200 the probe answered 644 for a wide CNN whose boundary a longer run keeps at 641, and 1,297 for
+# 1,281 (benchmarks/results/gpu_truth_h200.md): two steps fitted, a later one did not. So a real
+# trial on such a device also goes on, past ``steps_per_trial`` and up to memory.STEADY_STEPS steps
+# in all (as many as a plan's replay runs), until a step leaves the allocator's layout as one of the
+# trial's steps found it (``meter.layout()``: the free blocks; on CUDA the counters of reserved,
+# allocated, segments and free splits): from there the steps repeat, the loop's steady state (a loop
+# whose batch and loss live across steps can alternate between two layouts; the simulated device's
+# small pool does), and every state of it has fitted. A layout that repeats after the first step
+# costs no step more; a step that left live memory and the layout as it found them ends the trial
+# (above). Not for fake trials (a plan replays its steady step), nor inside a job, whose ranks must
+# take the same number of steps.
+
 
 class Marks:
     """Files the step's storages for the memory split (NOTE [ Where the memory goes ] in
@@ -143,9 +160,15 @@ class Trainer:
     def _steps(self, batch_size: int, in_job: bool) -> float | None:
         """The trial's steps; the loop's variables let go at its end (``release``)."""
         seconds = None
+        steady = not (self.fake or in_job)  # NOTE [ A size holds when the allocator's layout
+        # repeats ]
+        layouts: set[tuple] = set()  # where the trial's steps started
         try:
-            for _ in range(self.steps_per_trial):
+            for done in itertools.count(1):
                 before = self.meter.live_bytes()
+                layout = self.meter.layout() if steady else None
+                if layout is not None:
+                    layouts.add(layout)
                 self.meter.start_step()
                 self.meter.synchronize()
                 started = time.perf_counter()
@@ -162,8 +185,12 @@ class Trainer:
                 if in_job:
                     end_of_step()
                 self.marks.after_step(self.meter)
-                if self.meter.live_bytes() == before and not in_job:
+                settled = layout is None or self.meter.layout() in layouts
+                if self.meter.live_bytes() == before and not in_job and settled:
                     break  # see NOTE [ A second step only when the first left state behind ]
+                if done >= (self.steps_per_trial if settled
+                            else max(memory.STEADY_STEPS, self.steps_per_trial)):
+                    break
         finally:
             release = getattr(self.step, "release", None)
             if release is not None:  # NOTE [ The loop the step models ]: inside the meter
