@@ -10,8 +10,9 @@ from batchwidgets.engine.memory._simulated import ProbeMeter
 from batchwidgets.results import CriticalBatchReport
 
 
-def fits_on_a_fresh_device(build, make_batch, batch_size: int, budget: int) -> bool:
-    """The oracle: a fresh simulated device, warmed up as the probe's is, two Adam steps."""
+def fits_on_a_fresh_device(build, make_batch, batch_size: int, budget: int,
+                           steps: int = 2) -> bool:
+    """The oracle: a fresh simulated device, warmed up as the probe's is, ``steps`` Adam steps."""
     torch.manual_seed(0)
     model = build()
     optimizer = torch.optim.Adam(model.parameters())
@@ -20,7 +21,7 @@ def fits_on_a_fresh_device(build, make_batch, batch_size: int, budget: int) -> b
     model.train()
     try:
         with meter.measure(lambda: [*model.parameters(), *model.buffers()]):
-            for _ in range(2):
+            for _ in range(steps):
                 x, y = make_batch(batch_size)
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _oracles import fits_on_a_fresh_device
 from torch import nn
 from torch.nn import functional as F
 
 import batchwidgets as bw
 from batchwidgets.engine.memory import STEADY_STEPS
-from batchwidgets.engine.memory._simulated import ProbeMeter, simulated_cuda
+from batchwidgets.engine.memory._simulated import simulated_cuda
 
 BUDGET = 64 * 2**20
 PER_SAMPLE = 1024  # bytes a sample the layer holds through backward, times its step (to 3)
@@ -56,20 +57,7 @@ def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fits(batch_size: int, steps: int) -> bool:
     """The oracle: ``steps`` steps of the loop on a fresh simulated device, as the probe's."""
-    model = build()
-    optimizer = torch.optim.Adam(model.parameters())
-    meter = ProbeMeter("cpu", BUDGET)
-    meter.warm_up()
-    try:
-        with meter.measure(lambda: [*model.parameters(), *model.buffers()]):
-            for _ in range(steps):
-                x, y = make_batch(batch_size)
-                F.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-    except torch.OutOfMemoryError:
-        return False
-    return True
+    return fits_on_a_fresh_device(build, make_batch, batch_size, BUDGET, steps=steps)
 
 
 @pytest.fixture(scope="module")
