@@ -25,12 +25,6 @@ def pytest_configure(config):
     folder = tempfile.mkdtemp(prefix="batchwidgets-cache-")
     os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
     config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
-    # each kernel takes its worker's share of the cores for torch's threads (unless told): with
-    # -n 2 on 2 cores, two kernels of a thread per core each spin against each other, and a
-    # tutorial's cells run 2-3 times slower than on one thread each
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // workers)))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,5 +1,5 @@
-"""Shared test setup: the ``gpu`` marker, a fresh cache directory for every test, each worker's
-share of the cores, and a guard failing tests that leak global torch state."""
+"""Shared test setup: the ``gpu`` marker, a fresh cache directory for every test, and a guard
+failing tests that leak global torch state."""
 
 from __future__ import annotations
 
@@ -29,21 +29,6 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
     config.stash[SESSION_CACHE] = folder
     config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
-    _share_the_cores()
-
-
-def _share_the_cores() -> None:
-    """Each xdist worker's torch, and every process it starts, takes the worker's share of the
-    cores (unless OMP_NUM_THREADS says otherwise): under -n 2 on 2 cores, two workers of two
-    intra-op threads each spin against each other (notebooks/conftest.py does the same for the
-    tutorials' kernels, which ran 2-3 times slower)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = max(1, (cores or 1) // workers)
-    os.environ["OMP_NUM_THREADS"] = str(share)
-    torch.set_num_threads(min(torch.get_num_threads(), share))
 
 
 @pytest.fixture
