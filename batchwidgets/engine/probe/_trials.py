@@ -163,10 +163,10 @@ class Trainer:
         steady = not (self.fake or in_job)  # NOTE [ A size holds when the allocator's layout
         # repeats ]
         layouts: set[tuple] = set()  # where the trial's steps started
+        layout = self.meter.layout() if steady else None  # where the next step starts
         try:
             for done in itertools.count(1):
                 before = self.meter.live_bytes()
-                layout = self.meter.layout() if steady else None
                 if layout is not None:
                     layouts.add(layout)
                 self.meter.start_step()
@@ -185,7 +185,8 @@ class Trainer:
                 if in_job:
                     end_of_step()
                 self.marks.after_step(self.meter)
-                settled = layout is None or self.meter.layout() in layouts
+                layout = self.meter.layout() if steady else None
+                settled = layout is None or layout in layouts
                 if self.meter.live_bytes() == before and not in_job and settled:
                     break  # see NOTE [ A second step only when the first left state behind ]
                 if done >= (self.steps_per_trial if settled
