@@ -29,6 +29,24 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
     config.stash[SESSION_CACHE] = folder
     config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """Each worker of ``-n N`` (and what it starts: the tutorials' kernels, scripts, ranks,
+    servers) gives torch its share of the cores, unless OMP_NUM_THREADS was set for the run.
+    Two workers of a thread per core each spin against each other on 2 cores: tutorials 01 and
+    06 with the peak-model and fake-trace tests took 443 s with torch's default and 342 s with
+    a thread each. Only a worker knows the count (PYTEST_XDIST_WORKER_COUNT); the controller
+    runs no test. Every worker collects tests/ before it runs anything, so the notebooks'
+    kernels, started later, inherit the share."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
 
 
 @pytest.fixture
