@@ -85,7 +85,7 @@ def planned(report: BatchSizeReport, traced: Traced, name: str, usable_bytes: in
     (small, b_small), (large, b_large) = pair
     predict = functools.partial(memory.largest_batch_size, multiple_of=report.multiple_of,
                                 ceiling=traced.ceiling, preallocated=large.preallocated)
-    low = predict(small.events, b_small, large.events, b_large, usable_bytes)
+    low = first = predict(small.events, b_small, large.events, b_large, usable_bytes)
     needs = _needs(pair, low, report.multiple_of)
     for _ in range(4):  # NOTE [ The answer under the curve ]
         over = next((size for size, need in needs if size <= low and need > usable_bytes), None)
@@ -95,7 +95,9 @@ def planned(report: BatchSizeReport, traced: Traced, name: str, usable_bytes: in
                       ceiling=max(0, over - 1))
         needs = _needs(pair, low, report.multiple_of)
     tensors_only = [[e for e in t.events if e[0] != "workspace"] for t in (small, large)]
-    high = predict(tensors_only[0], b_small, tensors_only[1], b_large, usable_bytes)
+    same = [len(t) for t in tensors_only] == [len(small.events), len(large.events)]
+    high = (first if same  # no workspace to leave out: the first search's own replays
+            else predict(tensors_only[0], b_small, tensors_only[1], b_large, usable_bytes))
     return dataclasses.replace(
         report, step_snapshot=_snapshot(pair, max(low, 1), name, usable_bytes, True),
         max_batch_size=low, first_oom_batch_size=None, limit_bytes=usable_bytes,
