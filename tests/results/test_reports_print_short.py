@@ -4,21 +4,18 @@ holds, the repr is the dataclass's own form with long parts elided (as numpy and
 and the data stays whole in the fields and in dataclasses.asdict. The walk covers every
 dataclass the results package and the public API export, each made by the engine that makes it
 (find_batch, a plan, fit_trainer, Lightning's BatchSizeCallback, critical_batch, measure_noise,
-NoiseTracker, accumulate, tune_loader, the live loader), then filled with large contents."""
+NoiseTracker, accumulate, tune_loader, the live loader: most of them the gallery of
+tests/results/conftest.py), then filled with large contents."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-import torch
 from IPython.core.formatters import PlainTextFormatter
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import batchwidgets as bw
 from batchwidgets import results
-from batchwidgets.datasets import SlowDataset
 
 LIMIT = 1500
 MANY = 2000
@@ -33,15 +30,6 @@ def public_types() -> set[type]:
         if isinstance(value, type) and dataclasses.is_dataclass(value):
             found.add(value)
     return found
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-
-
-def features(n):
-    return torch.randn(n, 16), torch.randint(0, 4, (n,))
 
 
 def large(report):
@@ -89,57 +77,27 @@ def nested(obj, seen=None):
 
 
 @pytest.fixture(scope="module")
-def made() -> dict[str, object]:
-    cross_entropy = nn.functional.cross_entropy
-    probe = bw.find_batch(mlp(), features, loss_fn=cross_entropy, budget="2MiB", device="cpu",
-                          cache=False)
+def made(gallery) -> dict[str, object]:
+    """The gallery's reports (tests/results/conftest.py), each made by the engine, with the parts
+    a short run leaves empty filled in."""
+    reports, _ = gallery
+    probe = reports["find_batch"]
     assert probe.what_if  # the per-op model's rows
-    reports: dict[str, object] = {
+    made: dict[str, object] = {
+        **reports,
         "find_batch": dataclasses.replace(probe, remembered=results.Remembered(
             "2026-11-28T18:00:00+00:00", "a-host", "/home/user/.cache/batchwidgets/x.json")),
-        "plan ranks": bw.find_batch(mlp(), features, loss_fn=cross_entropy, target="2xT4",
-                                    parallel="compare", cache=False),
     }
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 16, generator=generator)
-    data = TensorDataset(x, (x[:, 0] > 0).long() * 3)
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    reports["measure_noise"] = bw.measure_noise(model, data, cross_entropy,
-                                                batch_sizes=(1, 8, 32))
-    reports["critical_batch"] = bw.critical_batch(model, data, optimizer=optimizer,
-                                                  loss_fn=cross_entropy, base_batch_size=8)
-    tracker = bw.NoiseTracker(ema=0.95, overhead_target=None, max_batch_size=256)
-    loader = DataLoader(data, batch_size=16, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(0))
-    with bw.accumulate(optimizer, steps="auto", model=model, noise=tracker) as acc:
-        for _ in range(3):
-            for inputs, targets in loader:
-                cross_entropy(model(inputs), targets).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-    changed = acc.report.schedule_changes or (results.ScheduleChange(
+    accumulated = reports["accumulate auto"]
+    changed = accumulated.schedule_changes or (results.ScheduleChange(
         update=3, steps_before=2, steps_after=4, batch_size=64, b_simple=70.0,
         b_simple_error=5.0, lr_factor=1.5),)  # when the short loop changed nothing
-    reports["accumulate"] = dataclasses.replace(acc.report, schedule_changes=changed)
-    reports["schedule"] = tracker.report.schedule
-    reports["NoiseTracker"] = dataclasses.replace(tracker.report,
-                                                  critical=reports["critical_batch"])
-    slow = SlowDataset(64, shape=(3, 8, 8), work_ms=0.0)
-    reports["tune_loader"] = bw.tune_loader(slow, "cpu", batch_size=16, max_workers=0,
-                                            duration_s=0.05, step=lambda batch: batch[0].sum())
-    live = bw.live_loader(slow, batch_size=8)
-    for i, _ in enumerate(live):
-        if i == 2:
-            live.set(num_workers=1)
-        if i == 6:
-            break
-    reports["live_loader"] = live.report
-    per_device = reports["find_batch"].recommended_batch_size
+    made["accumulate auto"] = dataclasses.replace(accumulated, schedule_changes=changed)
+    per_device = probe.recommended_batch_size
     split = bw.split_batch(4 * per_device, per_device)
-    reports["split"] = results.BatchSplitReport(4 * per_device, 1, split[0], split[1],
-                                                per_device, reports["find_batch"])
-    return reports
+    made["split"] = results.BatchSplitReport(4 * per_device, 1, split[0], split[1],
+                                             per_device, made["find_batch"])
+    return made
 
 
 def check_short(obj) -> list[str]:
