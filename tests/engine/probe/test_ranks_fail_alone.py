@@ -21,7 +21,7 @@ import batchwidgets
 
 EDGE = 12
 WORKER = textwrap.dedent("""
-    import dataclasses, datetime, json, sys
+    import dataclasses, datetime, gc, json, sys
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -39,6 +39,9 @@ WORKER = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (world,))
+    # what the imports made lives as long as the rank: out of the collections find_batch runs
+    # after each out-of-memory (a quarter second each over torch's objects, on 1 thread)
+    gc.freeze()
     results = {}
 
     def build(kind, where):
