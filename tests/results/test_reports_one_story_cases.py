@@ -200,10 +200,17 @@ def images(batch_size):
     return torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,))
 
 
-def test_traced_row_names_the_fake_sizes_the_search_began_with():
+@pytest.fixture(scope="module")
+def probed():
+    """The small CNN probed once for the tests that read its report (nothing remembered: its
+    attempts are its own)."""
+    return bw.find_batch(small_cnn(), images, loss_fn=nn.functional.cross_entropy,
+                         budget="8MiB", device="cpu", cache=False)
+
+
+def test_traced_row_names_the_fake_sizes_the_search_began_with(probed):
     """"traced: real steps" stood beside "Traced first on fake tensors (sizes 2, 4, 569)"."""
-    report = bw.find_batch(small_cnn(), images, loss_fn=nn.functional.cross_entropy,
-                           budget="8MiB", device="cpu")
+    report = probed
     fake = [a.batch_size for a in report.attempts if a.fake]
     real = [a.batch_size for a in report.attempts if not a.fake]
     assert fake
@@ -213,7 +220,7 @@ def test_traced_row_names_the_fake_sizes_the_search_began_with():
     assert f"fake tensors at sizes {', '.join(map(str, fake))}" in traced
 
 
-def test_batches_from_says_what_the_batches_were_built_from():
+def test_batches_from_says_what_the_batches_were_built_from(probed):
     """"64 samples of one size (all samples read)" for a 2,048-sample data set; "-" for a
     make_batch callable (the demo)."""
     x, y = images(2048)
@@ -221,9 +228,7 @@ def test_batches_from_says_what_the_batches_were_built_from():
                            budget="8MiB", device="cpu")
     assert report.worst_case == ("64 of the 2,048 samples, in turn (all 2,048 samples read, all "
                                  "of one size)")
-    called = bw.find_batch(small_cnn(), images, loss_fn=nn.functional.cross_entropy,
-                           budget="8MiB", device="cpu")
-    assert dict(called.rows())["batches from"] == "images(batch_size), called at each size tried"
+    assert dict(probed.rows())["batches from"] == "images(batch_size), called at each size tried"
     one = bw.find_batch(small_cnn(), x[0], loss_fn=lambda out: out.square().mean(),
                         budget="8MiB", device="cpu")
     assert one.worst_case == "one example tensor of shape (3, 8, 8), repeated"
@@ -272,11 +277,10 @@ def test_a_target_plan_has_the_per_op_models_rows_without_what_if():
 
 # ---- the static text ---------------------------------------------------------------------------
 
-def test_the_text_form_is_the_answer_and_the_summary_and_repr_keeps_every_field():
+def test_the_text_form_is_the_answer_and_the_summary_and_repr_keeps_every_field(probed):
     """text/plain was the whole dataclass repr (9,679 characters for a small probe)."""
     pretty = pytest.importorskip("IPython.lib.pretty")
-    report = bw.find_batch(small_cnn(), images, loss_fn=nn.functional.cross_entropy,
-                           budget="8MiB", device="cpu")
+    report = probed
     text = pretty.pretty(report)
     assert len(text) <= 1500
     assert text == str(report)
