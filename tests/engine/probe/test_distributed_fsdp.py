@@ -1,7 +1,8 @@
 """find_batch inside every rank of a real job: FSDP2 (``fully_shard``) and DDP over gloo on the
 CPU, 2 processes started once for all the checks. One answer on every rank (budgets and data
 uneven between ranks), every rank's shards, optimizer state and RNG bit-identical afterwards,
-the per-rank peak against PyTorch's FSDPMemTracker, and an error on one rank raised on all."""
+the per-rank peak against PyTorch's FSDPMemTracker, and an error on one rank raised on all;
+then, in the same processes, the checks that break their group."""
 
 from __future__ import annotations
 
@@ -17,18 +18,22 @@ import pytest
 import batchwidgets
 
 WORKER = textwrap.dedent("""
-    import dataclasses, json, sys
+    import dataclasses, datetime, gc, json, os, sys
     import torch
     import torch.distributed as dist
+    import transformers
     from torch import nn
     import batchwidgets as bw
 
-    rank, init_file, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rank, init_file, out, broken_out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     mesh = init_device_mesh("cpu", (2,))
+    # what the imports made lives as long as the rank: out of the collections find_batch runs
+    # after each out-of-memory (a quarter second each over torch's and transformers' objects)
+    gc.freeze()
     KIB = 2**10
     results = {}
 
@@ -134,7 +139,6 @@ WORKER = textwrap.dedent("""
     results["stopped"] = dataclasses.asdict(report)
 
     # a Hugging Face GPT-2 from a config, each block a unit, rank 1's texts twice as long
-    import transformers
     transformers.logging.set_verbosity_error()
     for name, lengths in (("gpt2_uneven", (32, 64)), ("gpt2_long", (64, 64))):
         torch.manual_seed(0)
@@ -259,33 +263,21 @@ WORKER = textwrap.dedent("""
     dist.destroy_process_group()
     with open(out, "w") as f:
         json.dump(results, f)
-""")
 
-
-# Wrong uses, then an error inside the step on one rank while the other waits in an FSDP2
-# all-gather: the group's timeout is 3 s, and the group is broken afterwards (so the workers
-# leave with os._exit, as a gloo group that timed out may abort its process at teardown).
-BROKEN_WORKER = textwrap.dedent("""
-    import datetime, json, os, sys
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    import batchwidgets as bw
-
-    rank, init_file, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    # Wrong uses, then an error inside the step on one rank while the other waits in an FSDP2
+    # all-gather: the group's timeout is 3 s, and the group is broken afterwards (so the workers
+    # leave with os._exit, as a gloo group that timed out may abort its process at teardown).
     timeout = datetime.timedelta(seconds=3)
     dist.init_process_group("gloo", init_method="file://" + init_file + "a", rank=rank,
                             world_size=2, timeout=timeout)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    results = {}
+    broken = {}
 
     def raised(name, call):
         try:
             call()
-            results[name] = None
+            broken[name] = None
         except Exception as error:
-            results[name] = {"raised": type(error).__name__, "message": str(error)}
+            broken[name] = {"raised": type(error).__name__, "message": str(error)}
 
     class Picky(nn.Module):  # rank 1's data breaks it past 4 samples, inside the forward
         def forward(self, x):
@@ -293,7 +285,7 @@ BROKEN_WORKER = textwrap.dedent("""
                 raise IndexError(f"rank 1 cannot take {len(x)} samples")
             return x
 
-    def model():
+    def picky():
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(8, 16), Picky(), nn.Linear(16, 4))
         mesh = init_device_mesh("cpu", (2,))
@@ -301,40 +293,41 @@ BROKEN_WORKER = textwrap.dedent("""
             fully_shard(module, mesh=mesh)
         return net
 
-    def make_batch(n):
+    def small_batch(n):
         return torch.randn(n, 8), torch.randint(0, 4, (n,))
 
-    net = model()
+    net = picky()
     loss_fn = nn.functional.cross_entropy
     dist.destroy_process_group()
-    raised("no_group", lambda: bw.find_batch(net, make_batch, loss_fn=loss_fn))
+    raised("no_group", lambda: bw.find_batch(net, small_batch, loss_fn=loss_fn))
 
     dist.init_process_group("gloo", init_method="file://" + init_file + "b", rank=rank,
                             world_size=2, timeout=timeout)
-    net = model()
+    net = picky()
     optimizer = torch.optim.AdamW(net.parameters())
     before = [p.to_local().clone() for p in net.parameters()]
-    raised("in_step", lambda: bw.find_batch(net, make_batch, loss_fn=loss_fn,
+    raised("in_step", lambda: bw.find_batch(net, small_batch, loss_fn=loss_fn,
                                             optimizer=optimizer, budget="1MiB"))
-    results["restored"] = all(torch.equal(a, p.to_local()) for a, p in zip(
+    broken["restored"] = all(torch.equal(a, p.to_local()) for a, p in zip(
         before, net.parameters())) and not optimizer.state
-    with open(out, "w") as f:
-        json.dump(results, f)
+    with open(broken_out, "w") as f:
+        json.dump(broken, f)
     sys.stdout.flush()
     os._exit(0)
 """)
 
 
-def _run_job(tmp, worker: str) -> list[dict]:
-    """Both ranks' results of a 2-process gloo job running ``worker``."""
+def _run_job(tmp) -> tuple[list[dict], list[dict]]:
+    """Both ranks' results of the 2-process gloo job: those of the working group's checks, then
+    those of the checks that broke their group."""
     script = tmp / "worker.py"
-    script.write_text(worker)
-    outputs = [tmp / f"rank{rank}.json" for rank in range(2)]
+    script.write_text(WORKER)
+    outputs = [(tmp / f"rank{rank}.json", tmp / f"rank{rank}_broken.json") for rank in range(2)]
     root = str(Path(batchwidgets.__file__).parents[1])  # this checkout, not another install
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     workers = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp / "init"),
-                                 str(outputs[rank])], env=env, stdout=subprocess.PIPE,
+                                 *map(str, outputs[rank])], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for rank in range(2)]
     try:
         logs = [worker.communicate(timeout=240)[0] for worker in workers]
@@ -342,19 +335,25 @@ def _run_job(tmp, worker: str) -> list[dict]:
         for worker in workers:  # a hang fails the test and leaves no process behind
             worker.kill()
     assert [worker.returncode for worker in workers] == [0, 0], logs
-    return [json.loads(path.read_text()) for path in outputs]
+    return ([json.loads(working.read_text()) for working, _ in outputs],
+            [json.loads(broken.read_text()) for _, broken in outputs])
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> list[dict]:
-    """The job that runs the checks of a working group."""
-    return _run_job(tmp_path_factory.mktemp("fsdp_job"), WORKER)
+def jobs(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    return _run_job(tmp_path_factory.mktemp("fsdp_job"))
 
 
 @pytest.fixture(scope="module")
-def broken_job(tmp_path_factory) -> list[dict]:
-    """The job of wrong uses and of an error inside the step, which breaks its group."""
-    return _run_job(tmp_path_factory.mktemp("fsdp_broken_job"), BROKEN_WORKER)
+def job(jobs) -> list[dict]:
+    """The checks of a working group."""
+    return jobs[0]
+
+
+@pytest.fixture(scope="module")
+def broken_job(jobs) -> list[dict]:
+    """The wrong uses and the error inside the step, which breaks its group."""
+    return jobs[1]
 
 
 def _answers(job: list[dict], name: str) -> list[tuple]:
