@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -68,15 +69,16 @@ def test_split_batch_refuses_what_cannot_be_split(arguments, match):
 
 # -- Hugging Face Trainer -------------------------------------------------------------------------
 
-def start(kind: str, out: Path, cache: Path, *extra: str, torchrun: bool = False) -> list[dict]:
-    """``_tiny_lm.py`` in new processes (2 ranks under torchrun), sharing ``cache``; each
-    process's JSON line."""
+def start(kind: str, out: Path, cache: Path, *extra: str, torchrun: bool = False,
+          script: Path = TESTS / "_tiny_lm.py") -> list[dict]:
+    """``_tiny_lm.py`` (or ``script``) in new processes (2 ranks under torchrun), sharing
+    ``cache``; each process's JSON line."""
     env = {**os.environ, "BATCHWIDGETS_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}  # this checkout
     env.pop("PYTHONUNBUFFERED", None)  # fewer, larger writes; each rank's line is one write
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                  "--standalone"] if torchrun else [sys.executable])
-    done = subprocess.run([*launcher, str(TESTS / "_tiny_lm.py"), kind, str(out), *extra],
+    done = subprocess.run([*launcher, str(script), kind, str(out), *extra],
                           env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-6000:]}"
     return [json.loads(line.removeprefix(_tiny_lm.MARK)) for line in done.stdout.splitlines()
@@ -155,10 +157,26 @@ def test_fit_trainer_says_what_it_takes(tmp_path):
     assert trainer.args.per_device_train_batch_size == 64  # nothing was set
 
 
+# Every rank of a torchrun job: fit_trainer on a new trainer, then again on another, which finds
+# the first call's answer in the cache folder (a new process's second run is hf_runs'); one line
+# per rank, one write, as _tiny_lm.py's own
+TWICE = textwrap.dedent("""
+    import json, os, sys
+    import _tiny_lm
+
+    out = sys.argv[2]
+    found = {"first": _tiny_lm.run_hf(out, False), "second": _tiny_lm.run_hf(out, False)}
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"\\n{_tiny_lm.MARK}{json.dumps(found)}\\n".encode())
+""")
+
+
 @pytest.mark.slow
 def test_fit_trainer_gives_every_rank_of_a_torchrun_job_one_answer(tmp_path):
-    first = start("hf", tmp_path / "out", tmp_path / "cache", torchrun=True)
-    second = start("hf", tmp_path / "out", tmp_path / "cache", torchrun=True)
+    script = tmp_path / "twice.py"
+    script.write_text(TWICE)
+    ranks = start("hf", tmp_path / "out", tmp_path / "cache", torchrun=True, script=script)
+    first, second = [r["first"] for r in ranks], [r["second"] for r in ranks]
     assert len(first) == len(second) == 2
     numbers = {(r["per_device"], r["steps"], r["world_size"], r["global"]) for r in first}
     assert len(numbers) == 1  # one answer, all ranks
