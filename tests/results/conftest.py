@@ -1,7 +1,8 @@
 """The gallery: a report of every type, each made by the engine that makes it (on the CPU), built
-once per process (a session fixture: each xdist worker that runs one of its files builds it at
-most once) and read by test_report_consistency.py and test_reports_print_short.py. The reports
-are frozen dataclasses; a test that wants one changed makes a copy (dataclasses.replace)."""
+once per process (a session fixture) and read by test_report_consistency.py alone: under
+``--dist loadfile`` a file is one worker, and a second file reading it would build it again in
+the other worker. The reports are frozen dataclasses; a test that wants one changed makes a
+copy (dataclasses.replace)."""
 
 from __future__ import annotations
 

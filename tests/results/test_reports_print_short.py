@@ -4,8 +4,10 @@ holds, the repr is the dataclass's own form with long parts elided (as numpy and
 and the data stays whole in the fields and in dataclasses.asdict. The walk covers every
 dataclass the results package and the public API export, each made by the engine that makes it
 (find_batch, a plan, fit_trainer, Lightning's BatchSizeCallback, critical_batch, measure_noise,
-NoiseTracker, accumulate, tune_loader, the live loader: most of them the gallery of
-tests/results/conftest.py), then filled with large contents."""
+NoiseTracker, accumulate, tune_loader, the live loader), then filled with large contents.
+The walk over the gallery (tests/results/conftest.py) is in test_report_consistency.py, the
+gallery's other reader: under ``--dist loadfile`` one file is one worker, so the gallery is
+built once; fit_trainer's and the callback's reports are here."""
 
 from __future__ import annotations
 
@@ -76,30 +78,6 @@ def nested(obj, seen=None):
     return seen
 
 
-@pytest.fixture(scope="module")
-def made(gallery) -> dict[str, object]:
-    """The gallery's reports (tests/results/conftest.py), each made by the engine, with the parts
-    a short run leaves empty filled in."""
-    reports, _ = gallery
-    probe = reports["find_batch"]
-    assert probe.what_if  # the per-op model's rows
-    made: dict[str, object] = {
-        **reports,
-        "find_batch": dataclasses.replace(probe, remembered=results.Remembered(
-            "2026-11-28T18:00:00+00:00", "a-host", "/home/user/.cache/batchwidgets/x.json")),
-    }
-    accumulated = reports["accumulate auto"]
-    changed = accumulated.schedule_changes or (results.ScheduleChange(
-        update=3, steps_before=2, steps_after=4, batch_size=64, b_simple=70.0,
-        b_simple_error=5.0, lr_factor=1.5),)  # when the short loop changed nothing
-    made["accumulate auto"] = dataclasses.replace(accumulated, schedule_changes=changed)
-    per_device = probe.recommended_batch_size
-    split = bw.split_batch(4 * per_device, per_device)
-    made["split"] = results.BatchSplitReport(4 * per_device, 1, split[0], split[1],
-                                             per_device, made["find_batch"])
-    return made
-
-
 def check_short(obj) -> list[str]:
     said = {"str": str(obj), "repr": repr(obj), "text/plain": PlainTextFormatter()(obj)}
     if callable(getattr(obj, "summary", None)):
@@ -110,32 +88,6 @@ def check_short(obj) -> list[str]:
         wrong.append(f"{type(obj).__name__} repr is not the dataclass's form: "
                      f"{said['repr'][:80]}")
     return wrong
-
-
-def test_every_public_result_type_prints_short_whatever_it_holds(made):
-    walked: dict[type, list] = {}
-    for report in made.values():
-        for obj in nested(large(report)).values():
-            walked.setdefault(type(obj), []).append(obj)
-    missing = public_types() - set(walked)
-    assert not missing, f"no instance made of {sorted(t.__name__ for t in missing)}"
-    wrong = [problem for objects in walked.values() for obj in objects
-             for problem in check_short(obj)]
-    assert not wrong, "\n".join(wrong)
-
-
-def test_the_data_stays_whole_in_the_fields_and_asdict(made):
-    report = large(made["find_batch"])
-    assert len(report.attempts) > MANY
-    assert len(dataclasses.asdict(report)["attempts"]) == len(report.attempts)
-    timeline = report.memory_timeline
-    assert len(timeline.ops) > MANY
-    text = repr(timeline)
-    assert text.startswith("MemoryTimeline(batch_size=")
-    assert f"length {len(timeline.ops)}" in text  # elided, with its length, as pandas says it
-    assert ", ..., " in text
-    assert repr(timeline.ops[0]) in text
-    assert repr(timeline.ops[-1]) in text  # first few, ..., last few
 
 
 def test_fit_trainer_and_the_lightning_callback_reports_print_short(tmp_path, monkeypatch):
