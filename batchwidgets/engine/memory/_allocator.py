@@ -347,6 +347,9 @@ class _Replay:
                                  f"events[{index}]={(kind, key, nbytes)!r}.")
             self.actions.append(action)
         self.workspaces = any(action[0] == _WORKSPACE for action in self.actions)
+        # a later step: what the first did not make for it, each allocation its own (key < 0)
+        self.later = [(index, action, key, nbytes, key < 0) for index, (action, key, nbytes, kept)
+                      in enumerate(self.actions) if not kept]
 
     def run(self, cap_bytes: int | None, preallocated: Sequence[int | tuple[int, int]],
             workspace_fraction: float, steady: bool) -> ReplayResult:
@@ -360,21 +363,27 @@ class _Replay:
                 handle = malloc(nbytes)
                 if key is not None:
                     handles[key] = handle
-            layout = None
-            for step in range(STEADY_STEPS if steady else 1):
-                # a later step's own allocations have keys of their own: (step, key)
-                mine: dict[object, object] = handles if not step else {}
-                # ``index`` is the event that ran out, for the OOM below (hence the noqa)
-                for index, (action, key, nbytes, kept) in enumerate(self.actions):  # noqa: B007
-                    if step and kept:
-                        continue  # made by the first step, there for the others
-                    table = mine if (step and key < 0) else handles
+            # ``index`` is the event that ran out, for the OOM below (hence the noqa)
+            for index, (action, key, nbytes, _) in enumerate(self.actions):  # noqa: B007
+                if action == _FREE:
+                    free(handles.pop(key, None))  # a key the trace never made: nothing
+                elif action == _ALLOC:
+                    handles[key] = malloc(nbytes)
+                else:
+                    handles[key] = model.malloc_workspace(nbytes, workspace_fraction)
+            layout = (model.reserved_bytes, tuple(sorted(model._free)))
+            for _ in range(1, STEADY_STEPS if steady else 1):
+                # a later step's own allocations have keys of their own; what the first step
+                # made and kept is there for it (not in ``later``)
+                mine: dict[object, object] = {}
+                for index, action, key, nbytes, own in self.later:  # noqa: B007
+                    table = mine if own else handles
                     if action == _FREE:
-                        if key in table:
-                            free(table.pop(key))
+                        free(table.pop(key, None))
+                    elif action == _ALLOC:
+                        table[key] = malloc(nbytes)
                     else:
-                        table[key] = (malloc(nbytes) if action == _ALLOC else
-                                      model.malloc_workspace(nbytes, workspace_fraction))
+                        table[key] = model.malloc_workspace(nbytes, workspace_fraction)
                 now = (model.reserved_bytes, tuple(sorted(model._free)))
                 if now == layout:
                     break
@@ -413,8 +422,11 @@ def _top(events: Sequence[Event], preallocated: Sequence[int | tuple[int, int]],
     blocks, and the uncapped reserved peak of its tensors (a convolution's workspace takes what
     the free memory allows, so it grows with the capacity and never fails), raised by the grid
     until the whole step fits there."""
-    tensors = [e for e in events if e[0] != "workspace"]
-    uncapped = replay(tensors, None, preallocated=preallocated, steady=True)
+    if fits.step.workspaces:
+        tensors = [e for e in events if e[0] != "workspace"]
+        uncapped = replay(tensors, None, preallocated=preallocated, steady=True)
+    else:
+        uncapped = fits.uncapped()
     low = uncapped.peak_allocated_bytes // GRID_BYTES * GRID_BYTES
     top = -(-uncapped.peak_reserved_bytes // GRID_BYTES) * GRID_BYTES
     for _ in range(64):
@@ -436,6 +448,16 @@ def _window_fails(fits: _Fitter, cap_bytes: int) -> int | None:
     return None
 
 
+# NOTE [ Caps that run alike ]
+# A replay that fits under a cap C and peaks at P reserved runs event for event alike under any
+# cap C' between P and C: each segment it allocated left at most P reserved, so none passes C'
+# either, and where it met C (the cache released, then the segment allocated) it meets C' at
+# the same event and does the same. So its result is every such cap's, and the search down the
+# capacities replays only caps below the peaks of those that fit. Not so with convolution
+# workspaces, which take a share of the room left under the cap, so differ from C to C'.
+_NO_CAP = 2**62  # above any device's memory: the key of the replay without a cap
+
+
 class _Fitter:
     """Whether a step fits a capacity, in the allocator's steady state, each capacity replayed
     once. ``above(cap)``: it fits there and on every larger capacity, because its replay never
@@ -449,9 +471,24 @@ class _Fitter:
 
     def result(self, cap: int) -> ReplayResult:
         if cap not in self._results:
-            self._results[cap] = self.step.run(cap, self.preallocated, self.workspace_fraction,
-                                               steady=True)
+            self._results[cap] = self._same_run(cap) or self.step.run(
+                cap, self.preallocated, self.workspace_fraction, steady=True)
         return self._results[cap]
+
+    def uncapped(self) -> ReplayResult:
+        """The replay without a cap, kept as the run of every cap above its peak."""
+        if _NO_CAP not in self._results:
+            self._results[_NO_CAP] = self.step.run(None, self.preallocated,
+                                                   self.workspace_fraction, steady=True)
+        return self._results[_NO_CAP]
+
+    def _same_run(self, cap: int) -> ReplayResult | None:
+        """A replay already run that ``cap``'s would repeat event for event (NOTE [ Caps that
+        run alike ]), or None."""
+        if self.step.workspaces:
+            return None
+        return next((result for above, result in self._results.items() if result.fits
+                     and result.peak_reserved_bytes <= cap <= above), None)
 
     def __call__(self, cap: int) -> bool:
         return self.result(cap).fits
