@@ -25,6 +25,29 @@ def pytest_configure(config):
     folder = tempfile.mkdtemp(prefix="batchwidgets-cache-")
     os.environ["BATCHWIDGETS_CACHE_DIR"] = folder
     config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
+    _kernels_freeze_what_cells_made(config)
+
+
+# the kernels' startup file: after each cell, what the notebook holds is frozen out of the
+# garbage collector's walks (see below)
+FREEZE_AFTER_EACH_CELL = """\
+import gc
+get_ipython().events.register("post_run_cell", lambda result: gc.freeze())
+"""
+
+
+def _kernels_freeze_what_cells_made(config):
+    """find_batch collects garbage after each out-of-memory error (its traceback holds the
+    failed step's tensors in cycles), and a full collection walks every object the kernel
+    holds: torch's and transformers' alone take about 0.5 s a walk. The tutorials' kernels start
+    with a profile whose startup file freezes, after each cell, what is alive (``gc.freeze``),
+    so a collection walks what the running cell made. Nothing a tutorial prints changes."""
+    ipython_dir = Path(tempfile.mkdtemp(prefix="batchwidgets-ipython-"))
+    startup = ipython_dir / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-freeze-after-each-cell.py").write_text(FREEZE_AFTER_EACH_CELL)
+    os.environ["IPYTHONDIR"] = str(ipython_dir)
+    config.add_cleanup(functools.partial(shutil.rmtree, ipython_dir, ignore_errors=True))
 
 
 @pytest.hookimpl(tryfirst=True)
