@@ -42,20 +42,30 @@ def test_readme_example_is_the_block_between_the_markers():
 def test_readme_torchrun_example_gives_one_answer_on_both_ranks(tmp_path):
     script = readme_example()
     (tmp_path / "probe.py").write_text(script)
-    # both ranks write to one pipe: left block-buffered, each flushes its line in one write at
-    # exit (unbuffered, print's pieces interleave: "01  55")
+    # each rank's stdout in its own file (torchrun's --redirects, under --log-dir): on the one
+    # pipe both ranks shared, CI once read rank 1's line alone
+    logs = tmp_path / "logs"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONUNBUFFERED", None)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         "probe.py"],
+         "--log-dir", str(logs), "--redirects", "1", "probe.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    log = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    # <log-dir>/<run id>_<random>/attempt_0/<local rank>/stdout.log (one node: the rank)
+    files = sorted(logs.glob("*/attempt_0/*/stdout.log"))
+    said = {int(path.parent.name): path.read_text() for path in files}
+    log = "".join(f"{path.relative_to(tmp_path)}:\n{path.read_text()}\n" for path in files)
+    log = (f"{log or f'no */attempt_0/*/stdout.log under {logs}'}\n"
+           f"torchrun's stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}")
     assert done.returncode == 0, log
-    answers = {int(rank): int(size) for rank, size in ANSWER.findall(done.stdout)}
+    assert sorted(said) == [0, 1], log
+    lines = {rank: ANSWER.findall(text) for rank, text in said.items()}
+    # each rank's file has its one line, starting with its own rank
+    assert all(len(found) == 1 and int(found[0][0]) == rank
+               for rank, found in lines.items()), log
+    answers = {rank: int(found[0][1]) for rank, found in lines.items()}
     assert sorted(answers) == [0, 1], log
     assert answers[0] == answers[1] > 0, log
-    # the example's comment says what it prints: "(5 here, per rank)"
+    # the example's comment says what it prints: "(4 here, per rank)"
     claimed = re.search(r"\((\d+) here, per rank\)", script)
     assert claimed, "the example's print line should say the answer it gives: '(N here, per rank)'"
     assert answers[0] == int(claimed.group(1)), log
