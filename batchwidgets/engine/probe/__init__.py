@@ -4,8 +4,9 @@ request (``_options.py``: FindBatchRequest; ``_checks.py``) -> ``_resolve.py``: 
 ``_probe.py``: Probe, its trials (``_trials.py``, ``_fake.py``, ``_cell.py``, ``_sharded.py`` on
 ``_fakes.py``; ``_stop.py``, ``_optimizer_shapes.py``) searched by the policy (``_search.py``,
 ``_after_miss.py``) -> Traced (``_setup.py``: the data the stages hand on; ``_timeline.py``) ->
-``_plan.py`` for a target (``_parallel.py``: each rank of N) or ``_measure.py`` on this device,
-the what-ifs of both (``_what_if.py``) -> BatchSizeReport. Around it: ``_remember.py``
+``_plan.py`` for a target (``_parallel.py``: each rank of N), the answer verified on this device
+otherwise -> the what-ifs (``_what_if.py``: each change tried again by the orchestrator) ->
+BatchSizeReport. Around it: ``_remember.py``
 (``_fingerprint.py``, ``_cache.py``); beside it: ``_ranks.py`` (one outcome for every rank),
 ``_nothing_fits.py`` (NoBatchSizeFits). The pipeline, who owns what and where a new option or
 target goes: docs/development.md. It imports ``memory`` and the shared modules; nothing of

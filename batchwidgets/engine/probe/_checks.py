@@ -3,11 +3,13 @@ and what the report says about what was probed."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from ..._warnings import BatchwidgetsWarning
 from .. import memory
@@ -245,3 +247,23 @@ def check_parallel(parallel: str | None, target: Any, count: int, is_module: boo
                          f"the plan reads the model's parameters to shard them; pass the model, "
                          f"or leave {said('parallel')} out.")
     return parallel, count if count > 1 else torch.distributed.get_world_size()
+
+
+def checkpoints(model: torch.nn.Module) -> bool:
+    """The model recomputes activations already: Hugging Face's flag, a block's forward through
+    torch.utils.checkpoint, or a CheckpointWrapper."""
+    with warnings.catch_warnings():  # transformers 5 renamed it, and warns on the old name
+        warnings.simplefilter("ignore")
+        if (getattr(model, "is_activation_checkpointing", False)
+                or getattr(model, "is_gradient_checkpointing", False)):
+            return True
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if (isinstance(forward, functools.partial)
+                and forward.func is torch.utils.checkpoint.checkpoint):
+            return True
+        if type(module).__name__ == "CheckpointWrapper":
+            return True
+        if getattr(module, "gradient_checkpointing", False) is True:
+            return True
+    return False

@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport
 from .._called import is_said
 from .._options import Amp, OnStep, ProbeStep, ShouldStop, Trace
+from . import _what_if
 from ._fakes import resizes_seen_in_job
-from ._measure import measure
 from ._nothing_fits import NoBatchSizeFits, already
 from ._options import OPTIONS, FindBatchRequest
 from ._plan import plan
-from ._probe import probed, traced_for_plan
+from ._probe import trials
 from ._remember import remembered
 from ._resolve import eager_while_probed, resolve
 from ._setup import ProbeSetup, at_length
@@ -209,27 +211,35 @@ def find_batch(model: torch.nn.Module | ProbeStep, make_batch: MakeBatch | None 
 
 
 def _probe(setup: ProbeSetup) -> BatchSizeReport:
-    """One probe: planned for a target, measured on this device otherwise. Where nothing fits,
-    the error's advice is the call's (NOTE [ Advice from the call ] in _nothing_fits.py)."""
+    """One probe, its stages in turn: the trials (traced for a target, searched and verified on
+    this device), the plan for a target, each what-if change tried again, the rows. Where
+    nothing fits, the error's advice is the call's (NOTE [ Advice from the call ] in
+    _nothing_fits.py)."""
     try:
-        return _planned(setup) if setup.target is not None else _measured(setup)
+        setup, traced = trials(setup)
+        report = plan(setup, traced) if setup.target is not None else traced.report
     except NoBatchSizeFits as error:
         if error.call is not None:
             raise
         raise NoBatchSizeFits(error.report, already(setup)) from None
+    tried = [(change, _tried(setup, change)) for change in _what_if.changes(setup, traced)]
+    return _what_if.with_rows(setup, traced, report, tried)
 
 
-def _measured(setup: ProbeSetup) -> BatchSizeReport:
-    """Real steps searched on this device (fake ones first where they run), then verified."""
-    return measure(setup, probed(setup),
-                   again=lambda **change: _measured(setup.with_change(**change)))
-
-
-def _planned(setup: ProbeSetup) -> BatchSizeReport:
-    """The step traced for the target (fake, or real where fakes cannot run), one FSDP2 rank
-    too where its plan is asked for, then replayed under the target's memory."""
-    setup, traced = traced_for_plan(setup)
-    return plan(setup, traced, again=lambda **change: _planned(setup.with_change(**change)))
+def _tried(setup: ProbeSetup, change: _what_if.Change) -> BatchSizeReport | None:
+    """The probe (or the plan) again with one what-if change; None where nothing fits or the
+    change cannot run (autocast on a device without it). The row's cost line says what the
+    change costs: no warning from each probe."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BatchwidgetsWarning)
+            return _probe(setup.with_change(**change.change))
+    except NoBatchSizeFits:
+        return None
+    except RuntimeError as error:
+        if "autocast" not in str(error):
+            raise
+        return None
 
 
 def _frontier(setup: ProbeSetup) -> BatchSizeReport:

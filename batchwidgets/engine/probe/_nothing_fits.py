@@ -4,9 +4,7 @@ in the user's units, and what holds the memory is named (NOTE [ Advice from the 
 
 from __future__ import annotations
 
-import functools
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,31 +57,11 @@ def already(setup: Any) -> Already:
     optimizer = setup.optimizer
     return Already(
         half=bool(floating) and all(p.dtype in (torch.bfloat16, torch.float16) for p in floating),
-        amp=setup.amp, checkpointing=module is not None and checkpoints(module),
+        amp=setup.amp, checkpointing=setup.checkpointing,
         trained_share=(sum(p.numel() for p in params if p.requires_grad) / count) if count else 1.0,
         parameters_bytes=size, trained_bytes=trained,
         optimizer=type(optimizer).__name__ if optimizer is not None else "",
         state_per_parameter=_state_per_parameter(optimizer), smallest=setup.multiple_of)
-
-
-def checkpoints(model: torch.nn.Module) -> bool:
-    """The model recomputes activations already: Hugging Face's flag, a block's forward through
-    torch.utils.checkpoint, or a CheckpointWrapper."""
-    with warnings.catch_warnings():  # transformers 5 renamed it, and warns on the old name
-        warnings.simplefilter("ignore")
-        if (getattr(model, "is_activation_checkpointing", False)
-                or getattr(model, "is_gradient_checkpointing", False)):
-            return True
-    for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if (isinstance(forward, functools.partial)
-                and forward.func is torch.utils.checkpoint.checkpoint):
-            return True
-        if type(module).__name__ == "CheckpointWrapper":
-            return True
-        if getattr(module, "gradient_checkpointing", False) is True:
-            return True
-    return False
 
 
 def _state_per_parameter(optimizer: Any) -> int:

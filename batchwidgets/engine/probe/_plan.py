@@ -1,30 +1,26 @@
 """Planning for a target, as functions of the traces a probe made (``Traced``): replayed through
 the target's caching allocator under its memory (``planned``), for one GPU or for each rank of N
-(``_parallel.py``), the what-ifs planned too. Nothing runs on the target, the model is only read,
-and nothing here calls into the probe: a what-if planned again comes back through ``again``."""
+(``_parallel.py``). Nothing runs on the target, the model is only read, and nothing here calls
+into the probe: a what-if is planned again by the orchestrator (``_find_batch.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 from ...results import BatchSizeReport
 from ...results._snapshot import StepSnapshot
 from .. import memory
 from .._util import first_line
 from ..memory import PeakModel
-from . import _what_if
 from ._nothing_fits import NoBatchSizeFits
 from ._parallel import plan_ranks
 from ._setup import SEARCH_CEILING, Pair, ProbeSetup, Traced
 
 
-def plan(setup: ProbeSetup, traced: Traced,
-         again: Callable[..., BatchSizeReport] | None = None) -> BatchSizeReport:
+def plan(setup: ProbeSetup, traced: Traced) -> BatchSizeReport:
     """The traces replayed under the target's memory for one GPU or each rank of N (NOTE
-    [ Planning for a GPU that is not here ]), and the what-if rows, each planned.
-    ``again(**change)``: the plan with one change (``what_if=True``)."""
+    [ Planning for a GPU that is not here ]); ``NoBatchSizeFits`` where nothing fits."""
     report = traced.report
     if traced.stopped:  # planned from the sizes traced before the stop, where they are two
         if traced.pair is None:
@@ -35,15 +31,6 @@ def plan(setup: ProbeSetup, traced: Traced,
         report = _ranks_planned(setup, report, traced)
     if report.max_batch_size == 0 and report.stop_reason != "stopped":
         raise NoBatchSizeFits(report)
-    # each row planned, never measured; a plan for N GPUs has its strategies' rows instead.
-    # The per-op model's rows (the other loop's answer among them) cost nothing: in every
-    # plan; what_if=True plans each change
-    if setup.model is not None and setup.parallel is None:
-        report = dataclasses.replace(report, what_if=_what_if.for_target(
-            traced.model, report.max_batch_size, setup.target[1],
-            again if setup.what_if else None,
-            setup.optimizer, setup.amp, multiple_of=setup.multiple_of, ceiling=setup.ceiling,
-            modules=_what_if.checkpoint_candidates(setup.model), module=setup.model))
     return report
 
 

@@ -14,9 +14,10 @@ Usage (what find_batch's stages do; ``probed(setup)`` is the same in one call):
     >>> traced.report.max_batch_size > 0, traced.model is not None
     (True, True)
 
-Measuring (``_measure.py``) and planning (``_plan.py``) are functions of a ``Traced``; neither
-calls into the probe. A plan's traces are made here too (``traced_for_plan``): fake first, real
-steps where fakes cannot run, one FSDP2 rank's where asked."""
+``trials(setup)`` is the stage find_batch calls: this device's search, or a plan's traces (fake
+first, real steps where fakes cannot run, one FSDP2 rank's where asked). The answer on this
+device is its report; planning (``_plan.py``) and the what-ifs (``_what_if.py``) are functions
+of a ``Traced``, and neither calls into the probe."""
 
 from __future__ import annotations
 
@@ -237,7 +238,7 @@ class Probe:
                       pair=self._event_pair() if self.traced_only else None,
                       limit_bytes=self.limit_bytes, overhead_bytes=self.overhead_bytes,
                       unseen_bytes=self.unseen_bytes, replays=self.replays,
-                      ceiling=self.setup.ceiling)
+                      ceiling=self.setup.ceiling, state_by_shape=self._rule is not None)
 
     # -- the trials ----------------------------------------------------------------------------
 
@@ -604,62 +605,54 @@ class Probe:
         return (f"loss {self.loss_from} (loss_fn=)",)
 
 
-# -- a plan's traces ---------------------------------------------------------------------------
+# -- the trials of one call -------------------------------------------------------------------
 
-def traced_for_plan(setup: ProbeSetup) -> tuple[ProbeSetup, Traced]:
-    """A target's traces, this process alone: on fake tensors, or by real steps where a fake
-    trace cannot run, the reason kept in the setup's notes (a meta model has none to run: one
-    line naming the op and the module); with ``parallel`` "fsdp" or "compare", one FSDP2 rank's
-    traces too (``Traced.rank``), or why there are none (``Traced.rank_note``)."""
-    with alone():
-        setup, traced = _one_gpu(setup)
-    if setup.parallel not in ("fsdp", "compare") or traced.stopped:
+def trials(setup: ProbeSetup) -> tuple[ProbeSetup, Traced]:
+    """The probe's traces. On this device: the search, verified. For a target, this process
+    alone: on fake tensors, or by real steps where a fake trace cannot run, the reason kept in
+    the setup's notes (a meta model has none to run: one line naming the op and the module);
+    with ``parallel`` "fsdp" or "compare", one FSDP2 rank's traces too (``Traced.rank``), or
+    why there are none (``Traced.rank_note``)."""
+    with alone() if setup.target is not None else contextlib.nullcontext():
+        while True:  # fake first for a target, unless real steps were asked for
+            try:
+                traced = probed(setup)
+                break
+            except Exception as error:
+                if setup.trace == "real":  # asked for, or this device's own search
+                    raise
+                on_meta = has_meta_tensors(setup.model)
+                if isinstance(error, FakeTraceError) and on_meta:
+                    raise ValueError(
+                        f"model should run on fake tensors to be planned from the meta device, "
+                        f"but {error.op} in {error.module} reads a value back or makes a shape "
+                        f"from data; build the model on a real device (it is then traced by "
+                        f"real steps), or avoid that op (e.g. pass attention_mask, labels of a "
+                        f"fixed shape).") from error
+                if on_meta:
+                    raise
+                reason = (str(error).rstrip(".")
+                          if isinstance(error, (FakeTraceError, OptimizerStateError))
+                          else first_line(error))
+                setup = dataclasses.replace(setup, trace="real", notes=(
+                    *setup.notes, f"Traced by real steps: {reason}."))
+    if setup.target is None or setup.parallel not in ("fsdp", "compare") or traced.stopped:
         return setup, traced
-    rank, why_not = _one_fsdp_rank(setup)
-    return setup, dataclasses.replace(traced, rank=rank, rank_note=why_not)
-
-
-def _one_gpu(setup: ProbeSetup) -> tuple[ProbeSetup, Traced]:
-    """One GPU's traces: fake first, unless real steps were asked for."""
-    try:
-        return setup, probed(setup)
-    except Exception as error:
-        if setup.trace == "real":
-            raise
-        on_meta = has_meta_tensors(setup.model)
-        if isinstance(error, FakeTraceError) and on_meta:
-            raise ValueError(
-                f"model should run on fake tensors to be planned from the meta device, but "
-                f"{error.op} in {error.module} reads a value back or makes a shape from "
-                f"data; build the model on a real device (it is then traced by real steps), "
-                f"or avoid that op (e.g. pass attention_mask, labels of a fixed "
-                f"shape).") from error
-        if on_meta:
-            raise
-        reason = (str(error).rstrip(".")
-                  if isinstance(error, (FakeTraceError, OptimizerStateError))
-                  else first_line(error))
-        notes = (*setup.notes, f"Traced by real steps: {reason}.")
-        setup = dataclasses.replace(setup, trace="real", notes=notes)
-        return setup, probed(setup)
-
-
-def _one_fsdp_rank(setup: ProbeSetup) -> tuple[Traced | None, str]:
-    """One FSDP2 rank's traces on a fake process group (NOTE [ One FSDP2 rank, traced ] in
-    _sharded.py); or None and why it could not be traced."""
     if setup.trace != "fake":
-        return None, "the step was traced by real steps"
-    if state_rule(setup.optimizer) is not None:
-        return None, "its optimizer's state cannot be made on fake tensors"
-    try:
+        return setup, dataclasses.replace(traced, rank_note="the step was traced by real steps")
+    if traced.state_by_shape:
+        return setup, dataclasses.replace(
+            traced, rank_note="its optimizer's state cannot be made on fake tensors")
+    try:  # one FSDP2 rank on a fake process group (NOTE [ One FSDP2 rank, traced ] in _sharded.py)
         with fake_group(setup.world_size) as mesh:
-            return probed(setup.with_change(mesh=mesh)), ""
+            rank, why_not = probed(setup.with_change(mesh=mesh)), ""
     except FakeGroupUnavailable as error:
-        return None, str(error)
+        rank, why_not = None, str(error)
     except ShardingError:
         if setup.parallel == "fsdp":
             raise
-        return None, "fully_shard cannot wrap this model"
+        rank, why_not = None, "fully_shard cannot wrap this model"
     except Exception as error:  # what the plain trace ran, one FSDP2 rank could not
         memory.drop_own_frames(error)
-        return None, f"one FSDP2 rank could not be traced ({first_line(error)})"
+        rank, why_not = None, f"one FSDP2 rank could not be traced ({first_line(error)})"
+    return setup, dataclasses.replace(traced, rank=rank, rank_note=why_not)

@@ -23,6 +23,7 @@ from ._checks import (
     check_request,
     check_sharded,
     check_sharded_plan,
+    checkpoints,
     notes_on,
 )
 from ._options import FindBatchRequest
@@ -154,7 +155,8 @@ def resolve(model: Any, make_batch: Any, request: FindBatchRequest) -> ProbeSetu
         budget_bytes=budget_bytes, target=planned, parallel=parallel, world_size=world_size,
         trace=trace, fake_first=fake_first, start=start, ceiling=ceiling,
         seq_len=tuple(sorted(set(seq_len))) if seq_len is not None else None,
-        notes=tuple(notes), assumed=assumed, units=units)
+        notes=tuple(notes), assumed=assumed, units=units,
+        checkpointing=owner is not None and checkpoints(owner))
 
 
 # NOTE [ A compiled model is probed in its eager step ]

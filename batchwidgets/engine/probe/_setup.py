@@ -49,6 +49,7 @@ class ProbeSetup:
     seq_len: tuple[int, ...] | None  # lengths for make(batch_size, seq_len): a frontier
     notes: tuple[str, ...]  # what the report says about what was probed
     assumed: tuple[str, ...]  # what the call left out and the probe assumed, for the report
+    checkpointing: bool  # the model recomputes activations already (``checkpoints``, _checks.py)
     mesh: Any = None  # a fake mesh: the trials run one FSDP2 rank (NOTE [ One FSDP2 rank, traced ])
     # the modules the user's own fully_shard wrapped, by name ("" the root), where the model came
     # sharded: a plan for N GPUs wraps its meta replica the same (NOTE [ The wrapping a plan
@@ -146,6 +147,9 @@ class Traced:
     unseen_bytes: int  # real CUDA: reserved that the trace's replay does not explain
     replays: bool  # what runs out is reserved memory: traces replay through the allocator
     ceiling: int  # the largest size the search could try
+    # fake trials whose optimizer's state was learned by shape (NOTE [ Optimizer state by
+    # shape ] in _optimizer_shapes.py): one FSDP2 rank's cannot be
+    state_by_shape: bool = False
     # a plan over N GPUs with parallel "fsdp" or "compare": one FSDP2 rank's traces on a fake
     # process group (NOTE [ One FSDP2 rank, traced ] in _sharded.py), or why there are none
     rank: Traced | None = None

@@ -18,18 +18,18 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 
-from ..._warnings import BatchwidgetsWarning
 from ...results import BatchSizeReport, WhatIf
 from .._grads import is_sharded
 from .._unsharded import shallow_replica
 from ..memory import OpTrace, PeakModel
-from ._nothing_fits import checkpoints
+from ._setup import ProbeSetup, Traced
 
 CHECKPOINT_ROWS = 3  # activation checkpointing of the blocks that save the most
 COSTS = {
@@ -72,12 +72,12 @@ def _checkpointed(trace: OpTrace, module: str) -> OpTrace:
     return OpTrace(names=trace.names, live=live, where=trace.where)
 
 
-def checkpoint_candidates(model: torch.nn.Module) -> dict[str, str]:
+def checkpoint_candidates(setup: ProbeSetup, model: torch.nn.Module | None) -> dict[str, str]:
     """The submodules a user would checkpoint, by name, with their class names: those that hold
     parameters. A parameter-free activation or pool alone (a ReLU, a MaxPool2d) saves its input
     for backward, but checkpointing it by itself is a choice nobody makes (issue 41). None
     where the model checkpoints already: a row would suggest what is so (issue 46)."""
-    if checkpoints(model):
+    if model is None or setup.checkpointing:
         return {}
     return {name: type(module).__name__ for name, module in model.named_modules()
             if name and next(module.parameters(), None) is not None}
@@ -146,14 +146,12 @@ def expandable(model: PeakModel, limit_bytes: int, found: int, *, multiple_of: i
 def checkpointed(model: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
     """A replica of ``model`` with every block checkpointed, and its row's name; None without
     two blocks, or when ``model`` is checkpointed already (NOTE [ Checkpointing every block ])."""
-    if (getattr(model, "is_gradient_checkpointing", False) or hasattr(model, "_orig_mod")
-            or is_sharded(list(model.parameters()))):
+    units = _outermost_blocks(model)
+    if (len(units) < 2 or getattr(model, "is_gradient_checkpointing", False)
+            or hasattr(model, "_orig_mod") or is_sharded(list(model.parameters()))):
         return None
+    kinds = "/".join(sorted({type(model.get_submodule(unit)).__name__ for unit in units}))
     replica = shallow_replica(model)
-    units = _outermost_blocks(replica)
-    if len(units) < 2:
-        return None
-    kinds = "/".join(sorted({type(unit).__name__ for unit in units}))
     if getattr(replica, "supports_gradient_checkpointing", False):
         config = getattr(replica, "config", None)
         if getattr(config, "use_cache", False):
@@ -167,54 +165,58 @@ def checkpointed(model: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
             getattr(replica, "activation_checkpointing_enable",
                     replica.gradient_checkpointing_enable)()
     else:
-        for unit in units:
+        for name in units:
+            unit = replica.get_submodule(name)
             unit.forward = functools.partial(torch.utils.checkpoint.checkpoint, unit.forward,
                                              use_reentrant=False)
     return replica, f"checkpoint every block ({len(units)} {kinds})"
 
 
-def _outermost_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The entries of the ModuleLists met first on each path from the root."""
-    found: list[torch.nn.Module] = []
-    for child in model.children():
-        found += list(child) if isinstance(child, torch.nn.ModuleList) else (
-            _outermost_blocks(child))
+def _outermost_blocks(model: torch.nn.Module, prefix: str = "") -> list[str]:
+    """The names of the entries of the ModuleLists met first on each path from the root."""
+    found: list[str] = []
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            found += [f"{prefix}{name}.{index}" for index in range(len(child))]
+        else:
+            found += _outermost_blocks(child, f"{prefix}{name}.")
     return found
 
 
-def _row(name: str, cost: str, probe: Callable[..., BatchSizeReport], **change: Any) -> WhatIf:
-    try:
-        with warnings.catch_warnings():  # the row's cost line says it; no warning per probe
-            warnings.simplefilter("ignore", BatchwidgetsWarning)
-            report = probe(**change)
-    except RuntimeError as error:  # NoBatchSizeFits (a RuntimeError), or the change cannot run
-        if type(error).__name__ != "NoBatchSizeFits" and "autocast" not in str(error):
-            raise
-        return WhatIf(name, 0, True, cost)
-    top = max((a for a in report.attempts if a.fits and not a.fake), key=lambda a: a.batch_size,
-              default=None)
-    return WhatIf(name, report.max_batch_size, True, cost,
-                  None if top is None else top.samples_per_s)
+@dataclass(frozen=True)
+class Change:
+    """One change the user could make, probed (or, for a target, planned) again with
+    ``what_if=True``: its row's name and cost, and what it changes in the call (the keywords of
+    ``ProbeSetup.with_change``)."""
+
+    name: str
+    cost: str
+    change: Mapping[str, Any]
 
 
-def measured(probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optimizer,
-             amp: str | None, model: torch.nn.Module | None = None) -> list[WhatIf]:
-    """Rows measured by probing again with the change: mixed precision, SGD, foreach=False,
-    ``model`` with every block checkpointed. ``probe(**change)`` runs find_batch with the same
-    arguments and the change."""
-    rows = []
-    replica = checkpointed(model) if model is not None else None
+def changes(setup: ProbeSetup, traced: Traced) -> list[Change]:
+    """The changes to probe again (``what_if=True``, the model form): every block checkpointed,
+    mixed precision, SGD, foreach=False, each where it is not so already. A target's plan for
+    one GPU only: a plan for N GPUs has its strategies' rows instead, a stopped one none."""
+    if not setup.what_if or setup.model is None:
+        return []
+    if setup.target is not None and (setup.parallel is not None or traced.stopped):
+        return []
+    found = []
+    replica = checkpointed(setup.model)
     if replica is not None:
-        rows.append(_row(replica[1], COSTS["every block"], probe, model=replica[0]))
+        found.append(Change(replica[1], COSTS["every block"],
+                            {"model": replica[0], "checkpointing": True}))
+    optimizer = setup.optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
     half = all(p.dtype in (torch.bfloat16, torch.float16) for p in params)
-    if amp is None and not half:  # weights already in half precision compute in it
-        rows += [_row("bf16", COSTS["bf16"], probe, amp="bf16"),
-                 _row("fp16", COSTS["fp16"], probe, amp="fp16")]
+    if setup.amp is None and not half:  # weights already in half precision compute in it
+        found += [Change("bf16", COSTS["bf16"], {"amp": "bf16"}),
+                  Change("fp16", COSTS["fp16"], {"amp": "fp16"})]
     if not isinstance(optimizer, torch.optim.SGD) or optimizer.defaults.get("momentum"):
         lr = optimizer.param_groups[0].get("lr", 1e-3)
-        rows.append(_row("SGD without momentum (no optimizer state)", COSTS["sgd"], probe,
-                         optimizer=torch.optim.SGD(params, lr=lr)))
+        found.append(Change("SGD without momentum (no optimizer state)", COSTS["sgd"],
+                            {"optimizer": torch.optim.SGD(params, lr=lr)}))
     if "foreach" in optimizer.defaults and optimizer.defaults.get("foreach") is not False:
         accepted = inspect.signature(type(optimizer)).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted
@@ -224,29 +226,57 @@ def measured(probe: Callable[..., BatchSizeReport], optimizer: torch.optim.Optim
         except TypeError:  # an optimizer whose defaults are not all constructor arguments
             sequential = None
         if sequential is not None:
-            rows.append(_row("foreach=False", COSTS["foreach"], probe, optimizer=sequential))
-    return rows
+            found.append(Change("foreach=False", COSTS["foreach"], {"optimizer": sequential}))
+    return found
 
 
-def for_target(model: PeakModel | None, found: int, usable_bytes: int,
-               probe: Callable[..., BatchSizeReport] | None, optimizer: torch.optim.Optimizer,
-               amp: str | None, *, multiple_of: int, ceiling: int,
-               modules: Mapping[str, str], module: torch.nn.Module | None = None
-               ) -> tuple[WhatIf, ...]:
-    """A target plan's what-ifs, every row predicted (nothing runs on the target): the per-op
-    model's rows against the tensor bytes at the target's answer ``found``, and each change
-    (bf16, fp16, SGD, foreach=False, ``module`` with every block checkpointed) planned again
-    for the target by ``probe(**change)``, on fake tensors as the plan was, so a meta model is
-    never materialised or changed. ``probe`` None (``what_if=False``): the per-op rows alone."""
-    planned = [dataclasses.replace(row, measured=False, samples_per_s=None)
-               for row in measured(probe, optimizer, amp, module)] if probe is not None else []
+def with_rows(setup: ProbeSetup, traced: Traced, report: BatchSizeReport,
+              tried: Sequence[tuple[Change, BatchSizeReport | None]]) -> BatchSizeReport:
+    """``report`` with its what-if rows: the per-op model's, predicted where it was fitted, and
+    each change of ``changes`` with the report of the probe that tried it (None: nothing fitted,
+    or the change cannot run). A target's rows are all predicted (nothing runs on the target):
+    a change planned again replaces the per-op model's guess at the same change."""
+    if setup.target is None:
+        rows = _predicted_here(setup, traced)
+        rows += [_row(change, found, measured=True) for change, found in tried]
+        return dataclasses.replace(report, what_if=tuple(rows)) if rows else report
+    if traced.stopped or setup.model is None or setup.parallel is not None:
+        return report
+    planned = [_row(change, found, measured=False) for change, found in tried]
     rows = []
+    model, found = traced.model, report.max_batch_size
     if model is not None:
-        # a change planned again for the target (replayed through its allocator) replaces the
-        # per-op model's guess at the same change: one row a name
         rows += [row for row in predicted(model, model.peak_bytes(found),
-                                          multiple_of=multiple_of, ceiling=ceiling,
-                                          modules=modules)
+                                          multiple_of=setup.multiple_of, ceiling=setup.ceiling,
+                                          modules=checkpoint_candidates(setup, setup.model))
                  if row.name not in {other.name for other in planned}]
-        rows += expandable(model, usable_bytes, found, multiple_of=multiple_of, ceiling=ceiling)
-    return tuple(rows + planned)
+        rows += expandable(model, setup.target[1], found, multiple_of=setup.multiple_of,
+                           ceiling=setup.ceiling)
+    return dataclasses.replace(report, what_if=tuple(rows + planned))
+
+
+def _row(change: Change, report: BatchSizeReport | None, measured: bool) -> WhatIf:
+    if report is None:
+        return WhatIf(change.name, 0, measured, change.cost)
+    top = max((a for a in report.attempts if a.fits and not a.fake), key=lambda a: a.batch_size,
+              default=None)
+    speed = None if top is None or not measured else top.samples_per_s
+    return WhatIf(change.name, report.max_batch_size, measured, change.cost, speed)
+
+
+def _predicted_here(setup: ProbeSetup, traced: Traced) -> list[WhatIf]:
+    """The rows the per-op model predicts on this device, where it was fitted."""
+    if traced.model is None or traced.limit_bytes is None:
+        return []
+    modules = checkpoint_candidates(setup, setup.owner)
+    found = traced.report.max_batch_size
+    # On CUDA the tensors' bytes are not what runs out: the boundary found says where, in
+    # tensor bytes, the reserved memory ran out, and the rows are predicted against that.
+    row_limit = (traced.model.peak_bytes(found) if traced.replays and found
+                 else traced.limit_bytes - traced.overhead_bytes)
+    rows = predicted(traced.model, row_limit, multiple_of=setup.multiple_of,
+                     ceiling=setup.ceiling, modules=modules)
+    if traced.replays:  # the allocator's segments and rounding gone: tensors and workspaces
+        rows += expandable(traced.model, traced.limit_bytes - traced.unseen_bytes,
+                           found, multiple_of=setup.multiple_of, ceiling=setup.ceiling)
+    return rows

@@ -83,7 +83,7 @@ def _truth_cases() -> list:
 
 
 # NOTE [ One trace per model and loop ]
-# A plan is a function of the step's traces (probe/_find_batch.py: traced_for_plan -> plan), and
+# A plan is a function of the step's traces (probe/_find_batch.py: trials -> plan), and
 # the traces of one model in one loop for one GPU do not depend on the cap (the trials run on
 # fake tensors on the CPU; the cap is the memory the replay plans under). So each (model, GPU,
 # loop) is traced once and find_batch plans it under each cap: the same call, the same pipeline
@@ -100,19 +100,19 @@ def last() -> Iterator[dict]:
 def warmed_once(monkeypatch, last):
     """``gpu_truth.warmed(spec)`` made once for a model's cases in a row, and find_batch's
     traces of it made once for each loop (NOTE [ One trace per model and loop ])."""
-    traced_for_plan = _find_batch.traced_for_plan
+    trials = _find_batch.trials
 
     def once(setup):
         key = (id(setup.model), setup.target[0], setup.keep_output)
         if last.get("traced", (None,))[0] != key:
-            last["traced"] = (key, *traced_for_plan(setup))
+            last["traced"] = (key, *trials(setup))
         _, traced_setup, traced = last["traced"]
         assert traced_setup.model is setup.model
         assert traced_setup.optimizer is setup.optimizer
         return dataclasses.replace(traced_setup, request=setup.request,
                                    target=setup.target), traced
 
-    monkeypatch.setattr(_find_batch, "traced_for_plan", once)
+    monkeypatch.setattr(_find_batch, "trials", once)
 
     def warmed(name: str) -> tuple:
         if last.get("warmed", (None,))[0] != name:
