@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from _paths import ROOT
+from conftest import cnn, images
 from test_noise import make_data, make_mlp
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
@@ -190,21 +191,11 @@ def test_the_learning_rate_advice_gives_each_rule_its_own_factor():
 
 # ---- a report's rows disagree ------------------------------------------------------------------
 
-def small_cnn():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                         nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
-
-
-def images(batch_size):
-    return torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,))
-
-
 @pytest.fixture(scope="module")
 def probed():
-    """The small CNN probed once for the tests that read its report (nothing remembered: its
-    attempts are its own)."""
-    return bw.find_batch(small_cnn(), images, loss_fn=nn.functional.cross_entropy,
+    """The gallery's small CNN and its images (conftest.py) probed once for the tests that read
+    its report (nothing remembered: its attempts are its own)."""
+    return bw.find_batch(cnn(), images, loss_fn=nn.functional.cross_entropy,
                          budget="8MiB", device="cpu", cache=False)
 
 
@@ -224,12 +215,12 @@ def test_batches_from_says_what_the_batches_were_built_from(probed):
     """"64 samples of one size (all samples read)" for a 2,048-sample data set; "-" for a
     make_batch callable (the demo)."""
     x, y = images(2048)
-    report = bw.find_batch(small_cnn(), TensorDataset(x, y), loss_fn=nn.functional.cross_entropy,
+    report = bw.find_batch(cnn(), TensorDataset(x, y), loss_fn=nn.functional.cross_entropy,
                            budget="8MiB", device="cpu")
     assert report.worst_case == ("64 of the 2,048 samples, in turn (all 2,048 samples read, all "
                                  "of one size)")
     assert dict(probed.rows())["batches from"] == "images(batch_size), called at each size tried"
-    one = bw.find_batch(small_cnn(), x[0], loss_fn=lambda out: out.square().mean(),
+    one = bw.find_batch(cnn(), x[0], loss_fn=lambda out: out.square().mean(),
                         budget="8MiB", device="cpu")
     assert one.worst_case == "one example tensor of shape (3, 8, 8), repeated"
 
