@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_autotune import SimLoop, cpu_bound, start
+from _sim_loader import SimLoop, cpu_bound, start
 from torch.utils.data import DataLoader, TensorDataset
 
 import batchwidgets as bw

@@ -10,9 +10,9 @@ import re
 
 import pytest
 import torch
+from _noise_data import make_data, make_mlp
 from _paths import ROOT
 from conftest import cnn, images
-from test_noise import make_data, make_mlp
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from _noise_data import make_data, make_mlp
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
 
@@ -16,17 +17,6 @@ from batchwidgets._warnings import BatchwidgetsWarning
 from batchwidgets.results import LayerNoise, NoiseReport
 
 loss_fn = nn.functional.cross_entropy
-
-
-def make_data(n, dim=5, classes=3, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, dim, generator=generator, dtype=torch.float64)
-    return TensorDataset(x, torch.randint(0, classes, (n,), generator=generator))
-
-
-def make_mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
 
 
 def oracle_gradients(model, dataset, loss=loss_fn):
