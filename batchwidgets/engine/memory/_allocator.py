@@ -322,7 +322,15 @@ def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
     return _Replay(events).run(cap_bytes, list(preallocated), workspace_fraction, steady)
 
 
-_ALLOC, _WORKSPACE, _FREE = 0, 1, 2
+_ALLOC, _WORKSPACE, _FREE, _NULL = 0, 1, 2, 3  # _NULL: a request of 0 bytes, no block
+
+
+def _op(index: int, action: int, key: object, nbytes: int, own: bool) -> tuple:
+    """One action for _Player: an allocation's size rounded once, or a request of 0 bytes."""
+    if action == _ALLOC:
+        return (index, _ALLOC, key, round_size(nbytes), own) if nbytes > 0 else (
+            index, _NULL, key, 0, own)
+    return index, action, key, nbytes, own
 
 
 class _Replay:
@@ -347,52 +355,195 @@ class _Replay:
                                  f"events[{index}]={(kind, key, nbytes)!r}.")
             self.actions.append(action)
         self.workspaces = any(action[0] == _WORKSPACE for action in self.actions)
-        # a later step: what the first did not make for it, each allocation its own (key < 0)
-        self.later = [(index, action, key, nbytes, key < 0) for index, (action, key, nbytes, kept)
-                      in enumerate(self.actions) if not kept]
+        # _Player's actions (NOTE [ The replay's allocator, inlined ]): the first step's, each
+        # handle to the table of handles; a later step's: what the first did not make for it,
+        # each allocation its own (key < 0)
+        self.first_ops = [_op(index, action, key, nbytes, False)
+                          for index, (action, key, nbytes, _) in enumerate(self.actions)]
+        self.later_ops = [_op(index, action, key, nbytes, key < 0)
+                          for index, (action, key, nbytes, kept) in enumerate(self.actions)
+                          if not kept]
 
     def run(self, cap_bytes: int | None, preallocated: Sequence[int | tuple[int, int]],
             workspace_fraction: float, steady: bool) -> ReplayResult:
-        model = CachingAllocatorModel(cap_bytes)
-        malloc, free = model.malloc, model.free
+        """The trace through a fresh ``CachingAllocatorModel(cap_bytes)``, as ``replay`` says,
+        by ``_Player`` (NOTE [ The replay's allocator, inlined ])."""
+        player = _Player(cap_bytes, workspace_fraction)
         handles: dict[object, object] = {}
-        index = -1
-        try:
-            for item in preallocated:
-                key, nbytes = item if isinstance(item, tuple) else (None, item)
-                handle = malloc(nbytes)
-                if key is not None:
-                    handles[key] = handle
-            # ``index`` is the event that ran out, for the OOM below (hence the noqa)
-            for index, (action, key, nbytes, _) in enumerate(self.actions):  # noqa: B007
-                if action == _FREE:
-                    free(handles.pop(key, None))  # a key the trace never made: nothing
-                elif action == _ALLOC:
-                    handles[key] = malloc(nbytes)
-                else:
-                    handles[key] = model.malloc_workspace(nbytes, workspace_fraction)
-            layout = (model.reserved_bytes, tuple(sorted(model._free)))
+        failed = player.play(_preallocated_ops(preallocated), handles, {})
+        if failed is None:
+            failed = player.play(self.first_ops, handles, handles)
+        if failed is None:
+            layout = player.layout()
             for _ in range(1, STEADY_STEPS if steady else 1):
                 # a later step's own allocations have keys of their own; what the first step
                 # made and kept is there for it (not in ``later``)
-                mine: dict[object, object] = {}
-                for index, action, key, nbytes, own in self.later:  # noqa: B007
-                    table = mine if own else handles
-                    if action == _FREE:
-                        free(table.pop(key, None))
-                    elif action == _ALLOC:
-                        table[key] = malloc(nbytes)
-                    else:
-                        table[key] = model.malloc_workspace(nbytes, workspace_fraction)
-                now = (model.reserved_bytes, tuple(sorted(model._free)))
+                failed = player.play(self.later_ops, handles, {})
+                if failed is not None:
+                    break
+                now = player.layout()
                 if now == layout:
                     break
                 layout = now
-        except torch.OutOfMemoryError:
-            return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, False,
-                                index, True)
-        return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, True, None,
-                            model.met_cap)
+        if failed is not None:
+            return ReplayResult(player.peak_allocated_bytes, player.peak_reserved_bytes, False,
+                                failed, True)
+        return ReplayResult(player.peak_allocated_bytes, player.peak_reserved_bytes, True, None,
+                            player.met_cap)
+
+
+# NOTE [ The replay's allocator, inlined ]
+# A search replays a trace of tens of thousands of events a few hundred times, so ``_Player``
+# runs CachingAllocatorModel's malloc and free inlined in one loop over the trace's actions,
+# each with its rounded size worked out once (``_Replay``): its blocks are lists
+# [size, address, allocated, prev, next, small] in place of ``_Block``s, its pools the same
+# sorted keys (size << _ADDRESS_BITS | address) with the same free-block map, its segments,
+# cap, cache release, workspaces and peaks those of the model, rule for rule and in the same
+# order, so a replay's every number is the model's (tests/engine/memory/test_cuda_model.py
+# drives both side by side). Actions, each a tuple (index, action, key, size, own):
+# _ALLOC a rounded size, _NULL a request of 0 bytes (no block), _WORKSPACE the wanted bytes,
+# _FREE; ``own``: the handle goes to the table of the step's own allocations.
+_SIZE, _ADDRESS, _ALLOCATED, _PREV, _NEXT, _SMALL = range(6)  # a _Player block's fields
+
+
+def _preallocated_ops(preallocated: Sequence[int | tuple[int, int]]) -> list[tuple]:
+    """The storages alive before the step as actions: a keyed one to the table of handles, a
+    size alone to a table thrown away (nothing frees it)."""
+    ops = []
+    for item in preallocated:
+        key, nbytes = item if isinstance(item, tuple) else (None, item)
+        ops.append((-1, _ALLOC, key, round_size(nbytes), key is None) if nbytes > 0
+                   else (-1, _NULL, key, 0, key is None))
+    return ops
+
+
+def _release_cached(free_blocks: dict, small_pool: list[int], large_pool: list[int]) -> int:
+    """CachingAllocatorModel.empty_cache on a _Player's blocks: the bytes released."""
+    released = 0
+    for key in [k for k, b in free_blocks.items() if b[_PREV] is None and b[_NEXT] is None]:
+        block = free_blocks.pop(key)
+        pool = small_pool if block[_SMALL] else large_pool
+        del pool[bisect.bisect_left(pool, key)]
+        released += block[_SIZE]
+    return released
+
+
+class _Player:
+    """CachingAllocatorModel's state, played over a trace's actions by ``play`` (NOTE [ The
+    replay's allocator, inlined ])."""
+
+    def __init__(self, cap_bytes: int | None, workspace_fraction: float) -> None:
+        self.cap_bytes, self.workspace_fraction = cap_bytes, workspace_fraction
+        self.small_pool: list[int] = []
+        self.large_pool: list[int] = []
+        self.free_blocks: dict[int, list] = {}
+        self.allocated_bytes = self.reserved_bytes = 0
+        self.peak_allocated_bytes = self.peak_reserved_bytes = 0
+        self.next_address = 0
+        self.met_cap = False
+
+    def layout(self) -> tuple:
+        return self.reserved_bytes, tuple(sorted(self.free_blocks))
+
+    def play(self, ops: Sequence[tuple], handles: dict, mine: dict) -> int | None:
+        """Run ``ops``, each handle to ``mine`` if the action is the step's own, else to
+        ``handles``; the index of the action that ran out of memory, or None."""
+        cap, fraction = self.cap_bytes, self.workspace_fraction
+        small_pool, large_pool, free_blocks = self.small_pool, self.large_pool, self.free_blocks
+        allocated, reserved = self.allocated_bytes, self.reserved_bytes
+        peak_allocated, peak_reserved = self.peak_allocated_bytes, self.peak_reserved_bytes
+        next_address, met_cap = self.next_address, self.met_cap
+        bisect_left, insort = bisect.bisect_left, bisect.insort
+        failed = None
+        for index, action, key, size, own in ops:
+            table = mine if own else handles
+            if action == _FREE:  # CachingAllocatorModel.free
+                block = table.pop(key, None)  # a key the trace never made: nothing
+                if block is None:
+                    continue
+                if not block[2]:
+                    raise RuntimeError("CachingAllocatorModel.free got a block that is not "
+                                       "allocated; this is a bug in batchwidgets; please "
+                                       "report it.")
+                block[2] = False
+                allocated -= block[0]
+                pool = small_pool if block[5] else large_pool
+                before, after = block[3], block[4]
+                if before is not None and not before[2]:
+                    gone = (before[0] << _ADDRESS_BITS) | before[1]
+                    del free_blocks[gone]
+                    del pool[bisect_left(pool, gone)]
+                    block[1], block[3] = before[1], before[3]
+                    if block[3] is not None:
+                        block[3][4] = block
+                    block[0] += before[0]
+                if after is not None and not after[2]:
+                    gone = (after[0] << _ADDRESS_BITS) | after[1]
+                    del free_blocks[gone]
+                    del pool[bisect_left(pool, gone)]
+                    block[4] = after[4]
+                    if block[4] is not None:
+                        block[4][3] = block
+                    block[0] += after[0]
+                gone = (block[0] << _ADDRESS_BITS) | block[1]
+                free_blocks[gone] = block
+                insort(pool, gone)
+                continue
+            if action == _NULL:
+                table[key] = None
+                continue
+            if action == _WORKSPACE:  # CachingAllocatorModel.malloc_workspace
+                if cap is None:
+                    largest = 2**62
+                else:
+                    largest = max(small_pool[-1] >> _ADDRESS_BITS if small_pool else 0,
+                                  large_pool[-1] >> _ADDRESS_BITS if large_pool else 0,
+                                  cap - reserved)
+                nbytes = min(size, int(fraction * largest))
+                if nbytes <= 0:
+                    table[key] = None
+                    continue
+                size = round_size(nbytes)
+            # CachingAllocatorModel.malloc of a rounded size
+            small = size <= SMALL_SIZE_BYTES
+            pool = small_pool if small else large_pool
+            at = bisect_left(pool, size << _ADDRESS_BITS)
+            if at < len(pool):
+                block = free_blocks.pop(pool.pop(at))
+            else:  # CachingAllocatorModel._new_segment
+                nbytes = segment_size(size)
+                if cap is not None and reserved + nbytes > cap:
+                    met_cap = True
+                    reserved -= _release_cached(free_blocks, small_pool, large_pool)
+                    if reserved + nbytes > cap:
+                        if action == _WORKSPACE:  # cuDNN runs without a workspace
+                            table[key] = None
+                            continue
+                        failed = index
+                        break
+                block = [nbytes, next_address, False, None, None, small]
+                next_address += nbytes
+                reserved += nbytes
+                if reserved > peak_reserved:
+                    peak_reserved = reserved
+            remaining = block[0] - size
+            if (remaining >= MIN_BLOCK_BYTES) if small else (remaining > SMALL_SIZE_BYTES):
+                rest = [remaining, block[1] + size, False, block, block[4], small]
+                if block[4] is not None:
+                    block[4][3] = rest
+                block[4], block[0] = rest, size
+                gone = (remaining << _ADDRESS_BITS) | rest[1]
+                free_blocks[gone] = rest
+                insort(pool, gone)
+            block[2] = True
+            allocated += block[0]
+            if allocated > peak_allocated:
+                peak_allocated = allocated
+            table[key] = block
+        self.allocated_bytes, self.reserved_bytes = allocated, reserved
+        self.peak_allocated_bytes, self.peak_reserved_bytes = peak_allocated, peak_reserved
+        self.next_address, self.met_cap = next_address, met_cap
+        return failed
 
 
 # NOTE [ What a step needs ]

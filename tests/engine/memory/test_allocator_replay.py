@@ -1,0 +1,128 @@
+"""The replay's inlined allocator (NOTE [ The replay's allocator, inlined ] in
+memory/_allocator.py) against CachingAllocatorModel driven event by event: every number of
+every replay the same, on random traces with workspaces, staging buffers, storages made before
+the step, kept allocations, requests of 0 bytes and caps that fail, fit and release the cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchwidgets.engine.memory._allocator import (
+    _FREE,
+    _WORKSPACE,
+    MIB,
+    STEADY_STEPS,
+    CachingAllocatorModel,
+    ReplayResult,
+    _Replay,
+    replay,
+    staging_kind,
+)
+
+
+def _by_the_model(events, cap, preallocated, fraction, steady) -> ReplayResult:
+    """The replay as it ran before it was inlined: CachingAllocatorModel's own malloc, free and
+    malloc_workspace, event by event."""
+    step = _Replay(events)
+    kept = {key for action, key, _, keep in step.actions if keep}
+    model, handles, index = CachingAllocatorModel(cap), {}, -1
+    try:
+        for item in preallocated:
+            key, nbytes = item if isinstance(item, tuple) else (None, item)
+            handle = model.malloc(nbytes)
+            if key is not None:
+                handles[key] = handle
+        # ``index`` is the event that ran out, for the OOM below (hence the noqa)
+        for index, (action, key, nbytes, _) in enumerate(step.actions):  # noqa: B007
+            if action == _FREE:
+                model.free(handles.pop(key, None))
+            elif action == _WORKSPACE:
+                handles[key] = model.malloc_workspace(nbytes, fraction)
+            else:
+                handles[key] = model.malloc(nbytes)
+        layout = (model.reserved_bytes, tuple(sorted(model._free)))
+        for _ in range(1, STEADY_STEPS if steady else 1):
+            mine = {}
+            for index, (action, key, nbytes, _) in enumerate(step.actions):  # noqa: B007
+                if key in kept:
+                    continue
+                table = mine if key < 0 else handles
+                if action == _FREE:
+                    model.free(table.pop(key, None))
+                elif action == _WORKSPACE:
+                    table[key] = model.malloc_workspace(nbytes, fraction)
+                else:
+                    table[key] = model.malloc(nbytes)
+            now = (model.reserved_bytes, tuple(sorted(model._free)))
+            if now == layout:
+                break
+            layout = now
+    except torch.OutOfMemoryError:
+        return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, False, index,
+                            True)
+    return ReplayResult(model.peak_allocated_bytes, model.peak_reserved_bytes, True, None,
+                        model.met_cap)
+
+
+def _trace(rng: random.Random, n: int) -> list:
+    """Allocations of every pool's sizes (some of 0 bytes, some kept), frees in any order and of
+    keys made before the step, convolution workspaces and reduction staging buffers; keys below
+    zero, as scale_events names them."""
+    events, live, key = [], [], 0
+    for _ in range(n):
+        roll = rng.random()
+        if live and roll < 0.42:
+            events.append(("free", live.pop(rng.randrange(len(live))), 0))
+        elif roll < 0.45:
+            events.append(("free", rng.choice([7, 8, 9]), 0))  # made before the step, or never
+        else:
+            key -= 1
+            nbytes = rng.choice([0, rng.randrange(1, 2048), rng.randrange(1, MIB),
+                                 rng.randrange(MIB, 12 * MIB), rng.randrange(1, 40 * MIB)])
+            if roll < 0.5:
+                events.append(("workspace", key, nbytes))
+            elif roll < 0.53:
+                kind = staging_kind(rng.choice([1, 64, 1000]), rng.random() < 0.5, 4, 108, 2048)
+                events.append((kind, key, rng.randrange(1, 10**6)))
+            else:
+                events.append(("alloc", key, nbytes))
+            if rng.random() < 0.9:
+                live.append(key)  # the rest stay: made by the first step for the others
+    return events
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_inlined_replay_is_the_models_number_for_number(seed):
+    rng = random.Random(seed)
+    events = _trace(rng, rng.choice([60, 300, 800]))
+    preallocated = rng.choice([(), [3 * MIB, 700], [(7, 5 * MIB), 0, (8, 0), 2 * MIB + 1]])
+    uncapped = _by_the_model(events, None, preallocated, 0.5, True)
+    top = 3 * uncapped.peak_reserved_bytes // 2
+    caps = {None, uncapped.peak_reserved_bytes, uncapped.peak_allocated_bytes}
+    caps |= {2 * MIB + i * top // 40 for i in range(40)}  # a grid, and caps between
+    caps |= {rng.randrange(2 * MIB, top) for _ in range(8)}
+    outcomes = set()
+    for cap in sorted(caps, key=lambda c: -1 if c is None else c):
+        for fraction in (0.5, 1.0):
+            for steady in (False, True):
+                expected = _by_the_model(events, cap, preallocated, fraction, steady)
+                got = replay(events, cap, preallocated=preallocated,
+                             workspace_fraction=fraction, steady=steady)
+                assert got == expected, (cap, fraction, steady)
+                outcomes.add((expected.fits, expected.met_cap))
+    assert (True, False) in outcomes  # both ways, on each trace
+    assert (False, True) in outcomes
+
+
+def test_a_step_that_releases_the_cache_and_fits_replays_as_the_model():
+    # a 20 MiB segment for 12 MiB, freed; 22 MiB more passes the 30 MiB cap until it goes
+    events = [("alloc", -1, 12 * MIB), ("free", -1, 0), ("alloc", -2, 22 * MIB),
+              ("workspace", -3, 9 * MIB), ("free", -3, 0), ("free", -2, 0)]
+    for steady in (False, True):
+        expected = _by_the_model(events, 30 * MIB, [], 0.5, steady)
+        assert expected.fits
+        assert expected.met_cap
+        assert replay(events, 30 * MIB, steady=steady) == expected
