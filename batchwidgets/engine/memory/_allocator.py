@@ -368,6 +368,13 @@ class _Replay:
             workspace_fraction: float, steady: bool) -> ReplayResult:
         """The trace through a fresh ``CachingAllocatorModel(cap_bytes)``, as ``replay`` says,
         by ``_Player`` (NOTE [ The replay's allocator, inlined ])."""
+        return self.run_alike(cap_bytes, preallocated, workspace_fraction, steady)[0]
+
+    def run_alike(self, cap_bytes: int | None, preallocated: Sequence[int | tuple[int, int]],
+                  workspace_fraction: float, steady: bool) -> tuple[ReplayResult, int]:
+        """``run``, and the least capacity above ``cap_bytes`` that would not run alike: the
+        least reserved bytes that a segment would have made over the cap (NOTE [ Caps that run
+        alike ]); _NO_CAP where none passed it."""
         player = _Player(cap_bytes, workspace_fraction)
         handles: dict[object, object] = {}
         failed = player.play(_preallocated_ops(preallocated), handles, {})
@@ -387,9 +394,9 @@ class _Replay:
                 layout = now
         if failed is not None:
             return ReplayResult(player.peak_allocated_bytes, player.peak_reserved_bytes, False,
-                                failed, True)
+                                failed, True), player.refused_bytes
         return ReplayResult(player.peak_allocated_bytes, player.peak_reserved_bytes, True, None,
-                            player.met_cap)
+                            player.met_cap), player.refused_bytes
 
 
 # NOTE [ The replay's allocator, inlined ]
@@ -441,6 +448,7 @@ class _Player:
         self.peak_allocated_bytes = self.peak_reserved_bytes = 0
         self.next_address = 0
         self.met_cap = False
+        self.refused_bytes = _NO_CAP  # the least reserved a segment would have made, over the cap
 
     def layout(self) -> tuple:
         return self.reserved_bytes, tuple(sorted(self.free_blocks))
@@ -452,7 +460,7 @@ class _Player:
         small_pool, large_pool, free_blocks = self.small_pool, self.large_pool, self.free_blocks
         allocated, reserved = self.allocated_bytes, self.reserved_bytes
         peak_allocated, peak_reserved = self.peak_allocated_bytes, self.peak_reserved_bytes
-        next_address, met_cap = self.next_address, self.met_cap
+        next_address, met_cap, refused = self.next_address, self.met_cap, self.refused_bytes
         bisect_left, insort = bisect.bisect_left, bisect.insort
         failed = None
         for index, action, key, size, own in ops:
@@ -514,8 +522,10 @@ class _Player:
                 nbytes = segment_size(size)
                 if cap is not None and reserved + nbytes > cap:
                     met_cap = True
+                    refused = min(refused, reserved + nbytes)
                     reserved -= _release_cached(free_blocks, small_pool, large_pool)
                     if reserved + nbytes > cap:
+                        refused = min(refused, reserved + nbytes)
                         if action == _WORKSPACE:  # cuDNN runs without a workspace
                             table[key] = None
                             continue
@@ -542,7 +552,7 @@ class _Player:
             table[key] = block
         self.allocated_bytes, self.reserved_bytes = allocated, reserved
         self.peak_allocated_bytes, self.peak_reserved_bytes = peak_allocated, peak_reserved
-        self.next_address, self.met_cap = next_address, met_cap
+        self.next_address, self.met_cap, self.refused_bytes = next_address, met_cap, refused
         return failed
 
 
@@ -600,12 +610,17 @@ def _window_fails(fits: _Fitter, cap_bytes: int) -> int | None:
 
 
 # NOTE [ Caps that run alike ]
-# A replay that fits under a cap C and peaks at P reserved runs event for event alike under any
-# cap C' between P and C: each segment it allocated left at most P reserved, so none passes C'
-# either, and where it met C (the cache released, then the segment allocated) it meets C' at
-# the same event and does the same. So its result is every such cap's, and the search down the
-# capacities replays only caps below the peaks of those that fit. Not so with convolution
-# workspaces, which take a share of the room left under the cap, so differ from C to C'.
+# Without workspaces, a replay reads its cap at one place only: where a segment would be
+# allocated, it asks whether the reserved bytes with it, R, pass the cap (and, where they do,
+# once more after the cache is released). So a replay under a cap C that peaked at P reserved
+# and whose least R over C was Q (none: Q infinite) runs event for event alike under every cap
+# C' in [P, Q): each R that stayed under C made the reserved bytes, so is at most P <= C', and
+# each over C is at least Q > C'; where it met C (the cache released, then the segment
+# allocated or the step out of memory) it meets C' at the same event and does the same. So its
+# result, fit or out of memory, is every such cap's, and a search over the capacities replays
+# only caps outside the spans of those it ran; the uncapped replay's span is every cap above its
+# peak. Not so with convolution workspaces, which take a share of the room left under the cap,
+# so differ from C to C'.
 _NO_CAP = 2**62  # above any device's memory: the key of the replay without a cap
 
 
@@ -619,27 +634,31 @@ class _Fitter:
         self.step, self.preallocated = _Replay(events), list(preallocated)
         self.workspace_fraction = workspace_fraction
         self._results: dict[int, ReplayResult] = {}
+        self._spans: list[tuple[int, int, ReplayResult]] = []  # (from, below, result) replayed
 
     def result(self, cap: int) -> ReplayResult:
         if cap not in self._results:
-            self._results[cap] = self._same_run(cap) or self.step.run(
-                cap, self.preallocated, self.workspace_fraction, steady=True)
+            self._results[cap] = self._same_run(cap) or self._run(cap)
         return self._results[cap]
 
     def uncapped(self) -> ReplayResult:
         """The replay without a cap, kept as the run of every cap above its peak."""
         if _NO_CAP not in self._results:
-            self._results[_NO_CAP] = self.step.run(None, self.preallocated,
-                                                   self.workspace_fraction, steady=True)
+            self._results[_NO_CAP] = self._run(None)
         return self._results[_NO_CAP]
+
+    def _run(self, cap: int | None) -> ReplayResult:
+        result, refused = self.step.run_alike(cap, self.preallocated, self.workspace_fraction,
+                                              steady=True)
+        self._spans.append((result.peak_reserved_bytes, refused, result))
+        return result
 
     def _same_run(self, cap: int) -> ReplayResult | None:
         """A replay already run that ``cap``'s would repeat event for event (NOTE [ Caps that
         run alike ]), or None."""
         if self.step.workspaces:
             return None
-        return next((result for above, result in self._results.items() if result.fits
-                     and result.peak_reserved_bytes <= cap <= above), None)
+        return next((result for low, below, result in self._spans if low <= cap < below), None)
 
     def __call__(self, cap: int) -> bool:
         return self.result(cap).fits

@@ -126,3 +126,21 @@ def test_a_step_that_releases_the_cache_and_fits_replays_as_the_model():
         assert expected.fits
         assert expected.met_cap
         assert replay(events, 30 * MIB, steady=steady) == expected
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_search_reads_each_cap_as_its_own_replay_would(seed):
+    """NOTE [ Caps that run alike ]: whatever the order a search asks its caps in, each answer,
+    read from another cap's replay or replayed, is that cap's own replay."""
+    from batchwidgets.engine.memory._allocator import _Fitter
+
+    rng = random.Random(seed)
+    events = [e for e in _trace(rng, 600) if e[0] != "workspace"]  # caps differ with those
+    preallocated = [(7, 5 * MIB), 3 * MIB]
+    fits = _Fitter(events, preallocated, 0.5)
+    top = fits.uncapped().peak_reserved_bytes + 8 * MIB
+    caps = list(range(2 * MIB, top, MIB // 2)) + [rng.randrange(top) for _ in range(40)]
+    rng.shuffle(caps)
+    for cap in caps:
+        assert fits.result(cap) == replay(events, cap, preallocated=preallocated, steady=True)
+    assert len(fits._spans) < len(set(caps)) / 2  # most read from another cap's replay
