@@ -14,6 +14,7 @@ Usage:
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -325,44 +326,39 @@ def replay(events: Iterable[Event], cap_bytes: int | None = None, *,
 _ALLOC, _WORKSPACE, _FREE, _NULL = 0, 1, 2, 3  # _NULL: a request of 0 bytes, no block
 
 
-def _op(index: int, action: int, key: object, nbytes: int, own: bool) -> tuple:
-    """One action for _Player: an allocation's size rounded once, or a request of 0 bytes."""
-    if action == _ALLOC:
-        return (index, _ALLOC, key, round_size(nbytes), own) if nbytes > 0 else (
-            index, _NULL, key, 0, own)
-    return index, action, key, nbytes, own
-
-
 class _Replay:
-    """A trace read once for the many replays of a search: each event's action, key and bytes
-    (a staging event's buffer sized), and whether the first step made it for the others."""
+    """A trace read once for the many replays of a search into _Player's actions (NOTE [ The
+    replay's allocator, inlined ]): each event's action, key and bytes (an allocation's rounded
+    once, a staging event's buffer sized), for the first step and for a later one, which runs
+    what the first did not make for it (what it freed), each allocation its own (key < 0)."""
 
     def __init__(self, events: Iterable[Event]) -> None:
         events = list(events)
-        made = {key for kind, key, _ in events if kind != "free"}
-        kept = made - {key for kind, key, _ in events if kind == "free"}
-        self.actions: list[tuple[int, object, int, bool]] = []
+        freed = {key for kind, key, _ in events if kind == "free"}  # the rest made stays made
+        self.workspaces = False
+        actions = []
         for index, (kind, key, nbytes) in enumerate(events):
-            if kind == "alloc" or kind.startswith(_STAGING):
-                action = (_ALLOC, key, event_bytes(kind, nbytes), key in kept)
+            if kind == "free":
+                actions.append((index, _FREE, key, 0))
+            elif kind == "alloc" or kind.startswith(_STAGING):
+                if kind != "alloc":
+                    nbytes = event_bytes(kind, nbytes)
+                actions.append((index, _ALLOC, key,  # round_size
+                                -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+                                if nbytes >= MIN_BLOCK_BYTES else MIN_BLOCK_BYTES)
+                               if nbytes > 0 else (index, _NULL, key, 0))
             elif kind == "workspace":
-                action = (_WORKSPACE, key, nbytes, key in kept)
-            elif kind == "free":
-                action = (_FREE, key, 0, False)
+                actions.append((index, _WORKSPACE, key, nbytes))
+                self.workspaces = True
             else:
                 raise ValueError(f"events should hold ('alloc', key, nbytes), ('free', key, "
                                  f"0) and ('workspace', key, nbytes) tuples, but got "
                                  f"events[{index}]={(kind, key, nbytes)!r}.")
-            self.actions.append(action)
-        self.workspaces = any(action[0] == _WORKSPACE for action in self.actions)
-        # _Player's actions (NOTE [ The replay's allocator, inlined ]): the first step's, each
-        # handle to the table of handles; a later step's: what the first did not make for it,
-        # each allocation its own (key < 0)
-        self.first_ops = [_op(index, action, key, nbytes, False)
-                          for index, (action, key, nbytes, _) in enumerate(self.actions)]
-        self.later_ops = [_op(index, action, key, nbytes, key < 0)
-                          for index, (action, key, nbytes, kept) in enumerate(self.actions)
-                          if not kept]
+        self.first_ops = [(index, action, key, size, False)
+                          for index, action, key, size in actions]
+        self.later_ops = [(index, action, key, size, key < 0)
+                          for index, action, key, size in actions
+                          if action == _FREE or key in freed]
 
     def run(self, cap_bytes: int | None, preallocated: Sequence[int | tuple[int, int]],
             workspace_fraction: float, steady: bool) -> ReplayResult:
@@ -813,9 +809,11 @@ def largest_batch_size(events_a: Sequence[Event], batch_a: int, events_b: Sequen
     limit = cap_bytes - overhead_bytes
     top = ceiling // multiple_of
 
+    @functools.lru_cache(maxsize=2)  # a size's may_fit, then its fits
     def scaled(k: int) -> list[Event]:
         return scale_events(events_a, batch_a, events_b, batch_b, k * multiple_of)
 
+    @functools.cache  # the scan down may ask a size the bisection asked
     def fits(k: int) -> bool:
         return fits_from(scaled(k), limit, preallocated=preallocated,
                          workspace_fraction=workspace_fraction)

@@ -11,13 +11,11 @@ import pytest
 import torch
 
 from batchwidgets.engine.memory._allocator import (
-    _FREE,
-    _WORKSPACE,
     MIB,
     STEADY_STEPS,
     CachingAllocatorModel,
     ReplayResult,
-    _Replay,
+    event_bytes,
     replay,
     staging_kind,
 )
@@ -26,9 +24,18 @@ from batchwidgets.engine.memory._allocator import (
 def _by_the_model(events, cap, preallocated, fraction, steady) -> ReplayResult:
     """The replay as it ran before it was inlined: CachingAllocatorModel's own malloc, free and
     malloc_workspace, event by event."""
-    step = _Replay(events)
-    kept = {key for action, key, _, keep in step.actions if keep}
+    kept = ({key for kind, key, _ in events if kind != "free"}
+            - {key for kind, key, _ in events if kind == "free"})
     model, handles, index = CachingAllocatorModel(cap), {}, -1
+
+    def run(kind: str, table: dict, key: int, nbytes: int) -> None:
+        if kind == "free":
+            model.free(table.pop(key, None))
+        elif kind == "workspace":
+            table[key] = model.malloc_workspace(nbytes, fraction)
+        else:
+            table[key] = model.malloc(event_bytes(kind, nbytes))
+
     try:
         for item in preallocated:
             key, nbytes = item if isinstance(item, tuple) else (None, item)
@@ -36,26 +43,14 @@ def _by_the_model(events, cap, preallocated, fraction, steady) -> ReplayResult:
             if key is not None:
                 handles[key] = handle
         # ``index`` is the event that ran out, for the OOM below (hence the noqa)
-        for index, (action, key, nbytes, _) in enumerate(step.actions):  # noqa: B007
-            if action == _FREE:
-                model.free(handles.pop(key, None))
-            elif action == _WORKSPACE:
-                handles[key] = model.malloc_workspace(nbytes, fraction)
-            else:
-                handles[key] = model.malloc(nbytes)
+        for index, (kind, key, nbytes) in enumerate(events):  # noqa: B007
+            run(kind, handles, key, nbytes)
         layout = (model.reserved_bytes, tuple(sorted(model._free)))
         for _ in range(1, STEADY_STEPS if steady else 1):
             mine = {}
-            for index, (action, key, nbytes, _) in enumerate(step.actions):  # noqa: B007
-                if key in kept:
-                    continue
-                table = mine if key < 0 else handles
-                if action == _FREE:
-                    model.free(table.pop(key, None))
-                elif action == _WORKSPACE:
-                    table[key] = model.malloc_workspace(nbytes, fraction)
-                else:
-                    table[key] = model.malloc(nbytes)
+            for index, (kind, key, nbytes) in enumerate(events):  # noqa: B007
+                if key not in kept:
+                    run(kind, mine if key < 0 else handles, key, nbytes)
             now = (model.reserved_bytes, tuple(sorted(model._free)))
             if now == layout:
                 break
