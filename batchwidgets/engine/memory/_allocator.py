@@ -721,6 +721,12 @@ def scale_events(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Eve
     where_a: dict[int, int] = {}
     where_b: dict[int, int] = {}
     scaled: list[Event] = []
+    append = scaled.append
+    # _affine inline: (2 * (n_a * to_a + n_b * to_b) + span) // (2 * span), span > 0
+    to_a, to_b, span = batch_b - batch_size, batch_size - batch_a, batch_b - batch_a
+    if span < 0:
+        to_a, to_b, span = -to_a, -to_b, -span
+    to_a, to_b, twice = 2 * to_a, 2 * to_b, 2 * span
     for position, ((kind, key_a, n_a), (kind_b, key_b, n_b)) in enumerate(
             zip(events_a, events_b)):
         if kind != kind_b:
@@ -729,12 +735,13 @@ def scale_events(events_a: Sequence[Event], batch_a: int, events_b: Sequence[Eve
                 return None
         if kind != "free":
             where_a[key_a] = where_b[key_b] = position
-            scaled.append((kind, -1 - position, _affine(n_a, batch_a, n_b, batch_b, batch_size)))
+            nbytes = (n_a * to_a + n_b * to_b + span) // twice
+            append((kind, -1 - position, nbytes if nbytes > 0 else 0))
         else:
             at_a, at_b = where_a.pop(key_a, None), where_b.pop(key_b, None)
             if at_a != at_b:
                 return None
-            scaled.append(("free", key_a if at_a is None else -1 - at_a, 0))
+            append(("free", key_a if at_a is None else -1 - at_a, 0))
     return scaled
 
 

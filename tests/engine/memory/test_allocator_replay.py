@@ -139,3 +139,20 @@ def test_a_search_reads_each_cap_as_its_own_replay_would(seed):
     for cap in caps:
         assert fits.result(cap) == replay(events, cap, preallocated=preallocated, steady=True)
     assert len(fits._spans) < len(set(caps)) / 2  # most read from another cap's replay
+
+
+@pytest.mark.parametrize(("batch_a", "batch_b"), [(2, 4), (4, 2), (3, 10), (8, 1)])
+def test_scale_events_puts_each_size_on_the_line_rounded_half_up(batch_a, batch_b):
+    from batchwidgets.engine.memory._allocator import _affine, scale_events
+
+    rng = random.Random(batch_a * 100 + batch_b)
+    shape = [e for e in _trace(rng, 400) if e[0] in ("alloc", "free")]
+    a = [(kind, key, rng.randrange(0, 10**9)) if kind == "alloc" else (kind, key, 0)
+         for kind, key, _ in shape]
+    b = [(kind, key, rng.choice([n, rng.randrange(0, 10**9)])) if kind == "alloc" else
+         (kind, key, 0) for (kind, key, _), (_, _, n) in zip(shape, a)]
+    for size in (0, 1, batch_a, batch_b, 5, 17, 1000, 2**24):
+        scaled = scale_events(a, batch_a, b, batch_b, size)
+        assert [n for _, _, n in scaled] == [
+            _affine(n_a, batch_a, n_b, batch_b, size) if kind == "alloc" else 0
+            for (kind, _, n_a), (_, _, n_b) in zip(a, b)]
