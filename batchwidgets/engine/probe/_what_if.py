@@ -271,9 +271,13 @@ def _predicted_here(setup: ProbeSetup, traced: Traced) -> list[WhatIf]:
     modules = checkpoint_candidates(setup, setup.owner)
     found = traced.report.max_batch_size
     # On CUDA the tensors' bytes are not what runs out: the boundary found says where, in
-    # tensor bytes, the reserved memory ran out, and the rows are predicted against that.
-    row_limit = (traced.model.peak_bytes(found) if traced.replays and found
-                 else traced.limit_bytes - traced.overhead_bytes)
+    # tensor bytes, the reserved memory ran out, and the rows are predicted against that. So
+    # too where the device ran out below the limit (the limit then lowered to the live bytes of
+    # its failure, often taken early in a step): a change that only frees memory never fits
+    # fewer than the answer, so the rows' limit is at least what the answer's step needs.
+    answer_bytes = traced.model.peak_bytes(found) if found else 0
+    row_limit = (answer_bytes if traced.replays and found
+                 else max(traced.limit_bytes - traced.overhead_bytes, answer_bytes))
     rows = predicted(traced.model, row_limit, multiple_of=setup.multiple_of,
                      ceiling=setup.ceiling, modules=modules)
     if traced.replays:  # the allocator's segments and rounding gone: tensors and workspaces

@@ -78,3 +78,21 @@ def test_the_private_members_the_state_guard_resets_exist_on_the_pinned_torch():
     assert "_unsharded_param" in FSDPParam.__annotations__
     ddp = torch.nn.parallel.DistributedDataParallel
     assert "require_forward_param_sync" in ddp.__init__.__code__.co_names
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_after_the_device_ran_out_no_what_if_row_fits_fewer_than_the_answer(where):
+    # the device's failure lowers the limit to its live bytes, taken mid-step: the per-op rows
+    # (a loop that frees the output, SGD: changes that only free memory) were once predicted
+    # against that and said 0, and the summary "keep_output=False: 0"
+    device = Device(EDGE, where)
+    model = net(device)
+    optimizer = step_runs_out(torch.optim.Adam(model.parameters(), lr=1e-2), device)
+    report = bw.find_batch(model, make_batch, loss_fn=nn.functional.cross_entropy,
+                           optimizer=optimizer, budget="1GiB", max_batch_size=16, start=8,
+                           trace="real", cache=False)
+    assert report.max_batch_size == EDGE
+    predicted = [row for row in report.what_if if not row.measured]
+    assert predicted, report.what_if
+    assert all(row.max_batch_size >= EDGE for row in predicted), report.what_if
+    assert ": 0" not in report.summary()
