@@ -122,7 +122,19 @@ def load_config(words: Sequence[str]) -> Any:
                             f"those of {kind.__name__}().to_dict().")
     # one constructor call: fields derived from others (head_dim from hidden_size and the
     # heads) follow the overrides, as they would not if set after it
-    return kind(**{**data, **overrides})
+    try:
+        return kind(**{**data, **overrides})
+    except Exception as error:  # a value of the wrong type or out of range, however it is said
+        raise FlagError(f"--config {named} refuses its values: {_said(error)}; fix the "
+                        f"key=value overrides (or the file).") from None
+
+
+def _said(error: BaseException) -> str:
+    """An error of transformers' in one line (a validation error says its cause on the next),
+    without its trailing period."""
+    said = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    said = said or type(error).__name__
+    return (said if len(said) <= 240 else said[:239] + "…").rstrip(".")
 
 
 _TOKEN_HEADS = ("ForCausalLM", "ForMaskedLM", "LMHeadModel", "ForConditionalGeneration")
@@ -159,9 +171,13 @@ def _token_batch(vocab: int, labels: str, classes: int, batch_size: int, seq_len
 def from_config(words: Sequence[str]) -> tuple[torch.nn.Module, Callable, str]:
     config = load_config(words)
     cls = _model_class(config)
-    with torch.device("meta"):
-        model = (cls.from_config(config) if hasattr(cls, "from_config") and cls.__name__
-                 .startswith("Auto") else cls(config))
+    try:
+        with torch.device("meta"):
+            model = (cls.from_config(config) if hasattr(cls, "from_config") and cls.__name__
+                     .startswith("Auto") else cls(config))
+    except (TypeError, ValueError, AssertionError) as error:  # values that do not go together
+        raise FlagError(f"--config {words[0]}: {cls.__name__} cannot be built from these values: "
+                        f"{_said(error)}; fix the key=value overrides (or the file).") from None
     name = type(model).__name__
     labels = ("tokens" if name.endswith(_TOKEN_HEADS) else "class"
               if name.endswith("ForSequenceClassification") else "")

@@ -143,6 +143,10 @@ def test_from_a_shell_the_answer_goes_to_stdout_and_a_snapshot_to_its_file(tmp_p
     (["--factory", "nowhere:model", "--gpu", "T4"], "--factory nowhere:model"),
     (["--config", "LlamaConfig", "--gpu", "T4", "--optimiser", "sgd"], "did you mean --optimizer"),
     (["--config", "LlamaConfig", "--gpu", "T4", "--dtype", "fp8"], "--dtype"),
+    (["--config", "LlamaConfig", "num_hidden_layers=abc", "--gpu", "T4"],
+     "--config LlamaConfig refuses its values"),
+    (["--config", "GPT2Config", "n_embd=64", "n_head=3", "--gpu", "T4"],
+     "cannot be built from these values"),
 ])
 def test_a_bad_flag_is_one_line_naming_it_with_exit_code_2(argv, says, capsys):
     if "--lora" in argv and _has_peft():

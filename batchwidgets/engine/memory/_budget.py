@@ -40,6 +40,7 @@ def parse_bytes(value: int | float | str | None, name: str = "budget") -> int | 
         raise TypeError(f"{name} should be bytes as an int or a string such as '512MB' or "
                         f"'16GiB', but got {name}={value!r}.")
     given = value
+    unit = ""
     if isinstance(value, str):
         match = _BUDGET_RE.match(value)
         unit = match.group(2).lower() if match else None
@@ -47,6 +48,9 @@ def parse_bytes(value: int | float | str | None, name: str = "budget") -> int | 
             raise ValueError(f"{name} should be a size such as '512MB', '1.5GB', '16GiB' or "
                              f"'512M' ({_UNITS_HELP}), but got {name}={value!r}.")
         value = float(match.group(1)) * _UNITS[unit]
+    if unit in ("", "b") and math.isfinite(value) and value != int(value):  # budget=1.5
+        raise ValueError(f"{name} should be a whole number of bytes, or a size with its unit "
+                         f"such as '1.5GB' or '1.5GiB', but got {name}={given!r}.")
     if not math.isfinite(value):
         raise ValueError(f"{name} should be a finite number of bytes, but got {name}={given!r}; "
                          f"leave it out (None) for no budget.")

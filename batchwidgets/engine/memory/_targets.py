@@ -122,8 +122,13 @@ def parse_gpus(value: int | str) -> tuple[int, int | str]:
     found = re.match(r"^\s*(\d+)\s*[x\u00d7*]\s*(\S.*)$", value) if isinstance(value, str) else None
     if found is None:
         return 1, value
-    count = int(found.group(1))
+    count, gpu = int(found.group(1)), found.group(2)
     if count < 1:
         raise ValueError(f"target should count at least one GPU, such as '8xA100-80GB', but got "
                          f"target={value!r}.")
-    return count, found.group(2)
+    if not is_cpu_target(gpu):
+        try:
+            parse_target(gpu)
+        except ValueError as error:  # said of the GPU's part: said again of the target as given
+            raise ValueError(str(error).replace(f"target={gpu!r}", f"target={value!r}")) from None
+    return count, gpu

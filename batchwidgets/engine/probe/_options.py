@@ -93,6 +93,14 @@ def _trace(value: Any, said: Spelling) -> None:
                          f"'real' runs real steps.")
 
 
+def _function(name: str, called: str) -> Any:
+    def check(value: Any, said: Spelling) -> None:
+        if not callable(value):
+            raise TypeError(f"{said(name)} should be a function, {called}, but got "
+                            f"{said(name, value)}; pass one, or leave {said(name)} out.")
+    return check
+
+
 def _step(value: Any, said: Spelling) -> None:
     if not callable(value):
         raise TypeError(f"{said('step')} should be a step(batch_size) function, but got "
@@ -158,7 +166,8 @@ class FindBatchRequest:
     its help line, check, flag and whether a remembered answer's key holds it (``keyed``)."""
 
     loss_fn: Callable | None = option(
-        None, "loss_fn(output, target) (default: the output's .loss, or its mean)", flag="name")
+        None, "loss_fn(output, target) (default: the output's .loss, or its mean)",
+        check=_function("loss_fn", "loss_fn(output, target) -> loss"), flag="name")
     optimizer: torch.optim.Optimizer | None = option(
         None, "a torch.optim.Optimizer (default: a fresh AdamW)", check=_optimizer, flag="name")
     device: torch.device | str | None = option(
@@ -185,11 +194,12 @@ class FindBatchRequest:
     start: int | None = option(None, "first batch size tried", metavar="N", parse=integer)
     # how to report, not what is measured: not in a remembered answer's key
     on_step: OnStep | None = option(
-        None, "on_step(attempt): each Attempt as it finishes (progress)", flag="",
-        keyed=False)
+        None, "on_step(attempt): each Attempt as it finishes (progress)",
+        check=_function("on_step", "on_step(attempt)"), flag="", keyed=False)
     should_stop: ShouldStop | None = option(
         None, "should_stop() -> True ends the search with the sizes it finished (a Stop "
-              "button)", flag="", keyed=False)
+              "button)", check=_function("should_stop", "should_stop() -> bool"), flag="",
+        keyed=False)
     seq_len: Sequence[int] | None = option(
         None, "sequence lengths, e.g. 128,256,512: MAKE_BATCH is make_batch(batch_size, "
               "seq_len) and the report's frontier maps each length to its largest batch",

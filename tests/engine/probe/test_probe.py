@@ -398,6 +398,11 @@ BAD_ARGUMENTS = {
     "start zero": ({"start": 0}, ValueError, "start=0"),
     "start above max": ({"start": 8, "max_batch_size": 4}, ValueError, "max_batch_size=4"),
     "budget": ({"budget": "lots"}, ValueError, "budget='lots'"),
+    "budget a fraction of a byte": ({"budget": 1.5}, ValueError, "budget=1.5"),
+    "loss_fn": ({"loss_fn": 5}, TypeError, "loss_fn=5"),
+    "on_step": ({"on_step": "print"}, TypeError, "on_step='print'"),
+    "should_stop": ({"should_stop": True}, TypeError, "should_stop=True"),
+    "target's GPU, counted": ({"target": "8xZ100"}, ValueError, "target='8xZ100'"),
 }
 
 
