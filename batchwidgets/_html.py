@@ -9,16 +9,29 @@ import importlib.util
 import io
 from collections.abc import Iterable, Sequence
 
+MAX_ROWS = 60  # a longer table shows its first and last rows, as pandas elides a long frame
+
 
 def table(rows: Iterable[Sequence[object]], header: Sequence[object] | None = None,
           caption: str | None = None) -> str:
-    """Return an HTML ``<table>``; every cell and the caption go through ``html.escape``."""
+    """Return an HTML ``<table>``; every cell and the caption go through ``html.escape``. Over
+    ``MAX_ROWS`` rows (a live loader switched at every batch), the first and last halves of that
+    and one row saying how many are left out: every row stays in the report's fields."""
     parts = ['<table class="batchwidgets">']
     if caption is not None:
         parts.append(f"<caption>{html.escape(str(caption))}</caption>")
     if header is not None:
         parts.append("<tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>")
-    for row in rows:
+    rows = list(rows)
+    half = MAX_ROWS // 2
+    left_out = len(rows) - 2 * half if len(rows) > MAX_ROWS else 0
+    for i, row in enumerate(rows):
+        if left_out and i == half:
+            width = max(len(header or ()), len(row))
+            parts.append(f'<tr><td colspan="{width}">… {left_out} rows more (every row is in '
+                         f'the report\'s fields)</td></tr>')
+        if left_out and half <= i < half + left_out:
+            continue
         parts.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>")
     parts.append("</table>")
     return "".join(parts)

@@ -372,10 +372,15 @@ def plot_loader(report: LoaderReport, *, ax: Axes | None = None) -> Figure:
 _PLOTTERS[LoaderReport] = plot_loader
 
 
+LIVE_BARS = 24  # a loop switched at every batch keeps its picture a screen high
+
+
 def plot_live_loader(report: LiveLoaderReport, *, ax: Axes | None = None) -> Figure:
     """The training loop's own samples/s with each setting a live loader ran (one bar per
-    segment, in the order run; the one in force outlined), each with its data stall."""
-    segments = report.segments
+    segment, in the order run; the one in force outlined), each with its data stall: the last
+    ``LIVE_BARS`` of them where the loop switched more often (every segment stays in
+    ``report.segments``)."""
+    segments = report.segments[-LIVE_BARS:]
     if ax is None:
         figure = Figure(figsize=(7, 1.2 + 0.42 * max(1, len(segments))), layout="constrained")
         ax = figure.subplots()
@@ -393,7 +398,9 @@ def plot_live_loader(report: LiveLoaderReport, *, ax: Axes | None = None) -> Fig
     ax.set_xlabel("samples/s of the training loop (its steps and its waits for data)")
     ax.margins(x=0.45)
     switches = len(report.switches)
-    ax.set_title(f"the running loop, {switches} switch{'' if switches == 1 else 'es'}")
+    shown = ("" if len(segments) == len(report.segments)
+             else f" (the last {len(segments)} of {len(report.segments)} settings run)")
+    ax.set_title(f"the running loop, {switches} switch{'' if switches == 1 else 'es'}{shown}")
     return ax.figure
 
 

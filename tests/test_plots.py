@@ -129,6 +129,28 @@ def test_plot_live_loader_draws_the_loops_samples_per_s_per_setting():
     assert "80% waiting, 5 batches" in [text.get_text().strip() for text in ax.texts]
 
 
+def test_a_loop_switched_at_every_batch_draws_its_last_settings_and_a_short_html():
+    # 400 segments drew a figure 170 inches high: a 2 MB PNG in the report's HTML
+    none = {"num_workers": 0, "pin_memory": False, "prefetch_factor": None,
+            "persistent_workers": False}
+    pinned = {**none, "pin_memory": True}
+    settings = [none if i % 2 == 0 else pinned for i in range(400)]
+    report = LiveLoaderReport(
+        segments=tuple(LoaderSegment(setting, 1, 32, 0.1, 0.2, 0, i)
+                       for i, setting in enumerate(settings)),
+        switches=tuple(LoaderSwitch(settings[i], settings[i + 1], 0, i + 1, 0.0, 0.01)
+                       for i in range(399)), settings=settings[-1], epoch=1)
+    ax = plots.plot(report).axes[0]
+    assert len(ax.patches) == plots.LIVE_BARS
+    assert ax.get_yticklabels()[-1].get_text().endswith("(from 0:399)")  # the last run
+    assert "the last 24 of 400 settings run" in ax.get_title()
+    html = report._repr_html_()
+    assert len(html) < 300_000
+    assert "rows more" in html
+    assert len(report.segments) == 400  # the fields keep every one
+    assert len(report.switches) == 399
+
+
 def test_the_probe_draws_one_step_over_its_ops_stacked_by_kind_with_its_peak_and_budget():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
