@@ -12,7 +12,9 @@ from collections.abc import Callable
 import torch
 
 from ...results import BatchSizeReport, MemorySplit, ParallelPlan
+from .. import memory
 from ..memory import OpTrace
+from ..memory._allocator import event_bytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # least communication first
 PARALLEL = (*STRATEGIES, "compare")
@@ -256,10 +258,12 @@ def rank_trace(trace: OpTrace, of: dict[str, float], buffers_bytes: int) -> OpTr
               for (kind, key, nbytes), shared in zip(trace.events, trace.event_kinds)]
     preallocated = [(key, _share(nbytes, kind, of))
                     for (key, nbytes), kind in zip(trace.preallocated, trace.preallocated_kinds)]
+    kinds = list(trace.preallocated_kinds[:len(preallocated)])
     if buffers_bytes:
         preallocated.append((BUFFERS_KEY, buffers_bytes))
+        kinds.append("communication")
     return dataclasses.replace(trace, live=live, events=events, preallocated=preallocated,
-                               parts={})
+                               preallocated_kinds=kinds, parts={})
 
 
 def per_rank(strategy: str, world_size: int, split: MemorySplit, model: Shapes) -> MemorySplit:
@@ -277,13 +281,14 @@ Pair = tuple[tuple[OpTrace, int], tuple[OpTrace, int]]
 
 def plan_ranks(report: BatchSizeReport, model: torch.nn.Module, strategy: str, world_size: int,
                pair: Pair, plan: Callable[[Pair], BatchSizeReport],
-               traced: dict[str, BatchSizeReport], units: tuple[str, ...] = ()
-               ) -> BatchSizeReport:
+               traced: dict[str, BatchSizeReport], units: tuple[str, ...] = (),
+               traced_pairs: dict[str, Pair] | None = None) -> BatchSizeReport:
     """The per-rank report under ``strategy`` ("compare": the one with the largest per-rank
     batch), with every strategy's row, the wrapping assumed and why the order of the strategies
     does not hold, where it does not. ``plan(pair)`` is the one-rank plan from a pair of
-    traces; ``traced`` has the strategies traced as they run (their reports per rank already);
-    ``units``: the user's own fully_shard units, where the model came sharded."""
+    traces; ``traced`` has the strategies traced as they run (their reports per rank already)
+    and ``traced_pairs`` their pairs of traces, where there are; ``units``: the user's own
+    fully_shard units, where the model came sharded."""
     split = report.memory_split
     if split is None:
         raise RuntimeError("find_batch traced no memory split to plan ranks from; this is a bug "
@@ -293,16 +298,21 @@ def plan_ranks(report: BatchSizeReport, model: torch.nn.Module, strategy: str, w
     for name in STRATEGIES:
         rank = per_rank(name, world_size, split, model_shapes)
         if name in traced:
-            one = traced[name]
-            rank = _traced_split(one.memory_split or split, rank.communication_bytes)
+            own = traced[name]
+            rank = _traced_split(own.memory_split or split, rank.communication_bytes)
+            rank_pair = (traced_pairs or {}).get(name)
         else:
             of, buffers = shares(name, world_size, model_shapes), _buffers(name, model_shapes)
-            one = plan(tuple((rank_trace(trace, of, buffers), size) for trace, size in pair))
+            rank_pair = tuple((rank_trace(trace, of, buffers), size) for trace, size in pair)
+            own = plan(rank_pair)
+        one = own
         below = reports.get(_holds_at_most(name, world_size, model_shapes))
         if below is not None and below.max_batch_size > one.max_batch_size:
             one = below  # see NOTE [ A stage holds at most the stage below ]
         reports[name] = dataclasses.replace(one, memory_split=rank)
-        rows.append(_row(name, world_size, one.max_batch_size, rank, model_shapes))
+        row = _row(name, world_size, one.max_batch_size, rank, model_shapes)
+        rows.append(dataclasses.replace(row, activations_bytes=_activations_at_answer(
+            row, rank_pair, own, one.limit_bytes)))
     chosen = strategy if strategy != "compare" else max(
         STRATEGIES, key=lambda name: (reports[name].max_batch_size, -STRATEGIES.index(name)))
     order = parallel_order({name: found.max_batch_size for name, found in reports.items()},
@@ -325,17 +335,78 @@ def _row(name: str, world_size: int, found: int, rank: MemorySplit,
          model: Shapes) -> ParallelPlan:
     """What a rank holds under ``name``: its weights and optimizer state (at the trace's peak),
     its share of every gradient (held from backward to the step, whether or not the peak comes
-    before them: an LLM's comes in the forward), the buffers, and the activations at its peak
-    at ``found`` (linear in the batch, as the per-op model is)."""
-    activations = (math.ceil(rank.activations_bytes * found / rank.batch_size)
-                   if rank.batch_size else 0)
+    before them: an LLM's comes in the forward) and the buffers; its activations at its answer
+    come from the rank's own step at ``found`` (``_activations_at_answer``)."""
     return ParallelPlan(
         parallel=name, world_size=world_size, max_batch_size=found,
         parameters_bytes=rank.parameters_bytes,
         gradients_bytes=_share(model.gradients_bytes, "gradient",
                                shares(name, world_size, model)),
-        optimizer_bytes=rank.optimizer_bytes, communication_bytes=rank.communication_bytes,
-        activations_bytes=activations)
+        optimizer_bytes=rank.optimizer_bytes, communication_bytes=rank.communication_bytes)
+
+
+# NOTE [ A row's activations, at its answer ]
+# A row's activations_bytes are the bytes saved for backward at the peak of the rank's own step
+# at the row's answer: the rank's pair of traces (the one-GPU pair at the rank's shares, or one
+# FSDP2 rank's own) scaled to the answer event by event, as the allocator's replay that decided
+# it scales them, each storage counted by its kind until the live bytes peak. Not the traced
+# split scaled by the batch: the small traced sizes peak elsewhere (a Llama's one-GPU trace in
+# the optimizer step, where the activations are freed: 4 KiB a sample, its input ids), and the
+# split of one FSDP2 rank's trace is not its peak's. The row's parts add up to at most what the
+# rank needs at its answer, and that to at most the usable memory: every gradient is counted
+# whole, though at a forward peak none exists yet, so where the parts would pass that need the
+# activations are cut to it.
+def _activations_at_answer(row: ParallelPlan, pair: Pair | None, own: BatchSizeReport,
+                           usable_bytes: int | None) -> int:
+    """The activations a rank holds at its peak at ``row``'s answer (NOTE [ A row's
+    activations, at its answer ]), where the rank's pair scales to it (else 0)."""
+    found = row.max_batch_size
+    if not found or pair is None:
+        return 0
+    (small, b_small), (large, b_large) = pair
+    if b_small == b_large:
+        return 0
+    events = memory.scale_events(small.events, b_small, large.events, b_large, found)
+    if events is None:
+        return 0
+    held, peak = _saved_at_peak(events, large.event_kinds, small, large)
+    need = max(peak, int(own.predict_peak_bytes(found) or 0))
+    if usable_bytes is not None:
+        need = min(need, usable_bytes)
+    others = (row.parameters_bytes + row.gradients_bytes + row.optimizer_bytes
+              + row.communication_bytes)
+    return max(0, min(held, need - others))
+
+
+def _saved_at_peak(events: list[tuple[str, int, int]], kinds: list[str], small: OpTrace,
+                   large: OpTrace) -> tuple[int, int]:
+    """The activation bytes alive where ``events`` (a pair scaled to one size, the storages
+    alive before them ``large``'s, under ``small``'s keys, as scale_events keeps them) peak in
+    live bytes, and that peak."""
+    owner: dict[int, tuple[bool, int]] = {}  # key -> (an activation, its bytes)
+    live = saved = 0
+    for index, (key, nbytes) in enumerate(large.preallocated):
+        kind = large.preallocated_kinds[index] if index < len(large.preallocated_kinds) else ""
+        if index < len(small.preallocated):
+            key = small.preallocated[index][0]
+        owner[key] = (kind == "activation", nbytes)
+        live += nbytes
+        saved += nbytes if kind == "activation" else 0
+    peak, at_peak = live, saved
+    for index, (event, key, nbytes) in enumerate(events):
+        if event == "free":
+            activation, freed = owner.pop(key, (False, 0))
+            live -= freed
+            saved -= freed if activation else 0
+            continue
+        nbytes = event_bytes(event, nbytes)
+        activation = index < len(kinds) and kinds[index] == "activation"
+        owner[key] = (activation, nbytes)
+        live += nbytes
+        saved += nbytes if activation else 0
+        if live > peak:
+            peak, at_peak = live, saved
+    return at_peak, peak
 
 
 def _traced_split(split: MemorySplit, buffers_bytes: int) -> MemorySplit:

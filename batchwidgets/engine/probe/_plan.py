@@ -185,17 +185,20 @@ def _ranks_planned(setup: ProbeSetup, report: BatchSizeReport,
     be (NOTE [ One FSDP2 rank, traced ] in _sharded.py), the rest by each storage's share on a
     rank."""
     ranks_traced: dict[str, BatchSizeReport] = {}
+    pairs: dict[str, Pair] = {}
     if setup.parallel in ("fsdp", "compare"):
         fsdp, why_not = _fsdp_planned(setup, traced.rank, traced.rank_note)
         if fsdp is not None:
             ranks_traced["fsdp"] = fsdp
+            if traced.rank is not None and traced.rank.pair is not None:
+                pairs["fsdp"] = traced.rank.pair
         else:
             report = dataclasses.replace(report, method=f"{report.method} FSDP2 planned by its "
                                                         f"published rules: {why_not}.")
     name, usable = setup.target
     return plan_ranks(report, setup.model, setup.parallel, setup.world_size, traced.pair,
                       lambda pair: planned(report, traced, name, usable, pair), ranks_traced,
-                      setup.units)
+                      setup.units, pairs)
 
 
 def _fsdp_planned(setup: ProbeSetup, rank: Traced | None,
