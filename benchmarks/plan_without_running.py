@@ -77,7 +77,7 @@ def make_batch(batch_size):
 
 started, cpu_started = time.perf_counter(), time.process_time()
 try:
-    report = bw.find_batch(model, make_batch, target=target, trace=trace)
+    report = bw.find_batch(model, make_batch, target=target, trace=trace, cache=False)
     answer, band, error = report.max_batch_size, list(report.target_band), ""
     states = report.memory_split
     states = (states.parameters_bytes, states.gradients_bytes, states.optimizer_bytes)
