@@ -17,7 +17,14 @@
 It imports the shared modules beside it and nothing of the capabilities.
 """
 
-from ._allocator import STEADY_STEPS, largest_batch_size, needed_bytes, replay, scale_events
+from ._allocator import (
+    STEADY_STEPS,
+    event_bytes,
+    largest_batch_size,
+    needed_bytes,
+    replay,
+    scale_events,
+)
 from ._budget import available_memory_bytes, parse_bytes
 from ._meters import Reading
 from ._oom import cannot_train_alone, drop_own_frames, forget, free_memory, is_oom
@@ -31,6 +38,7 @@ __all__ = [
     "CPU_TARGET", "GPU_TARGETS", "STEADY_STEPS", "BudgetExceededError", "OpTrace", "PeakModel",
     "Reading",
     "TensorMemoryTracker", "available_memory_bytes", "cannot_train_alone", "drop_own_frames",
+    "event_bytes",
     "forget", "free_memory", "is_cpu_target", "is_oom", "largest_batch_size", "needed_bytes",
     "parse_bytes",
     "parse_gpus", "parse_target", "probe_meter", "replay", "said_where", "scale_events",

@@ -14,7 +14,6 @@ import torch
 from ...results import BatchSizeReport, MemorySplit, ParallelPlan
 from .. import memory
 from ..memory import OpTrace
-from ..memory._allocator import event_bytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # least communication first
 PARALLEL = (*STRATEGIES, "compare")
@@ -399,7 +398,7 @@ def _saved_at_peak(events: list[tuple[str, int, int]], kinds: list[str], small: 
             live -= freed
             saved -= freed if activation else 0
             continue
-        nbytes = event_bytes(event, nbytes)
+        nbytes = memory.event_bytes(event, nbytes)
         activation = index < len(kinds) and kinds[index] == "activation"
         owner[key] = (activation, nbytes)
         live += nbytes
