@@ -24,6 +24,7 @@ from .results import (
 )
 
 MIB = 2**20
+LIVE_BARS = 24  # the settings a live loader's picture shows: the last ones run
 
 
 def _axes_pair(ax: Axes | None) -> tuple[Figure, Axes, Axes]:
@@ -355,8 +356,7 @@ def plot_loader(report: LoaderReport, *, ax: Axes | None = None) -> Figure:
               for i, t in enumerate(trials)]
     rows = range(len(trials))
     bars = ax.barh(rows, [t.samples_per_s for t in trials], color=colors)
-    bars[report.current_index].set_edgecolor("black")
-    bars[report.current_index].set_linewidth(1.5)
+    bars[report.current_index].set(edgecolor="black", linewidth=1.5)
     ax.set_yticks(list(rows), [t.label for t in trials], fontsize="small")
     ax.invert_yaxis()  # first measured on top
     for i, t in enumerate(trials):
@@ -372,14 +372,9 @@ def plot_loader(report: LoaderReport, *, ax: Axes | None = None) -> Figure:
 _PLOTTERS[LoaderReport] = plot_loader
 
 
-LIVE_BARS = 24  # a loop switched at every batch keeps its picture a screen high
-
-
 def plot_live_loader(report: LiveLoaderReport, *, ax: Axes | None = None) -> Figure:
-    """The training loop's own samples/s with each setting a live loader ran (one bar per
-    segment, in the order run; the one in force outlined), each with its data stall: the last
-    ``LIVE_BARS`` of them where the loop switched more often (every segment stays in
-    ``report.segments``)."""
+    """The training loop's own samples/s with each of the last ``LIVE_BARS`` settings a live
+    loader ran (one bar each, in the order run; the one in force outlined), with its data stall."""
     segments = report.segments[-LIVE_BARS:]
     if ax is None:
         figure = Figure(figsize=(7, 1.2 + 0.42 * max(1, len(segments))), layout="constrained")
@@ -387,8 +382,7 @@ def plot_live_loader(report: LiveLoaderReport, *, ax: Axes | None = None) -> Fig
     rows = range(len(segments))
     bars = ax.barh(rows, [s.samples_per_s for s in segments], color="tab:blue")
     if segments:
-        bars[-1].set_edgecolor("black")
-        bars[-1].set_linewidth(1.5)
+        bars[-1].set(edgecolor="black", linewidth=1.5)
     ax.set_yticks(list(rows), [f"{s.label} (from {s.epoch}:{s.batch})" for s in segments],
                   fontsize="small")
     ax.invert_yaxis()  # first run on top
@@ -397,10 +391,9 @@ def plot_live_loader(report: LiveLoaderReport, *, ax: Axes | None = None) -> Fig
                 va="center", fontsize="small")
     ax.set_xlabel("samples/s of the training loop (its steps and its waits for data)")
     ax.margins(x=0.45)
-    switches = len(report.switches)
-    shown = ("" if len(segments) == len(report.segments)
-             else f" (the last {len(segments)} of {len(report.segments)} settings run)")
-    ax.set_title(f"the running loop, {switches} switch{'' if switches == 1 else 'es'}{shown}")
+    switches, run = len(report.switches), len(report.segments)
+    more = f" (the last {len(segments)} of {run} settings run)" if run > LIVE_BARS else ""
+    ax.set_title(f"the running loop, {switches} switch{'' if switches == 1 else 'es'}{more}")
     return ax.figure
 
 

@@ -36,11 +36,9 @@ from ._tracker import BudgetExceededError, TensorMemoryTracker, track_tensor_mem
 
 __all__ = [
     "CPU_TARGET", "GPU_TARGETS", "STEADY_STEPS", "BudgetExceededError", "OpTrace", "PeakModel",
-    "Reading",
-    "TensorMemoryTracker", "available_memory_bytes", "cannot_train_alone", "drop_own_frames",
-    "event_bytes",
-    "forget", "free_memory", "is_cpu_target", "is_oom", "largest_batch_size", "needed_bytes",
-    "parse_bytes",
-    "parse_gpus", "parse_target", "probe_meter", "replay", "said_where", "scale_events",
-    "seed_meter", "simulated_cuda", "step_snapshot", "track_tensor_memory",
+    "Reading", "TensorMemoryTracker", "available_memory_bytes", "cannot_train_alone",
+    "drop_own_frames", "event_bytes", "forget", "free_memory", "is_cpu_target", "is_oom",
+    "largest_batch_size", "needed_bytes", "parse_bytes", "parse_gpus", "parse_target",
+    "probe_meter", "replay", "said_where", "scale_events", "seed_meter", "simulated_cuda",
+    "step_snapshot", "track_tensor_memory",
 ]

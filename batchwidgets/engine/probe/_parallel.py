@@ -1,6 +1,8 @@
 """Plans for N GPUs from one process (``target="8xA100-80GB", parallel="fsdp"``): the one-rank
 plan's trace, with each rank's share of the weights, gradients and optimizer state and the
-communication buffers its strategy adds, by the strategies' published rules."""
+communication buffers its strategy adds, by the strategies' published rules.
+One object, one module: a rank's share of a trace, its row and the strategies' order read the
+same rules."""
 
 from __future__ import annotations
 
