@@ -7,7 +7,9 @@ import functools
 import gc
 import os
 import shutil
+import signal
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,28 @@ def no_leaked_torch_state():
     assert not changed, f"the test left global torch state changed (before, after): {changed}"
     if allocated is not None:
         assert _cuda_allocated() <= allocated, "the test left CUDA memory allocated"
+
+
+# A library may install its own Ctrl-C handler and leave it (SIG_IGN, SIG_DFL, its own): a later
+# test in the same worker that presses Ctrl-C (the live loader's, the reliability storm) then
+# sees no KeyboardInterrupt. Each test gets the handler back as it found it, and a warning in the
+# run's summary names the test that had changed it.
+@pytest.fixture(autouse=True)
+def ctrl_c_as_found(request: pytest.FixtureRequest):
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    left = signal.getsignal(signal.SIGINT)
+    if left is not before:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} left the SIGINT handler {left!r} (put back)",
+                      stacklevel=1)
+
+
+@pytest.fixture
+def pythons_ctrl_c():
+    """Ctrl-C as Python has it by default (KeyboardInterrupt), for a test that presses it:
+    ``os.kill(pid, SIGINT)`` and ``_thread.interrupt_main`` do nothing under SIG_IGN or SIG_DFL,
+    which a library elsewhere in the same process may have left behind."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

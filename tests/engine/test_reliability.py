@@ -32,15 +32,10 @@ MIB = 2**20
 
 
 @pytest.fixture(autouse=True)
-def pythons_ctrl_c():
-    """Ctrl-C as Python has it by default (KeyboardInterrupt): these tests press it, and
-    ``_thread.interrupt_main`` does nothing under SIG_IGN or SIG_DFL, which a test elsewhere in
-    the same process (a library that installs its own handler) may have left behind; no
-    batchwidgets guard may be left installed either."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+def no_guard_left(pythons_ctrl_c):
+    """These tests press Ctrl-C (tests/conftest.py: pythons_ctrl_c), and no batchwidgets guard
+    may be left installed by an earlier test either."""
     assert not _state._DEFERRAL, "a find_batch guard was left installed by an earlier test"
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 # ---- the interrupt storm --------------------------------------------------------------------

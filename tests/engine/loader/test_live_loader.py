@@ -28,6 +28,8 @@ from torch.utils.data import (
 import batchwidgets as bw
 from batchwidgets import BatchwidgetsWarning
 
+pytestmark = pytest.mark.usefixtures("pythons_ctrl_c")  # some tests press Ctrl-C
+
 
 class Noisy(Dataset):
     """Each sample carries a draw from the loading process's torch RNG: worker seeds show."""
