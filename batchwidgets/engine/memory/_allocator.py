@@ -343,10 +343,8 @@ class _Replay:
             elif kind == "alloc" or kind.startswith(_STAGING):
                 if kind != "alloc":
                     nbytes = event_bytes(kind, nbytes)
-                actions.append((index, _ALLOC, key,  # round_size
-                                -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
-                                if nbytes >= MIN_BLOCK_BYTES else MIN_BLOCK_BYTES)
-                               if nbytes > 0 else (index, _NULL, key, 0))
+                actions.append((index, _ALLOC, key, round_size(nbytes)) if nbytes > 0
+                               else (index, _NULL, key, 0))
             elif kind == "workspace":
                 actions.append((index, _WORKSPACE, key, nbytes))
                 self.workspaces = True
@@ -402,8 +400,9 @@ class _Replay:
 # [size, address, allocated, prev, next, small] in place of ``_Block``s, its pools the same
 # sorted keys (size << _ADDRESS_BITS | address) with the same free-block map, its segments,
 # cap, cache release, workspaces and peaks those of the model, rule for rule and in the same
-# order, so a replay's every number is the model's (tests/engine/memory/test_cuda_model.py
-# drives both side by side). Actions, each a tuple (index, action, key, size, own):
+# order, so a replay's every number is the model's (tests/engine/memory/
+# test_allocator_replay.py drives both side by side). Actions, each a tuple (index, action,
+# key, size, own):
 # _ALLOC a rounded size, _NULL a request of 0 bytes (no block), _WORKSPACE the wanted bytes,
 # _FREE; ``own``: the handle goes to the table of the step's own allocations.
 _SIZE, _ADDRESS, _ALLOCATED, _PREV, _NEXT, _SMALL = range(6)  # a _Player block's fields
