@@ -43,8 +43,10 @@ def _saving_activations(tracker: TracingTracker | None) -> Any:
         tracker.mark(tensor, "activation")
         # The same storage without its grad_fn: packing the tensor itself would make a cycle
         # (node -> saved output -> its grad_fn -> node) that Python's collector cannot see, and
-        # every probed step's activations would outlive it.
-        return tensor.detach()
+        # every probed step's activations would outlive it. A tensor with no grad_fn (a weight,
+        # the batch) makes none, and is packed as it is: a detach on a fake tensor is an op
+        # through both modes, a tenth of a fake Llama step's dispatch time.
+        return tensor if tensor.grad_fn is None else tensor.detach()
 
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
 
@@ -211,10 +213,17 @@ class TracingTracker(TensorMemoryTracker):
         super()._count(tensor)
         if self.trace is not None and self.live_bytes != before:
             storage = tensor.untyped_storage()
-            self.trace.events.append(("alloc", id(storage), storage.nbytes()))
-            self.trace.event_ops.append(len(self.trace.names))
-            module = self._where.module() if self._batch_peak is None else "making the batch"
-            self._born(id(storage), storage.nbytes(), len(self.trace.names), module)
+            key, nbytes, op = id(storage), storage.nbytes(), len(self.trace.names)
+            events, serial = self.trace.events, self._serials.pop(key, None)
+            if serial is not None:  # NOTE [ A storage resized in place ]
+                self.lifetimes[serial][1] = op
+                events.append(("free", key, 0))
+                self.trace.event_ops.append(op)
+            if nbytes:
+                events.append(("alloc", key, nbytes))
+                self.trace.event_ops.append(op)
+                module = self._where.module() if self._batch_peak is None else "making the batch"
+                self._born(key, nbytes, op, module)
 
     @makes_weakref_callbacks  # see NOTE [ Restoring under Ctrl-C ] in engine/_state.py
     def _release(self, key: int):
@@ -223,7 +232,7 @@ class TracingTracker(TensorMemoryTracker):
         def traced(ref) -> None:
             known = self._storages.get(key)
             release(ref)
-            if self.trace is not None and known is not None and known[0] is ref:
+            if self.trace is not None and known is not None and known[0] is ref and known[1]:
                 self.trace.events.append(("free", key, 0))
                 self.trace.event_ops.append(len(self.trace.names))
                 serial = self._serials.pop(key, None)
@@ -262,6 +271,16 @@ class TracingTracker(TensorMemoryTracker):
 # its step), activations (tensors autograd saved for backward, seen by a saved_tensors_hooks pack
 # hook), and temporaries (everything else). The split is read at the op that holds the step's
 # peak, so its parts add up to the measured peak.
+
+
+# NOTE [ A storage resized in place ]
+# A storage counted again at another size is the same storage resized: FSDP2's unsharded weights
+# go to 0 bytes after each unit runs and back before its next all-gather (NOTE [ FSDP2 frees by
+# resizing storages ] in probe/_fakes.py), an out= op grows its output. Its old size's lifetime
+# ends there and the new size, if any, is born anew, as the simulated device logs a free and an
+# allocation: a lifetime left open counted every unit's gathered weights as activations alive
+# at an FSDP2 rank's peak, and a birth of 0 bytes, which the device never logs, took the kind
+# of the storage's next allocation.
 
 
 # NOTE [ Two phases ]

@@ -37,7 +37,7 @@ from ._meters import (
     tracing,
 )
 from ._targets import CPU_TARGET
-from ._tracker import LIFT, _Where, unique_tensors
+from ._tracker import DEVICE, LIFT, _Where, unique_tensors
 from ._workspaces import (
     CONV_OPS,
     MATMUL_OPS,
@@ -167,6 +167,8 @@ class _SimulatedDevice(TorchDispatchMode):
             self._free(self._malloc(nbytes, kind=kind, logged=rows))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE:
+            return func(*args, **(kwargs or {}))
         tracker = self.tracker
         try:
             kwargs = kwargs or {}

@@ -53,6 +53,21 @@ def test_one_fsdp2_rank_never_holds_every_blocks_gathered_weights():
     assert found["fsdp"] >= found["zero2"]
 
 
+def test_an_fsdp2_ranks_split_at_its_peak_holds_no_resharded_blocks_weights():
+    # the answer above was right, but the split a user reads still counted each block's
+    # gathered weights (a Linear saves its weight for backward) as activations until the step's
+    # end, though FSDP2 had resized them to 0 bytes after the block ran: 304 MB at a peak of 165
+    model = meta_llama(512, 8, 1536, 256, max_position_embeddings=64).to(torch.bfloat16)
+    block = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    report = bw.find_batch(model, llama_tokens(256, 64), target="2xA100-80GB", parallel="fsdp",
+                           max_batch_size=8, cache=False)
+    split = report.memory_split
+    assert "backward" in split.where  # one block gathered again, the others resharded
+    traced = {attempt.batch_size: attempt.peak_memory_bytes for attempt in report.attempts}
+    assert split.total_bytes <= traced[split.batch_size]  # the parts add up to the peak
+    assert max(split.by_module.values()) < block  # 12.6 MB a block, twice its weights
+
+
 def test_where_the_buffers_outweigh_the_sharding_the_report_says_why():
     # most of this model is its embedding and head: on 2 ranks, ZeRO-3's gathers and FSDP2's
     # root (gathered from forward to backward) hold more than sharding takes off a rank
