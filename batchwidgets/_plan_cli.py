@@ -337,6 +337,19 @@ def as_json(report: Any, args: argparse.Namespace) -> str:
     return json.dumps(data, indent=1, default=str)
 
 
+def _model_failed(args: argparse.Namespace, error: BaseException) -> str:
+    """One line for a model that raised in its step: what it was built from, what find_batch
+    called and what was raised (its own line), and the flags that make the model and batch."""
+    said = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if args.config:
+        source, fix = f"--config {args.config[0]}", "its KEY=VALUE overrides (or the file)"
+    else:
+        source, fix = f"--factory {args.factory}", "the factory"
+    batch = "--seq-len" if args.config else "--input-shape, --seq-len"
+    return (f"the model from {source} raised in its training step: {said}; fix {fix} or the "
+            f"batch it is given ({batch})")
+
+
 def run(args: argparse.Namespace) -> int:
     """The parsed flags planned and printed; a FlagError is one line on stderr, exit code 2."""
     from ._plan_model import FlagError
@@ -354,7 +367,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2
     except Exception as error:
+        from .engine._called import is_said
         from .engine.probe import NoBatchSizeFits
+        if is_said(error):  # the model or its batch raised in the traced step: theirs to fix
+            print(f"{PROG}: {_model_failed(args, error)}", file=sys.stderr)
+            return 2
         if not isinstance(error, NoBatchSizeFits):
             raise
         # the plan that found nothing is still the table (what a rank holds, each strategy)

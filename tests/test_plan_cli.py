@@ -162,6 +162,25 @@ def test_a_bad_flag_is_one_line_naming_it_with_exit_code_2(argv, says, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(("argv", "names"), [
+    # BERT's position ids stop at 8: the model the flags built cannot take 16 tokens
+    (["--config", *BERT, "max_position_embeddings=8", "--gpu", "T4", "--seq-len", "16"],
+     ("--config BertConfig", "--seq-len", "must match")),
+    # the CNN's first convolution takes 3 channels; --input-shape gives it 5
+    (["--factory", f"{TESTS / '_plan_factories.py'}:small_cnn", "--input-shape", "5,32,32",
+      "--num-classes", "10", "--gpu", "T4"],
+     ("--factory", "--input-shape", "small_cnn")),
+])
+def test_a_model_that_raises_in_its_step_is_one_line_naming_its_flags(argv, names, capsys):
+    code = _plan_cli.main([*argv, "--no-cache"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("batchwidgets plan: the model from ")
+    for name in names:
+        assert name in err[-1], err[-1]
+
+
 def _has_peft() -> bool:
     try:
         import peft  # noqa: F401
