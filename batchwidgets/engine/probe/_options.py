@@ -101,12 +101,6 @@ def _function(name: str, called: str) -> Any:
     return check
 
 
-def _step(value: Any, said: Spelling) -> None:
-    if not callable(value):
-        raise TypeError(f"{said('step')} should be a step(batch_size) function, but got "
-                        f"{said('step', value)}.")
-
-
 def _parallel(value: Any, said: Spelling) -> None:
     if value not in PARALLEL:
         raise ValueError(f"{said('parallel')} should be one of {list(PARALLEL)} or None, but got "
@@ -217,7 +211,8 @@ class FindBatchRequest:
         check=_trace, choices=TRACES)
     step: ProbeStep | None = option(
         None, "your own step(batch_size) that trains MODEL: MODEL is then protected and "
-              "counted (leave MAKE_BATCH out)", check=_step, flag="name")
+              "counted (leave MAKE_BATCH out)",
+        check=_function("step", "step(batch_size)"), flag="name")
     parallel: str | None = option(
         None, "with --target NxGPU (e.g. 8xA100-80GB): plan each rank under DDP, ZeRO stage "
               "1-3 or FSDP2, or compare them; the answer is per rank", check=_parallel,
