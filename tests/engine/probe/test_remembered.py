@@ -135,7 +135,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_fresh_process_gets_the_answer_in_under_a_second(tmp_path):
+def test_a_fresh_process_gets_the_answer_without_probing_again(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "BATCHWIDGETS_CACHE_DIR": str(tmp_path / "cache"),  # this checkout:
@@ -151,7 +151,8 @@ def test_a_fresh_process_gets_the_answer_in_under_a_second(tmp_path):
     assert first["remembered"] is None
     assert second["remembered"] is not None
     assert second["remembered"].startswith("measured ")
-    assert second["elapsed_s"] < 1.0, second
+    # side by side, not against a clock (a loaded 2-core machine took 1.02 s): no step ran
+    assert second["elapsed_s"] < first["elapsed_s"] / 4, (first, second)
     assert (second["max_batch_size"], second["attempts"]) == (first["max_batch_size"],
                                                                first["attempts"])
     assert second["repr"] == first["repr"]  # the whole report, but where it was remembered
