@@ -109,6 +109,8 @@ class Accumulator:
         self._micro_steps = self._real_steps = self._skipped = 0
         self._averaged = self._in_real_step = self._update_due = False
         self._scheduler_due = self._scheduler_swallowed = 0
+        self._scheduler_call: tuple[tuple, dict] = ((), {})  # the last swallowed call's arguments
+        self._unscale_swallowed = False  # the loop's unscale_ on this micro-step, not carried out
         self._remainder_done, self._remainder_count = "none", 0
         self._micro_batch_size: int | None = None
         self._losses, self._grad_norms = _Scalars(), _Scalars()
@@ -210,6 +212,8 @@ class Accumulator:
             if (optimizer is not self.optimizer or self._in_real_step or self.is_sync_step
                     or not self._ours()):
                 original(optimizer)
+            else:
+                self._unscale_swallowed = True
         return unscale_
 
     def _scaler_step(self, original: Callable) -> Callable:
@@ -246,6 +250,8 @@ class Accumulator:
                 original(*args, **kwargs)
             else:
                 self._scheduler_swallowed += 1
+                self._scheduler_call = (args, kwargs)  # ReduceLROnPlateau's metric, for one
+                # a remainder applies (NOTE [ The remainder's scheduler step ])
         return step
 
     def _tensor_backward(self, original: Callable) -> Callable:
@@ -283,7 +289,9 @@ class Accumulator:
                 device = grads[0].device
                 norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().to(device)
                                      for g in grads])
-                return torch.linalg.vector_norm(norms, norm_type) / (self._pending + 1)
+                norm = torch.linalg.vector_norm(norms, norm_type) / (self._pending + 1)
+                scale = loss_scale(self.scaler, device) if self._unscale_swallowed else None
+                return norm if scale is None else norm / scale  # as the loop's unscale_ would
         return clip_grad_norm_
 
     # ---- what the tracker costs -----------------------------------------------------------
@@ -309,6 +317,7 @@ class Accumulator:
         self._averaged = True
 
     def _micro_step(self, real: Callable[[], Any]) -> Any:
+        self._unscale_swallowed = False
         self._micro_steps += 1
         self._pending += 1
         self._close_micro_batch()
@@ -437,6 +446,8 @@ class Accumulator:
         try:
             self._patch(self.optimizer, "step", self._optimizer_step)
             self._patch(self.optimizer, "zero_grad", self._optimizer_zero_grad)
+            if self.model is not None:  # a loop may clear them through the model instead
+                self._patch(self.model, "zero_grad", self._optimizer_zero_grad)
             if self.scaler is not None:
                 for name, make in (("scale", self._scaler_scale), ("step", self._scaler_step),
                                    ("unscale_", self._scaler_unscale),
@@ -466,6 +477,11 @@ class Accumulator:
             raise
         return self
 
+    # NOTE [ The remainder's scheduler step ]
+    # A block that ends on micro-steps applies them as one smaller update (remainder="apply"),
+    # and a scheduler the loop called since the last update steps once after it, with the
+    # arguments of the loop's last call: ReduceLROnPlateau's step takes its metric (called
+    # without one, it raised TypeError at the block's end, the update already applied).
     def _finish_remainder(self) -> None:
         if self._pending == 0:
             return
@@ -500,9 +516,22 @@ class Accumulator:
         else:
             self._real_step(self.optimizer.step)
         if self.scheduler is not None and swallowed:
-            self.scheduler.step()
+            args, kwargs = self._scheduler_call
+            self.scheduler.step(*args, **kwargs)
         self._restore()
         self.optimizer.zero_grad()
+
+    def _drop_pending(self) -> None:
+        """A block that raised: the micro-steps since the last update are dropped, their summed
+        gradients cleared, as a loop without accumulate had cleared them at its zero_grad (a
+        re-run would otherwise add them to its first update)."""
+        if self._pending == 0:
+            return
+        self._remainder_count, self._remainder_done = self._pending, "dropped"
+        if self._feed is not None:
+            self._feed.drop()
+        self.optimizer.zero_grad()
+        self._pending = 0
 
     def _restore(self) -> None:
         self._set_grad_hooks(False)
@@ -526,6 +555,8 @@ class Accumulator:
                 self._finish_remainder()
         finally:
             self._restore()
+            if exc_type is not None:
+                self._drop_pending()
             interrupted = self._guard.release()  # Ctrl-C kept by a restore inside the block
         if self._feed is not None and (exc_type is None or exc_type is KeyboardInterrupt
                                        or interrupted):

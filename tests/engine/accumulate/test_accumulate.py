@@ -252,6 +252,82 @@ def test_everything_is_restored_after_an_error():
     assert not torch.equal(before, model[0].weight)
 
 
+def test_an_error_drops_the_micro_steps_since_the_last_update():
+    # a plain loop had cleared its gradients at zero_grad; inside the block that zero_grad was a
+    # micro-step's, so the sum of two micro-batches stayed in .grad and went into the re-run
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="the loop's own"):
+        with bw.accumulate(optimizer, steps=4) as acc:
+            for j in range(2):
+                loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            raise RuntimeError("the loop's own")
+    assert all(p.grad is None for p in model.parameters())
+    assert (acc.report.remainder, acc.report.remainder_micro_steps) == ("dropped", 2)
+    with bw.accumulate(optimizer, steps=4):  # the re-run: one update of the first 16 samples
+        for j in range(4):
+            loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    big, _, _ = train_big(lambda p: torch.optim.SGD(p, lr=0.1), updates=1)
+    assert max_difference(big, model) < 1e-10
+
+
+def test_a_loop_that_clears_gradients_through_the_model_accumulates_too():
+    big, _, _ = train_big(OPTIMIZERS["adamw"])
+    model = make_model()
+    optimizer = OPTIMIZERS["adamw"](model.parameters())
+    with bw.accumulate(optimizer, steps=4, model=model):
+        for j in range(16):
+            model.zero_grad()
+            loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
+            optimizer.step()
+    assert max_difference(big, model) < 1e-10
+    assert "zero_grad" not in vars(model)
+
+
+def test_a_plateau_scheduler_steps_on_the_loops_metric_after_a_remainder():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+    metrics = []
+    with bw.accumulate(optimizer, steps=4, scheduler=sched) as acc:
+        for j in range(6):  # an update of 4 micro-batches, a remainder of 2
+            loss = loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            metrics.append(10.0 + j)  # worse every time: each scheduler step halves the rate
+            sched.step(metrics[-1])
+    assert (acc.report.remainder, acc.report.real_steps) == ("applied", 2)
+    assert optimizer.param_groups[0]["lr"] == 0.1 / 2  # the first step sets the best; one more
+    assert sched.best == 13.0  # the update's step saw micro-step 4's metric
+
+
+def test_a_micro_steps_clip_norm_is_unscaled_as_the_loops_unscale_says():
+    model = make_model(torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    norms = []
+    with bw.accumulate(optimizer, steps=4, scaler=scaler):
+        for j in range(4):
+            scaler.scale(loss_fn(model(X[j * 4:(j + 1) * 4].float()),
+                                 Y[j * 4:(j + 1) * 4])).backward()
+            scaler.unscale_(optimizer)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    truth = make_model(torch.float32)  # PyTorch's own: the mean gradient of the first k
+    for k in range(1, 5):
+        truth.zero_grad()
+        loss_fn(truth(X[:4 * k].float()), Y[:4 * k]).backward()
+        expected = torch.nn.utils.get_total_norm([p.grad for p in truth.parameters()]).item()
+        assert norms[k - 1] == pytest.approx(expected, rel=1e-4), k
+
+
 def test_batchnorm_warns_once():
     model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8)).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
