@@ -270,13 +270,16 @@ def _outermost(found: dict, trained: set[int]) -> dict:
 NEW_TRACKER_NAME = "noise_tracker"  # where a bare --noise keeps the tracker it creates
 
 
-def noise_tracker(shell: Any, text: str | None) -> NoiseTracker | None:
-    """--noise NAME: that tracker; a bare --noise: a new one, kept as ``noise_tracker``."""
+def noise_tracker(shell: Any, text: str | None, steps: Any = None) -> NoiseTracker | None:
+    """--noise NAME: that tracker; a bare --noise: a new one, kept as ``noise_tracker``.
+    ``steps``: the N the line gave, if any (a number after --noise is then not a second N)."""
     if text is None:
         return None
     if text.isdigit():
+        fix = (f"give N first: %%accumulate {text} --noise" if steps is None else
+               f"leave {text} out (%%accumulate {steps} --noise) or name a tracker")
         raise UsageError(f"--noise takes the name of a NoiseTracker, but got --noise {text}; "
-                         f"give N first: %%accumulate {text} --noise.")
+                         f"{fix}.")
     if text:
         return resolve(shell, text, "--noise")
     tracker = shell.user_ns[NEW_TRACKER_NAME] = NoiseTracker()

@@ -295,6 +295,7 @@ class BatchMagics(Magics):
         learning rate with it; the report lists every change. When the batch is well above the
         measured critical batch size, the report says that accumulating does not pay.
         """
+        __tracebackhide__ = True  # IPython: the user's cell's frames, not the magic's
         line, silenced = _without_semicolon(line)
         args = parse(self.accumulate, line)
         if args.steps == "auto" and args.noise is None:
@@ -307,8 +308,10 @@ class BatchMagics(Magics):
             scaler=find_one(self.shell, args.scaler, "--scaler", False),
             scheduler=find_one(self.shell, args.scheduler, "--scheduler", False,
                                 lambda v: getattr(v, "optimizer", None) is optimizer),
-            model=model, noise=noise_tracker(self.shell, args.noise))
-        code = compile(self.shell.transform_cell(cell), "<%%accumulate cell>", "exec")
+            model=model, noise=noise_tracker(self.shell, args.noise, args.steps))
+        transformed = self.shell.transform_cell(cell)  # registered: tracebacks show its lines
+        name = self.shell.compile.cache(transformed, self.shell.execution_count, raw_code=cell)
+        code = self.shell.compile(transformed, name, "exec")
         panel = _noise_panel(self.shell, options["noise"])
         try:
             with accumulate(optimizer, **options) as acc:

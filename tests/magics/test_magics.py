@@ -459,6 +459,8 @@ def test_accumulate_noise_name_goes_on_with_that_tracker(noise_ip):
     ("4 --noise X", "--noise should be a batchwidgets.NoiseTracker, but got --noise=X (a Tensor)"),
     ("--noise 4", "--noise takes the name of a NoiseTracker, but got --noise 4; give N first: "
                   "%%accumulate 4 --noise."),
+    ("4 --noise 3", "--noise takes the name of a NoiseTracker, but got --noise 3; leave 3 out "
+                    "(%%accumulate 4 --noise) or name a tracker."),
 ])
 def test_accumulate_noise_mistakes_are_one_line_usage_errors(noise_ip, line, expected):
     noise_ip.push({"tracker": bw.NoiseTracker()})

@@ -583,6 +583,20 @@ def test_a_clipping_accumulate_cell_equals_the_clipped_big_batch(shell):
     assert max_difference(big, model) < 1e-10
 
 
+def test_an_error_in_an_accumulate_cell_shows_the_cells_own_line(shell, capsys):
+    model = make_model()
+    shell.push({"clip_model": model, "clip_opt": torch.optim.SGD(model.parameters(), lr=0.1),
+                "X": X, "Y": Y, "loss_fn": loss_fn, "torch": torch})
+    result = shell.run_cell("%%accumulate 4\nloss_fn(clip_model(X[:4]), Y[:4]).backward()\n"
+                            "clip_opt.step()\nprint(no_such_name)\n")
+    assert isinstance(result.error_in_exec, NameError)
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    assert "print(no_such_name)" in shown  # the line, as a plain cell's traceback shows it
+    assert "Could not get source" not in shown
+    assert "magics.py" not in shown  # the magic's own frames are hidden
+    assert all(p.grad is None for p in model.parameters())  # the micro-step dropped
+
+
 def test_an_auto_accumulate_cell_follows_a_new_tracker(shell):
     model = make_model()
     shell.push({"clip_model": model, "clip_opt": torch.optim.SGD(model.parameters(), lr=0.1),
