@@ -101,13 +101,13 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int | str = ACCUMULATE.s
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer should be a torch.optim.Optimizer, but got "
-                        f"optimizer={optimizer!r}; pass the optimizer your loop steps.")
+                        f"{_given('optimizer', optimizer)}; pass the optimizer your loop steps.")
     auto = steps == "auto"
     if auto:
         if not isinstance(noise, NoiseTracker):
             raise ValueError(f"steps='auto' follows a noise tracker's schedule, but got "
-                             f"noise={noise!r}; e.g. accumulate(optimizer, steps='auto', "
-                             f"model=model, noise=bw.NoiseTracker()).")
+                             f"{_given('noise', noise)}; e.g. accumulate(optimizer, "
+                             f"steps='auto', model=model, noise=bw.NoiseTracker()).")
         if batch_size is not None or micro_batch_size is not None:
             raise ValueError(f"give steps='auto' or batch_size with micro_batch_size, not both, "
                              f"but got batch_size={batch_size!r}; bound the schedule with "
@@ -125,21 +125,31 @@ def accumulate(optimizer: torch.optim.Optimizer, steps: int | str = ACCUMULATE.s
         raise ValueError(f"remainder should be one of {list(REMAINDERS)}, but got "
                          f"remainder={remainder!r}.")
     if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model should be a torch.nn.Module, but got model={model!r}.")
+        raise TypeError(f"model should be a torch.nn.Module, but got {_given('model', model)}.")
     if scaler is not None and not all(callable(getattr(scaler, name, None))
                                       for name in ("scale", "unscale_", "step", "update")):
         raise TypeError(f"scaler should be a torch.amp.GradScaler (scale, unscale_, step, "
-                        f"update), but got scaler={scaler!r}; pass the GradScaler your loop "
-                        f"uses, or leave it out.")
-    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+                        f"update), but got {_given('scaler', scaler)}; pass the GradScaler your "
+                        f"loop uses, or leave it out.")
+    if scheduler is not None and (isinstance(scheduler, torch.optim.Optimizer)
+                                  or not callable(getattr(scheduler, "step", None))):
         raise TypeError(f"scheduler should be an LR scheduler with step(), but got "
-                        f"scheduler={scheduler!r}; pass the scheduler your loop steps, or leave "
-                        f"it out.")
+                        f"{_given('scheduler', scheduler)}; pass the scheduler your loop steps, "
+                        f"or leave it out.")
     if noise is not None and not isinstance(noise, NoiseTracker):
-        raise TypeError(f"noise should be a batchwidgets.NoiseTracker, but got noise={noise!r}; "
-                        f"e.g. noise=bw.NoiseTracker().")
+        raise TypeError(f"noise should be a batchwidgets.NoiseTracker, but got "
+                        f"{_given('noise', noise)}; e.g. noise=bw.NoiseTracker().")
     return Accumulator(optimizer, steps, model, scaler, scheduler, remainder, track_grad_norms,
                        batch_size, micro_batch_size, noise=noise, auto=auto)
+
+
+def _given(name: str, value: Any) -> str:
+    """``name=value`` as an error says it, or the value's type where its repr is long (an
+    optimizer's spans lines)."""
+    shown = repr(value)
+    if "\n" in shown or len(shown) > 80:
+        return f"{name} of type {type(value).__name__}"
+    return f"{name}={shown}"
 
 
 def _steps_for(steps: int, batch_size: int | None, micro_batch_size: int | None) -> int:

@@ -358,10 +358,14 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 @pytest.mark.parametrize(("name", "value", "match"), [
     ("scaler", object(), r"scaler should be a torch\.amp\.GradScaler"),
     ("scheduler", 0.1, r"scheduler should be an LR scheduler with step\(\)"),
+    # an optimizer has a step() too: its steps would have been swallowed as a scheduler's
+    ("scheduler", "the optimizer", r"but got scheduler of type SGD; pass the scheduler"),
+    ("model", "the optimizer", r"model should be a torch.nn.Module, but got model of type SGD"),
 ])
 def test_a_scaler_or_scheduler_accumulate_cannot_intercept_is_refused(name, value, match):
     optimizer = torch.optim.SGD(make_model().parameters(), lr=0.1)
     step = optimizer.step
+    value = optimizer if value == "the optimizer" else value
     with pytest.raises(TypeError, match=match) as error:
         bw.accumulate(optimizer, steps=2, **{name: value})
     assert "\n" not in str(error.value)
