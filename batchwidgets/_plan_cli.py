@@ -307,15 +307,23 @@ def text(report: Any, args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def global_batch_line(report: Any, global_batch: int) -> str:
+def global_batch_split(report: Any, global_batch: int) -> tuple[int, int]:
+    """``--global-batch``'s (per device, accumulation steps) at the report's recommended batch,
+    for the text and for ``--json`` alike; a global batch the GPUs cannot share is a FlagError."""
     from ._plan_model import FlagError
     from .engine.accumulate import split_batch
 
-    try:
-        per_device, steps = split_batch(global_batch, report.recommended_batch_size,
-                                        report.world_size)
-    except ValueError as error:
-        raise FlagError(f"--global-batch {global_batch}: {error}") from None
+    world = report.world_size
+    if global_batch % world:
+        low = global_batch // world * world
+        raise FlagError(f"--global-batch {global_batch} should be a multiple of the {world} GPUs "
+                        f"of --gpu, so every rank takes the same share; e.g. --global-batch "
+                        f"{max(low, world)} or {low + world}.")
+    return split_batch(global_batch, report.recommended_batch_size, world)
+
+
+def global_batch_line(report: Any, global_batch: int) -> str:
+    per_device, steps = global_batch_split(report, global_batch)
     return (f"global batch {global_batch}: {per_device} per device x {steps} accumulation "
             f"steps x {report.world_size} device(s) (at most the recommended "
             f"{report.recommended_batch_size} per device)")
@@ -329,9 +337,7 @@ def as_json(report: Any, args: argparse.Namespace) -> str:
     data.update(recommended_batch_size=report.recommended_batch_size,
                 global_batch_size=report.global_batch_size, summary=report.summary())
     if args.global_batch and report.max_batch_size:
-        from .engine.accumulate import split_batch
-        per_device, steps = split_batch(args.global_batch, report.recommended_batch_size,
-                                        report.world_size)
+        per_device, steps = global_batch_split(report, args.global_batch)
         data["global_batch"] = {"global_batch_size": args.global_batch,
                                 "per_device": per_device, "accumulation_steps": steps}
     return json.dumps(data, indent=1, default=str)

@@ -242,6 +242,10 @@ def _frozen_base(model: torch.nn.Module) -> None:
                         "Hugging Face model); freeze the weights in your factory instead.")
     for parameter in base.parameters():
         parameter.requires_grad_(False)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Module):  # the head trains, tied to the embedding or not
+        for parameter in head.parameters():
+            parameter.requires_grad_(True)
 
 
 def _lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:

@@ -181,6 +181,33 @@ def test_a_model_that_raises_in_its_step_is_one_line_naming_its_flags(argv, name
         assert name in err[-1], err[-1]
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_global_batch_the_gpus_cannot_share_is_one_line_in_every_form(as_json, capsys):
+    code = _plan_cli.main(["--factory", f"{TESTS / '_plan_factories.py'}:cnn_with_batches",
+                           "--gpu", "4xT4@64MiB", "--parallel", "zero2", "--global-batch", "6",
+                           "--no-cache", *(["--json"] if as_json else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == ("batchwidgets plan: --global-batch 6 should be a multiple of the 4 GPUs "
+                       "of --gpu, so every rank takes the same share; e.g. --global-batch 4 "
+                       "or 8.")
+
+
+@pytest.mark.parametrize("config", [["GPT2Config", "n_embd=64", "n_layer=2", "n_head=2",
+                                     "vocab_size=500"],
+                                    [*LLAMA, "tie_word_embeddings=true"]])
+def test_a_frozen_base_trains_a_head_tied_to_the_embedding(config, capsys):
+    from batchwidgets._plan_model import build
+    built = build(config=config, frozen_base=True)
+    head = built.model.get_output_embeddings().weight
+    assert head is built.model.get_input_embeddings().weight  # tied
+    trains = [p for p in built.model.parameters() if p.requires_grad]
+    assert len(trains) == 1 and trains[0] is head  # the head alone, as --help says
+    data = planned(capsys, "--config", *config, "--gpu", "T4@256MiB", "--seq-len", "32",
+                   "--frozen-base")
+    assert data["max_batch_size"] > 0
+
+
 def _has_peft() -> bool:
     try:
         import peft  # noqa: F401

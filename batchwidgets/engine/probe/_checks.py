@@ -240,7 +240,8 @@ def check_parallel(parallel: str | None, target: Any, count: int, is_module: boo
     if count == 1 and not in_job():
         raise ValueError(f"{given} should come with more than one GPU, but got "
                          f"{said('target', target)} and no initialised process group; count the "
-                         f"GPUs in the target, e.g. {said('target', f'8x{target}')}, or leave "
+                         f"GPUs in the target, e.g. "
+                         f"{said('target', f'8x{memory.parse_gpus(target)[1]}')}, or leave "
                          f"{said('parallel')} out.")
     if not is_module:
         raise ValueError(f"{given} needs the model form, find_batch(model, make_batch, ...): "

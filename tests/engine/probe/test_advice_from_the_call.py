@@ -165,3 +165,15 @@ def test_the_op_named_is_the_users_module_never_the_profilers():
     assert "profiler" not in last, last
     assert "tried to allocate 0 bytes" not in last
     assert "after Profiled forward, at aten." in last, last
+
+
+@pytest.mark.parametrize(("target", "suggested"), [("1xT4", "'8xT4'"), ("T4", "'8xT4'"),
+                                                   ("1x1GiB", "'8x1GiB'")])
+def test_a_parallel_plan_for_one_gpu_suggests_a_target_that_parses(target, suggested):
+    with pytest.raises(ValueError) as error:
+        bw.find_batch(Wide(), lambda n: torch.randn(n, 8), target=target, parallel="fsdp")
+    message = str(error.value)
+    assert f"e.g. target={suggested}" in message
+    fixed = re.search(r"e\.g\. target='([^']+)'", message).group(1)
+    assert bw.find_batch(Wide(), lambda n: torch.randn(n, 8), target=fixed, parallel="fsdp",
+                         max_batch_size=8, cache=False).world_size == 8  # it plans
