@@ -106,10 +106,15 @@ def _recount(tensor: torch.Tensor) -> None:
     stack = _get_current_dispatch_mode_stack()
     if not any(callable(getattr(mode, "count", None)) for mode in stack):
         return  # a CPU target's tracker alone: see the known limit in NOTE [ FSDP2 frees ... ]
+    grown = tensor.untyped_storage().nbytes() > 0
     for mode in stack:
         for counter in (mode, getattr(mode, "tracker", None)):
             if hasattr(counter, "count_outputs"):  # the tensor tracker
                 counter.count_outputs(_ALIAS, set(), [tensor])
+                if grown and callable(getattr(counter, "mark", None)):
+                    # gathered weights are the strategy's buffer, whether or not autograd saves
+                    # them (a Linear saves its weight): never the activations a sample adds
+                    counter.mark(tensor, "temporary")
             elif callable(getattr(counter, "count", None)):  # the simulated device
                 counter.count(tensor)
 

@@ -242,9 +242,18 @@ def _tried(setup: ProbeSetup, change: _what_if.Change) -> BatchSizeReport | None
         return None
 
 
+# NOTE [ A compared plan's frontier ]
+# parallel="compare" plans every strategy at each sequence length and answers with the one that
+# fits the most at the longest. The frontier is that strategy's at every length, as the report
+# (and the command line's table) says "per rank under <strategy>": each length's own best mixed
+# strategies (FSDP2's 23 at 128 tokens beside DDP's 11 at 256, labelled DDP, whose 128 is 22).
+# Every strategy's answer at the longest length stays in ``parallel_plans``.
+
+
 def _frontier(setup: ProbeSetup) -> BatchSizeReport:
     """The probe at each sequence length; the longest length's report, with the frontier."""
     frontier: dict[int, int] = {}
+    strategies: dict[int, dict[str, int]] = {}  # parallel="compare": each strategy's, by length
     report: BatchSizeReport | None = None
     for length in setup.seq_len:
         one_length = dataclasses.replace(
@@ -254,8 +263,13 @@ def _frontier(setup: ProbeSetup) -> BatchSizeReport:
         except NoBatchSizeFits as error:
             report = error.report
         frontier[length] = report.max_batch_size
+        strategies[length] = {row.parallel: row.max_batch_size
+                              for row in report.parallel_plans or ()}
         if report.stop_reason == "stopped":
             break
+    if len(strategies[length]) > 1:  # one strategy's frontier: the one the answer names, not
+        # each length's best (NOTE [ A compared plan's frontier ])
+        frontier = {at: strategies[at].get(report.parallel, frontier[at]) for at in frontier}
     report = dataclasses.replace(report, frontier=frontier, seq_len=length)
     if report.max_batch_size == 0 and report.stop_reason != "stopped":
         raise NoBatchSizeFits(report, already(setup))
