@@ -51,7 +51,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"should be a positive integer, but got {text!r}")
+        several = [part.strip() for part in text.split(",")]
+        hint = (f"; give several separated by spaces: {' '.join(several)}"
+                if len(several) > 1 and all(part.isdigit() for part in several) else "")
+        raise argparse.ArgumentTypeError(f"should be a positive integer, but got {text!r}{hint}")
     return int(text)
 
 

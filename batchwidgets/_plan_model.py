@@ -217,8 +217,14 @@ def from_factory(spec: str) -> tuple[torch.nn.Module, Callable | None, Callable 
     """``factory()`` called on the meta device: a model, ``(model, make_batch)`` or ``(model,
     make_batch, loss_fn)``."""
     factory = _import(spec)
-    with torch.device("meta"):
-        made = factory()
+    try:
+        with torch.device("meta"):
+            made = factory()
+    except Exception as error:  # the factory's own: one line, as every flag's mistake
+        said = str(error).splitlines()[0] if str(error) else ""
+        raise FlagError(f"--factory {spec} raised {type(error).__name__}: {said}; fix the "
+                        f"factory (called with no arguments, under torch.device('meta'), so "
+                        f"nothing is materialised).") from None
     parts = tuple(made) if isinstance(made, (tuple, list)) else (made,)
     if not isinstance(parts[0], torch.nn.Module) or len(parts) > 3:
         raise FlagError(f"--factory {spec} should return a torch.nn.Module, (model, make_batch) "

@@ -39,3 +39,10 @@ def llama_tokens(vocab: int, length: int) -> Callable[[int], dict]:
         ids = torch.randint(0, vocab, (batch_size, length))
         return {"input_ids": ids, "labels": ids}
     return make_batch
+
+
+def needs_weights() -> torch.nn.Module:
+    """A factory that reads real numbers: on the meta device it raises."""
+    model = small_cnn()
+    model[0].weight.sum().item()
+    return model

@@ -147,6 +147,10 @@ def test_from_a_shell_the_answer_goes_to_stdout_and_a_snapshot_to_its_file(tmp_p
      "--config LlamaConfig refuses its values"),
     (["--config", "GPT2Config", "n_embd=64", "n_head=3", "--gpu", "T4"],
      "cannot be built from these values"),
+    (["--config", "LlamaConfig", "--gpu", "T4", "--seq-len", "128,256"],
+     "give several separated by spaces: 128 256"),
+    (["--factory", f"{TESTS / '_plan_factories.py'}:needs_weights", "--gpu", "T4"],
+     "needs_weights raised RuntimeError: Tensor.item() cannot be called on meta"),
 ])
 def test_a_bad_flag_is_one_line_naming_it_with_exit_code_2(argv, says, capsys):
     if "--lora" in argv and _has_peft():
