@@ -206,7 +206,8 @@ def test_a_frozen_base_trains_a_head_tied_to_the_embedding(config, capsys):
     head = built.model.get_output_embeddings().weight
     assert head is built.model.get_input_embeddings().weight  # tied
     trains = [p for p in built.model.parameters() if p.requires_grad]
-    assert len(trains) == 1 and trains[0] is head  # the head alone, as --help says
+    assert len(trains) == 1  # the head alone, as --help says
+    assert trains[0] is head
     data = planned(capsys, "--config", *config, "--gpu", "T4@256MiB", "--seq-len", "32",
                    "--frozen-base")
     assert data["max_batch_size"] > 0

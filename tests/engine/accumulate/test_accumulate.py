@@ -257,13 +257,18 @@ def test_an_error_drops_the_micro_steps_since_the_last_update():
     # micro-step's, so the sum of two micro-batches stayed in .grad and went into the re-run
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError, match="the loop's own"):
-        with bw.accumulate(optimizer, steps=4) as acc:
+    acc = bw.accumulate(optimizer, steps=4)
+
+    def failing_loop():
+        with acc:
             for j in range(2):
                 loss_fn(model(X[j * 4:(j + 1) * 4]), Y[j * 4:(j + 1) * 4]).backward()
                 optimizer.step()
                 optimizer.zero_grad()
             raise RuntimeError("the loop's own")
+
+    with pytest.raises(RuntimeError, match="the loop's own"):
+        failing_loop()
     assert all(p.grad is None for p in model.parameters())
     assert (acc.report.remainder, acc.report.remainder_micro_steps) == ("dropped", 2)
     with bw.accumulate(optimizer, steps=4):  # the re-run: one update of the first 16 samples

@@ -170,7 +170,7 @@ def test_the_op_named_is_the_users_module_never_the_profilers():
 @pytest.mark.parametrize(("target", "suggested"), [("1xT4", "'8xT4'"), ("T4", "'8xT4'"),
                                                    ("1x1GiB", "'8x1GiB'")])
 def test_a_parallel_plan_for_one_gpu_suggests_a_target_that_parses(target, suggested):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ValueError, match="should come with more than one GPU") as error:
         bw.find_batch(Wide(), lambda n: torch.randn(n, 8), target=target, parallel="fsdp")
     message = str(error.value)
     assert f"e.g. target={suggested}" in message
