@@ -111,6 +111,18 @@ def check_types(new: dict[str, Any], given: dict[str, Any]) -> None:
                              f"{name}={given.get(name, new[name])!r}.")
 
 
+def _refused_without_workers(settings: dict[str, Any]) -> None:
+    """``prefetch_factor`` or ``persistent_workers`` given without workers: the one-line error
+    of ``resolve`` (DataLoader refuses them too), said for ``live_loader``."""
+    given = {name: settings[name] for name in ("prefetch_factor", "persistent_workers")
+             if name in settings}
+    try:
+        resolve({"num_workers": 0, "pin_memory": False, "prefetch_factor": None,
+                 "persistent_workers": False}, given)
+    except ValueError as error:
+        raise ValueError(str(error).replace("e.g. set(", "e.g. live_loader(data, ")) from None
+
+
 OnBatch = Callable[[int, int], Any]  # on_batch(epoch, batch): before each batch is taken
 
 # NOTE [ The same order across a switch ]
@@ -224,7 +236,8 @@ class LiveLoader(DataLoader):
         kwargs, context = starting_loader(loader_or_dataset, settings)
         self._settings: dict[str, Any] = {}
         self._lock = threading.RLock()
-        if not kwargs.get("num_workers"):  # DataLoader rejects these without workers
+        if not kwargs.get("num_workers"):  # DataLoader rejects these without workers: given
+            _refused_without_workers(settings)  # here, refused as set() refuses them
             kwargs.update(prefetch_factor=None, persistent_workers=False)
         super().__init__(**kwargs, multiprocessing_context=context if kwargs.get("num_workers")
                          else None)
@@ -234,6 +247,7 @@ class LiveLoader(DataLoader):
         self._iterable = isinstance(self.dataset, IterableDataset)
         # As the wrapped loader: with persistent workers, one base seed for all epochs.
         self._draw_every_epoch = not (self.num_workers and self.persistent_workers)
+        self._seed_state: torch.Tensor | None = None  # the base seed's draw of epoch 0
         self._pending: tuple[dict[str, Any], str, str] | None = None
         self._between: tuple[dict[str, Any], str] | None = None
         self._segments: list[dict[str, Any]] = []
@@ -341,6 +355,7 @@ class LiveLoader(DataLoader):
                     self._between = (self.settings, by)
                 self._apply(new)
                 self._pending = None
+                self._kept = self._take_kept(new)  # workers of other settings stop now
             else:
                 self._pending = None if new == self.settings else (new, by, note)
 
@@ -442,6 +457,9 @@ class LiveLoader(DataLoader):
         epoch.seed_state = generator.get_state()
         if self._draw_every_epoch or epoch.index == 0:
             torch.empty((), dtype=torch.int64).random_(generator=generator)
+            self._seed_state = epoch.seed_state
+        else:  # persistent workers: every epoch's new workers get epoch 0's base seed
+            epoch.seed_state = self._seed_state
         between = self._take_between()
         if between is not None:
             self._begin_switch(epoch, self.settings, between[1], "", started, old=between[0])

@@ -24,7 +24,7 @@ from ...results import BatchSizeReport, Branch, CriticalBatchReport
 from .._batches import batch_length, collate_items, collate_of, forward_and_loss
 from .._called import called_at, calling, describe, is_said, own_steps, scalar_hint
 from .._state import TrainingState, restored
-from .._util import check_int, check_number, to_device
+from .._util import check_int, check_number, to_device, usable_device
 from ._measure import measure_noise
 from ._options import CRITICAL_BATCH
 
@@ -291,7 +291,7 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
                          f"got {max(ladder)}; pass more data or smaller batch_sizes.")
     base = ladder[0] if batch_sizes is not None else base
     scale_of, rule = _scaling(optimizer, lr_scaling)
-    device = torch.device(device) if device is not None else next(model.parameters()).device
+    device = usable_device(device) if device is not None else next(model.parameters()).device
     eval_items = [items[i * len(items) // min(eval_examples, len(items))]
                   for i in range(min(eval_examples, len(items)))]
     state = TrainingState(model, optimizer, (scheduler,) if scheduler is not None else (),
@@ -302,8 +302,15 @@ def critical_batch(model: torch.nn.Module, data: Dataset | DataLoader, *,
     b_simple = b_simple_error = None
     noise_examples = 0
     if noise:
-        with own_steps():
-            measured = measure_noise(model, data, loss_fn, batch_sizes=(1,), max_examples=512)
+        try:
+            with own_steps():
+                measured = measure_noise(model, data, loss_fn, batch_sizes=(1,),
+                                         max_examples=512)
+        except ValueError as error:  # its advice in the words of the call the user made
+            said = str(error).replace("measure_noise(...", "critical_batch(...")
+            if said == str(error):
+                raise
+            raise ValueError(said) from None
         noise_examples = measured.n_examples
         if measured.measurable:
             b_simple, b_simple_error = measured.b_simple, measured.b_simple_error

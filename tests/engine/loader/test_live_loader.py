@@ -153,6 +153,67 @@ def test_worker_seeds_are_the_wrapped_loaders_with_its_starting_settings(persist
     assert multiprocessing.active_children() == []
 
 
+class BaseSeeds(Dataset):
+    """Each sample is the base seed of the worker that loads it (worker k seeds base + k)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        info = get_worker_info()
+        return torch.tensor(info.seed - info.id)
+
+
+def test_new_workers_of_a_later_epoch_keep_the_persistent_loaders_one_base_seed():
+    # a persistent DataLoader draws its workers' base seed once, in epoch 0; workers started
+    # by a switch in epoch 1 were seeded from a draw of epoch 1 the DataLoader never makes
+    def loader():
+        return DataLoader(BaseSeeds(), batch_size=4, shuffle=True, num_workers=2,
+                          persistent_workers=True, generator=torch.Generator().manual_seed(3))
+    reference = loader()
+    want = {int(seed) for _ in range(2) for batch in reference for seed in batch}
+    del reference
+    assert len(want) == 1
+    live = bw.live_loader(loader())
+    got = set()
+    for epoch in range(2):
+        for i, batch in enumerate(live):
+            got.update(int(seed) for seed in batch)
+            if (epoch, i) == (1, 2):
+                live.set(prefetch_factor=4)  # new workers, as many, for the rest of epoch 1
+    assert len(live.report.switches) == 1
+    assert got == want
+    live.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_a_switch_between_epochs_stops_kept_workers_it_does_not_keep_at_once():
+    live = bw.live_loader(make("shuffle"), num_workers=2, persistent_workers=True)
+    run_epochs(live, 1)
+    assert len(multiprocessing.active_children()) == 2  # kept for the next epoch
+    live.set(num_workers=0)  # between epochs: in force now, so the kept workers go now
+    assert multiprocessing.active_children() == []
+    assert sorted(sum(run_epochs(live, 1)[0], [])) == list(range(60))  # in the main process
+    assert multiprocessing.active_children() == []
+    live.close()
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"prefetch_factor": 4}, "prefetch_factor should be None with num_workers=0"),
+    ({"persistent_workers": True}, "persistent_workers should be False with num_workers=0"),
+])
+def test_what_only_workers_take_given_without_workers_is_refused_as_dataloader_does(
+        settings, message):
+    with pytest.raises(ValueError, match=message) as error:
+        bw.live_loader(TensorDataset(torch.arange(8)), batch_size=2, **settings)
+    assert "e.g. live_loader(data, num_workers=2" in str(error.value)
+    with pytest.raises(ValueError):  # the oracle: DataLoader refuses them too
+        DataLoader(TensorDataset(torch.arange(8)), batch_size=2, **settings)
+    # a wrapped loader's own are dropped with its workers, as set(num_workers=0) drops them
+    assert bw.live_loader(DataLoader(TensorDataset(torch.arange(8)), num_workers=2,
+                                     prefetch_factor=4), num_workers=0).prefetch_factor is None
+
+
 def test_a_switch_from_another_thread_lands_at_the_next_batch_without_losing_the_place():
     live = bw.live_loader(make("shuffle"))
     want = run_epochs(make("shuffle"), 1)[0]

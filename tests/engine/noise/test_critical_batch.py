@@ -157,6 +157,9 @@ def test_a_target_above_the_start_is_not_measurable_and_says_why(criterion):
     ({"batch_sizes": [4, 8, 0]}, "batch_sizes should be"),
     ({"max_steps": 2.5}, "max_steps should be"),
     ({"scheduler": 0.1}, "scheduler should be the optimizer's learning-rate scheduler"),
+    # as find_batch says it: the model's own error blamed a meta device on the forward
+    ({"device": "meta"}, "device should be a device this process can train on"),
+    ({"device": "cuda:7"}, "device should be a device this process can train on"),
 ])
 def test_bad_input_is_a_one_line_error_naming_the_argument(options, message):
     model, optimizer = model_and_sgd(0.1)
@@ -271,6 +274,16 @@ def test_a_dataloaders_collate_fn_builds_the_branches_batches():
     assert any(b.steps for b in whole.ladder)
     assert [b.steps for b in whole.ladder] == [b.steps for b in parts.ladder]
     assert max(b.micro_batches for b in parts.ladder) > 1
+
+
+@pytest.mark.parametrize("noise", [True, False])
+def test_variable_length_items_without_a_collate_fn_are_said_for_critical_batch(noise):
+    # with noise=True the advice came from the measure_noise call inside, naming it
+    model = Pooled()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(ValueError, match=r"pass critical_batch\(\.\.\., DataLoader\(dataset"):
+        bw.critical_batch(model, padded_text(64), optimizer=optimizer, seeds=1, noise=noise,
+                          base_batch_size=4)
 
 
 def test_inside_an_accumulate_block_it_is_not_the_blocks_micro_steps():
