@@ -1,6 +1,8 @@
 """Gradient norms on the device, without a host sync: fused per group of one device and dtype
 (as ``clip_grad_norm_`` groups them), and a GradScaler's scale to divide them by. Shared by the
-noise tracker, accumulate's per-micro-batch norms and the trainer callbacks.
+noise tracker, accumulate's per-micro-batch norms and the trainer callbacks; and DDP's average
+of the gradients done by hand (``average_gradients``), for the probe's steps in a job and
+accumulate's remainder.
 
 Usage:
     >>> import torch
@@ -93,3 +95,28 @@ def sum_of_squares(norms: Sequence[torch.Tensor]) -> torch.Tensor:
     float32, 0-dim, on their device; two small ops, no host sync."""
     stacked = torch.stack(list(norms)).float()
     return torch.dot(stacked, stacked)
+
+
+# NOTE [ DDP's average, by hand ]
+# The probe's steps in a job and accumulate's remainder all-reduce the gradients themselves (DDP's
+# reducer was kept out: no_sync). Every rank must reduce the same tensors in the same order, or
+# gloo aborts the job on a size mismatch ("collective mismatch") and NCCL hangs or mixes
+# gradients. A model under find_unused_parameters=True leaves a parameter without a gradient on
+# a rank that did not use it (a mixture of experts, a branch per rank): so every parameter that
+# trains takes part, with zeros where this rank has none, and ends as DDP's reducer leaves it:
+# the average where any rank used it, None where no rank did (one reduce of the used flags).
+def average_gradients(params: Sequence[torch.Tensor], group: Any = None) -> None:
+    """The ranks' mean of every gradient of ``params``, in place (NOTE [ DDP's average, by
+    hand ])."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    works = [torch.distributed.all_reduce(t, group=group, async_op=True) for t in (used, *grads)]
+    for work in works:
+        work.wait()
+    size = torch.distributed.get_world_size(group)
+    for param, grad, anyone in zip(params, grads, used.tolist()):
+        if anyone:
+            param.grad = grad.div_(size)  # the same tensor where this rank had one

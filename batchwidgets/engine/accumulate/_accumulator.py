@@ -16,7 +16,7 @@ import torch
 from ..._warnings import BatchwidgetsWarning
 from ...results import AccumulationReport
 from .._called import in_own_steps
-from .._grads import group_by_device_and_dtype, is_sharded, loss_scale
+from .._grads import average_gradients, group_by_device_and_dtype, is_sharded, loss_scale
 from .._state import InterruptGuard
 from .._util import world_size
 from ..noise import AccumulatorFeed, AutoSteps, NoiseTracker
@@ -425,11 +425,7 @@ class Accumulator:
 
     def _allreduce_pending(self) -> None:
         """Average the unsynchronised gradients of a remainder across ranks, as DDP would."""
-        world = world_size()
-        for param in self._params():
-            if param.grad is not None:
-                torch.distributed.all_reduce(param.grad)
-                param.grad.div_(world)
+        average_gradients(self._params(), getattr(self.model, "process_group", None))
 
     # ---- entering and leaving ---------------------------------------------------------------
     def __enter__(self) -> Accumulator:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ...results import Attempt
+from .._grads import average_gradients
 from .._util import first_line
 from ..memory import is_oom
 
@@ -336,14 +337,7 @@ def after_backward(model: Any) -> None:
     if ddp is None:
         return
     checkpoint()
-    group = getattr(ddp, "process_group", None)
-    grads = [p.grad for p in ddp.parameters() if p.grad is not None]
-    works = [torch.distributed.all_reduce(g, group=group, async_op=True) for g in grads]
-    for work in works:
-        work.wait()
-    size = torch.distributed.get_world_size(group)
-    for grad in grads:
-        grad.div_(size)
+    average_gradients(list(ddp.parameters()), getattr(ddp, "process_group", None))
 
 
 def _checkpointed(method: Callable) -> Callable:
