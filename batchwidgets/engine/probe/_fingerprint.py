@@ -26,7 +26,9 @@ MAX_DEPTH = 4  # callables reading callables reading values: deeper is only a ty
 # A fingerprint must change whenever the step's memory may, and stay equal from one process to the
 # next when nothing changed, so it holds values, never ids or default reprs (they hold addresses). A
 # module: its class (by name and the code of the methods its classes define, so a class edited in a
-# notebook cell is another), ``extra_repr``, its plain settings (``vars`` of simple values: ``p`` of
+# notebook cell is another, and the plain values those methods read from their module where the
+# user wrote them: a script's ``CHECKPOINT = sys.argv[1] == "1"`` gave one answer, 3.6x off, to
+# both values), ``extra_repr``, its plain settings (``vars`` of simple values: ``p`` of
 # a Dropout, ``gradient_checkpointing`` of a Hugging Face block, a test fake's threshold), the
 # functions it keeps as attributes (by the callable's rules: ``self.act = F.gelu``), its hook
 # counts, a Hugging Face ``config``; every parameter's name, shape, dtype, device, ``requires_grad``
@@ -109,14 +111,27 @@ def _functions(kind: type) -> list[Any]:
 
 
 @functools.lru_cache(maxsize=512)
-def class_fingerprint(kind: type) -> str:
-    """A module class by name and the code its own classes define (nn.Module's excepted)."""
-    parts = []
+def _class_code(kind: type) -> tuple[str, tuple[tuple[dict, str], ...]]:
+    """A module class's code (its own classes', nn.Module's excepted), and the globals its
+    methods read where the user wrote them (not an installed library's): (namespace, name)."""
+    parts, reads = [], []
     for owner in kind.__mro__:
         if owner in (torch.nn.Module, object):
             break
-        parts.append([_name(owner), sorted(_code(f.__code__) for f in _functions(owner))])
-    return digest(parts)
+        functions = _functions(owner)
+        parts.append([_name(owner), sorted(_code(f.__code__) for f in functions)])
+        reads += [(f.__globals__, name) for f in functions if not _installed(f)
+                  for name in sorted(_names(f.__code__))]
+    return digest(parts), tuple(reads)
+
+
+def class_fingerprint(kind: type) -> str:
+    """A module class by name and its code, with the plain values its methods read from their
+    module as they are now (a flag a script sets from its arguments: ``if CHECKPOINT:``)."""
+    code, reads = _class_code(kind)
+    plain = sorted({(name, repr(namespace[name])) for namespace, name in reads
+                    if name in namespace and isinstance(namespace[name], SIMPLE)})
+    return digest([code, plain]) if plain else code
 
 
 def _settings(owner: Any) -> dict[str, Any]:
