@@ -349,7 +349,9 @@ def as_json(report: Any, args: argparse.Namespace) -> str:
 def _model_failed(args: argparse.Namespace, error: BaseException) -> str:
     """One line for a model that raised in its step: what it was built from, what find_batch
     called and what was raised (its own line), and the flags that make the model and batch."""
-    said = str(error).splitlines()[0] if str(error) else type(error).__name__
+    from .engine._util import first_line
+
+    said = first_line(error, with_type=False)
     if args.config:
         source, fix = f"--config {args.config[0]}", "its KEY=VALUE overrides (or the file)"
     else:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .engine._util import first_line
+
 
 class FlagError(ValueError):
     """A flag's value that cannot be planned: one line naming the flag and the fix."""
@@ -221,8 +223,7 @@ def from_factory(spec: str) -> tuple[torch.nn.Module, Callable | None, Callable 
         with torch.device("meta"):
             made = factory()
     except Exception as error:  # the factory's own: one line, as every flag's mistake
-        said = str(error).splitlines()[0] if str(error) else ""
-        raise FlagError(f"--factory {spec} raised {type(error).__name__}: {said}; fix the "
+        raise FlagError(f"--factory {spec} raised {first_line(error)}; fix the "
                         f"factory (called with no arguments, under torch.device('meta'), so "
                         f"nothing is materialised).") from None
     parts = tuple(made) if isinstance(made, (tuple, list)) else (made,)
