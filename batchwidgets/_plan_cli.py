@@ -350,15 +350,11 @@ def _model_failed(args: argparse.Namespace, error: BaseException) -> str:
     """One line for a model that raised in its step: what it was built from, what find_batch
     called and what was raised (its own line), and the flags that make the model and batch."""
     from .engine._util import first_line
-
-    said = first_line(error, with_type=False)
-    if args.config:
-        source, fix = f"--config {args.config[0]}", "its KEY=VALUE overrides (or the file)"
-    else:
-        source, fix = f"--factory {args.factory}", "the factory"
-    batch = "--seq-len" if args.config else "--input-shape, --seq-len"
-    return (f"the model from {source} raised in its training step: {said}; fix {fix} or the "
-            f"batch it is given ({batch})")
+    source, fix, batch = ((f"--config {args.config[0]}", "its KEY=VALUE overrides (or the file)",
+                           "--seq-len") if args.config else
+                          (f"--factory {args.factory}", "the factory", "--input-shape, --seq-len"))
+    return (f"the model from {source} raised in its training step: "
+            f"{first_line(error, with_type=False)}; fix {fix} or the batch it is given ({batch})")
 
 
 def run(args: argparse.Namespace) -> int:
