@@ -3,13 +3,10 @@ Two gloo processes on the CPU, each with its own budget."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from _two_ranks import run_two_ranks
 
 WORKER = textwrap.dedent("""
     import dataclasses, json, sys
@@ -46,17 +43,7 @@ BUDGETS = (192 * 2**10, 96 * 2**10)  # rank 0 has twice the memory of rank 1
 
 @pytest.mark.slow
 def test_all_ranks_agree_on_the_largest_size_that_fits_on_every_rank(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    outputs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    workers = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "init"),
-                                 str(BUDGETS[rank]), str(outputs[rank])], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for rank in range(2)]
-    logs = [worker.communicate(timeout=120)[0] for worker in workers]
-    assert [worker.returncode for worker in workers] == [0, 0], logs
-    results = [json.loads(path.read_text()) for path in outputs]
+    results = run_two_ranks(tmp_path, WORKER, lambda rank: [str(BUDGETS[rank])], timeout=120)
     alone = [result["alone"] for result in results]
     together = [result["together"] for result in results]
 

@@ -6,13 +6,10 @@ the size mismatch, or, with heads of one shape, averaged one rank's head with an
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from _two_ranks import run_two_ranks
 
 WORKER = textwrap.dedent("""
     import json, sys
@@ -90,17 +87,7 @@ WORKER = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_ranks_on_different_branches_probe_and_accumulate_as_ddp_does(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    outputs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    workers = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "init"),
-                                 str(outputs[rank])], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-               for rank in range(2)]
-    logs = [worker.communicate(timeout=240)[0] for worker in workers]
-    assert [worker.returncode for worker in workers] == [0, 0], logs  # gloo aborted: -6
-    results = [json.loads(path.read_text()) for path in outputs]
+    results = run_two_ranks(tmp_path, WORKER)
     assert results[0]["answer"] == results[1]["answer"] > 1
     for result in results:
         assert result["trains_as_before"]
